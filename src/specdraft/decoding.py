@@ -1,0 +1,119 @@
+"""One decoding loop for every drafter (gpt-fast's ``speculative_decode`` shape): draft, one target forward over
+the uncached tokens plus the draft, verify, commit, roll the cache back to the accepted prefix.
+
+With :class:`~specdraft.drafters.base.NoDrafter` every draft is empty and the same loop is plain autoregressive
+decoding, so the baseline and speculative decoding share every line of bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.drafters.base import EMPTY_DRAFT, Drafter, NoDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import CausalLM
+from specdraft.sampling import SamplingConfig, check_finite, warp
+from specdraft.stats import GenerationStats
+from specdraft.stopping import Stopper
+from specdraft.verification import VerifyResult, verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings, validated on construction."""
+
+    max_new_tokens: int = field(default=128, metadata={"help": "most tokens to generate"})
+    num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens proposed per target forward"})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eos_token_ids: tuple[int, ...] = field(default=(), metadata={"help": "ids that end generation (kept)"})
+    stop_strings: tuple[str, ...] = field(default=(), metadata={"help": "texts that end generation (kept)"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SpecdraftError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise SpecdraftError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    """Generated ids (prompt excluded), why generation ended, and the stats of this generation."""
+
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+def _check_inputs(prompt_ids: Sequence[int] | torch.Tensor, target: CausalLM, drafter: Drafter, max_new: int):
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()  # (N,)
+    if prompt.numel() == 0:
+        raise SpecdraftError("empty prompt: give at least one token")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= target.vocab_size:
+        raise SpecdraftError(f"prompt token id out of range for the target vocabulary of {target.vocab_size}")
+    for who, limit in (("target", target.max_context), ("draft", drafter.max_context)):
+        if limit is not None and prompt.numel() + max_new > limit:
+            raise SpecdraftError(
+                f"prompt too long: {prompt.numel()} prompt tokens + max_new_tokens {max_new} exceed the {who} "
+                f"model's context of {limit}"
+            )
+    if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
+        raise SpecdraftError(
+            f"vocabulary mismatch: target {target.name!r} has {target.vocab_size} logits, "
+            f"drafter {drafter.name!r} has {drafter.vocab_size}"
+        )
+    return prompt
+
+
+def _verify(draft, logits: torch.Tensor, sampling: SamplingConfig, generator) -> VerifyResult:
+    """Greedy exact match, or speculative sampling on p warped once."""
+    if sampling.greedy:
+        return verify_greedy(draft.tokens, logits)
+    return verify_sampling(draft.tokens, draft.q, warp(logits, sampling), generator)
+
+
+@torch.inference_mode()
+def generate(
+    target: CausalLM,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    drafter: Drafter | None = None,
+    config: GenerationConfig | None = None,
+    generator: torch.Generator | None = None,
+    tokenizer=None,
+) -> GenerationResult:
+    """Generate from ``target`` after ``prompt_ids`` (batch 1), speculatively when a drafter is given.
+
+    Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the target's
+    warped distribution exactly (Leviathan et al. 2023, Theorem 1). ``tokenizer`` is needed only for stop strings.
+    """
+    config = config or GenerationConfig()
+    drafter = drafter or NoDrafter()
+    prompt = _check_inputs(prompt_ids, target, drafter, config.max_new_tokens)
+    stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, tokenizer)
+    cache = target.new_cache(prompt.numel() + config.max_new_tokens)
+    context, generated, stats, reason = prompt, [], GenerationStats(), None
+    start = time.perf_counter()
+    while reason is None:
+        tick = time.perf_counter()
+        num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(generated) - 1)
+        draft = drafter.propose(context, num_draft, config.sampling, generator) if num_draft > 0 else EMPTY_DRAFT
+        if len(draft) > num_draft:
+            draft = type(draft)(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
+        tock = time.perf_counter()
+        fed = torch.cat([context[cache.length :], draft.tokens])  # (T,) uncached tokens, then the draft
+        logits = target.forward(fed.unsqueeze(0), cache)[0, -(len(draft) + 1) :]  # (γ + 1, V)
+        check_finite(logits, "target")
+        result = _verify(draft, logits, config.sampling, generator)
+        cache.crop(context.shape[0] + result.num_accepted)
+        verified = time.perf_counter()
+        new = draft.tokens[: result.num_accepted].tolist() + [result.next_token]
+        keep, reason = stopper.scan(generated, new)
+        generated += new[:keep]
+        context = torch.cat([context, torch.tensor(new[:keep], dtype=torch.long)])
+        drafter.observe(result)
+        stats.record_step(result, keep, draft_s=tock - tick, verify_s=verified - tock)
+    stats.decode_seconds = time.perf_counter() - start
+    return GenerationResult(generated, reason, stats)

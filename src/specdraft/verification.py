@@ -1,0 +1,100 @@
+"""Lossless verification of a drafted chain against the target.
+
+Glossary (as vLLM's rejection sampler): the leading draft tokens the target keeps are **accepted**; at the first
+rejection the target supplies a **recovered** token; when every draft token is accepted it supplies a **bonus**
+token from its distribution at the next position. Each target forward therefore yields ``num_accepted + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.sampling import sample
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one draft block."""
+
+    num_draft_tokens: int  # γ actually proposed this step
+    num_accepted: int  # leading draft tokens kept, 0..num_draft_tokens
+    next_token: int  # the recovered token (on rejection) or the bonus token (all accepted)
+
+    @property
+    def bonus(self) -> bool:
+        return self.num_accepted == self.num_draft_tokens
+
+
+def _leading_true(mask: torch.Tensor) -> int:
+    """Length of the run of True at the start of a 1-D bool tensor."""
+    return int(mask.long().cumprod(0).sum())
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy exact match: accept the longest draft prefix equal to the target's argmax.
+
+    Args:
+        draft_tokens: (γ,) drafted ids.
+        target_logits: (γ + 1, V) target logits at the positions predicting each draft token and the one after.
+    """
+    target_tokens = target_logits.argmax(-1)  # (γ + 1,)
+    gamma = draft_tokens.shape[0]
+    num_accepted = _leading_true(draft_tokens == target_tokens[:gamma])
+    return VerifyResult(gamma, num_accepted, int(target_tokens[num_accepted]))
+
+
+def point_mass(draft_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q of a deterministic drafter: one-hot rows (γ, V) at the drafted tokens."""
+    return torch.nn.functional.one_hot(draft_tokens, vocab_size).float()
+
+
+def acceptance_probabilities(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x_i) / q(x_i)) for each draft token (Leviathan et al. 2023, Alg. 1).
+
+    Args:
+        draft_tokens: (γ,); p: (≥γ, V) target probabilities; q: (γ, V) draft probabilities.
+    Returns:
+        (γ,) acceptance probabilities.
+    """
+    idx = draft_tokens.unsqueeze(-1)  # (γ, 1)
+    p_x = p[: draft_tokens.shape[0]].gather(-1, idx).squeeze(-1)  # (γ,)
+    q_x = q.gather(-1, idx).squeeze(-1)  # (γ,)
+    return torch.clamp(p_x / q_x, max=1.0)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)), the distribution of the recovered token (Leviathan et al. 2023, Alg. 1;
+    Chen et al. 2023, Eq. 1). Sampled as is, never re-warped. Falls back to p where p == q numerically.
+
+    Args:
+        p, q: (..., V) probabilities. Returns (..., V).
+    """
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None
+) -> VerifyResult:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2): the emitted tokens are
+    distributed exactly as sampling from p one token at a time.
+
+    Args:
+        draft_tokens: (γ,) drafted ids.
+        q: (γ, V) draft probabilities, or None for a deterministic draft (treated as a point mass).
+        p: (γ + 1, V) warped target probabilities.
+        generator: the source of every random draw.
+    """
+    gamma = draft_tokens.shape[0]
+    if q is None:
+        q = point_mass(draft_tokens, p.shape[-1])
+    uniforms = torch.rand(gamma, generator=generator)  # (γ,)
+    num_accepted = _leading_true(uniforms < acceptance_probabilities(draft_tokens, p, q))
+    if num_accepted < gamma:
+        next_token = sample(residual_distribution(p[num_accepted], q[num_accepted]), generator)
+    else:
+        next_token = sample(p[gamma], generator)
+    return VerifyResult(gamma, num_accepted, int(next_token))

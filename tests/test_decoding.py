@@ -1,0 +1,154 @@
+"""The decoding loop: lossless greedy (token for token), lossless sampling (chi-square), stopping inside blocks."""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig, warp
+from toys import PatternDrafter, hf_target, random_bigram
+
+PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hf_target(0)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return generate(target, PROMPT, None, GenerationConfig(40)).token_ids
+
+
+PATTERNS = {
+    "always": lambda step, i: False,
+    "never": lambda step, i: i == 0,
+    "sometimes": lambda step, i: (step * 7 + i * 3) % 5 == 0,
+}
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 5])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_greedy_speculative_equals_autoregressive(target, plain, pattern, num_draft_tokens):
+    drafter = PatternDrafter(target, PATTERNS[pattern])
+    result = generate(target, PROMPT, drafter, GenerationConfig(40, num_draft_tokens))
+    assert result.token_ids == plain
+    stats = result.stats
+    if pattern == "never":
+        assert stats.draft_tokens_accepted == 0 and stats.block_efficiency == 1.0
+    elif pattern == "always":
+        assert stats.acceptance_rate == 1.0
+    else:
+        assert 0 < stats.acceptance_rate < 1
+
+
+def test_autoregressive_equals_transformers_generate(target, plain):
+    out = target.model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=40, eos_token_id=None,
+                                pad_token_id=0)
+    assert out[0, len(PROMPT):].tolist() == plain
+
+
+def test_draft_model_and_prompt_lookup_greedy_equal(target, plain):
+    for drafter in (DraftModelDrafter(hf_target(1)), PromptLookupDrafter()):
+        result = generate(target, PROMPT, drafter, GenerationConfig(40, 4))
+        assert result.token_ids == plain, drafter.name
+        assert result.stats.target_forward_calls <= 40
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 2, 4])
+def test_self_drafting_block_efficiency_is_gamma_plus_one(target, num_draft_tokens):
+    max_new = 3 * (num_draft_tokens + 1)
+    result = generate(target, PROMPT, DraftModelDrafter(target), GenerationConfig(max_new, num_draft_tokens))
+    assert result.stats.block_efficiency == num_draft_tokens + 1
+    assert result.stats.acceptance_rate_per_position == [1.0] * num_draft_tokens
+
+
+@pytest.mark.parametrize("eos_index", range(11))  # every draft position and the bonus, over two blocks of 5
+def test_eos_inside_a_block_ends_generation(target, plain, eos_index):
+    eos = plain[eos_index]
+    expected = plain[: plain.index(eos) + 1]
+    config = GenerationConfig(40, 4, eos_token_ids=(eos,))
+    for drafter in (None, DraftModelDrafter(target), PatternDrafter(target, PATTERNS["sometimes"])):
+        result = generate(target, PROMPT, drafter, config)
+        assert result.token_ids == expected
+        assert result.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7])
+def test_max_new_tokens_smaller_than_block(target, plain, max_new_tokens):
+    result = generate(target, PROMPT, DraftModelDrafter(target), GenerationConfig(max_new_tokens, 5))
+    assert result.token_ids == plain[:max_new_tokens]
+    assert result.finish_reason == "length"
+
+
+def test_stats_are_consistent(target):
+    result = generate(target, PROMPT, PatternDrafter(target, PATTERNS["sometimes"]), GenerationConfig(30, 3))
+    s = result.stats
+    assert s.new_tokens == len(result.token_ids) == sum(s.accept_lengths) == 30
+    assert s.target_forward_calls == len(s.accept_lengths)
+    assert s.block_efficiency == pytest.approx(30 / s.target_forward_calls)
+    assert s.draft_tokens_accepted == sum(s.accepted_per_position)
+    assert s.decode_seconds >= s.draft_seconds + s.verify_seconds
+    assert set(s.to_dict()) >= {"new_tokens", "target_forward_calls", "block_efficiency", "acceptance_rate",
+                                "decode_seconds", "tokens_per_second"}
+
+
+def _exact_sequence_distribution(target, prompt, length, sampling):
+    probs = {}
+    for seq in itertools.product(range(target.vocab_size), repeat=length):
+        prob, last = 1.0, prompt[-1]
+        for token in seq:
+            prob *= float(warp(target.table[last], sampling)[token])
+            last = token
+        probs[seq] = prob
+    return probs
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3), SamplingConfig(1.2, top_p=0.85), SamplingConfig(1.0, 4, 0.9)],
+)
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup"])
+def test_sampling_distribution_chi_square(sampling, drafter_kind):
+    """Many speculative samples of 3 tokens follow the target's warped distribution (chi-square, p > 1e-3)."""
+    target, draft = random_bigram(5, seed=0), random_bigram(5, seed=1)
+    prompt = [0, 1, 2, 0, 1, 2, 0]  # repeats give prompt lookup something to copy
+    drafter = DraftModelDrafter(draft) if drafter_kind == "draft-model" else PromptLookupDrafter()
+    generator = torch.Generator().manual_seed(1234)
+    config = GenerationConfig(3, 3, sampling)
+    counts = Counter(tuple(generate(target, prompt, drafter, config, generator).token_ids) for _ in range(6000))
+    exact = _exact_sequence_distribution(target, prompt, 3, sampling)
+    cells = [seq for seq, p in exact.items() if p * 6000 >= 5]
+    observed = [counts[seq] for seq in cells] + [6000 - sum(counts[seq] for seq in cells)]
+    expected = [exact[seq] * 6000 for seq in cells]
+    expected.append(6000 - sum(expected))
+    assert sum(counts[s] for s, p in exact.items() if p == 0) == 0  # never a token the warping removed
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_bad_inputs_are_clear_errors(target):
+    with pytest.raises(SpecdraftError, match="empty prompt"):
+        generate(target, [], None, GenerationConfig(4))
+    with pytest.raises(SpecdraftError, match="prompt too long"):
+        generate(target, [1] * 250, None, GenerationConfig(10))
+    with pytest.raises(SpecdraftError, match="out of range"):
+        generate(target, [1, 64], None, GenerationConfig(4))
+    with pytest.raises(SpecdraftError, match="num_draft_tokens"):
+        GenerationConfig(4, 0)
+    with pytest.raises(SpecdraftError, match="max_new_tokens"):
+        GenerationConfig(0)
+    with pytest.raises(SpecdraftError, match="vocabulary mismatch"):
+        generate(target, [1, 2], DraftModelDrafter(hf_target(1, vocab_size=80)), GenerationConfig(4))
+
+
+def test_non_finite_target_logits_are_an_error():
+    target = random_bigram(5, seed=0)
+    target.table[3, 1] = float("nan")
+    with pytest.raises(SpecdraftError, match="non-finite"):
+        generate(target, [3], None, GenerationConfig(4))

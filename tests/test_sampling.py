@@ -1,0 +1,75 @@
+import math
+
+import pytest
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig, check_finite, sample, warp
+
+
+def test_greedy_is_one_hot_argmax():
+    probs = warp(torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.0]]), SamplingConfig())
+    assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 4.0])
+    expected = torch.softmax(logits / 0.5, -1)
+    assert torch.allclose(warp(logits, SamplingConfig(temperature=0.5)), expected)
+
+
+def test_top_k_keeps_k_largest():
+    probs = warp(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingConfig(temperature=1.0, top_k=2))
+    expected = torch.softmax(torch.tensor([4.0, 3.0]), -1)
+    assert probs[[0, 3]].tolist() == [0.0, 0.0]
+    assert torch.allclose(probs[[1, 2]], expected)
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs_in.log()
+    kept = warp(logits, SamplingConfig(temperature=1.0, top_p=0.8))  # 0.5 + 0.3 reaches 0.8
+    assert torch.allclose(kept, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8, atol=1e-6)
+    kept = warp(logits, SamplingConfig(temperature=1.0, top_p=0.81))  # needs the third token
+    assert torch.allclose(kept, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=1e-6)
+    kept = warp(logits, SamplingConfig(temperature=1.0, top_p=0.1))  # always keeps the most likely
+    assert kept.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_top_k_then_top_p_compose():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    kept = warp(logits, SamplingConfig(temperature=2.0, top_k=3, top_p=0.7))
+    base = torch.softmax(torch.tensor([3.0, 2.0, 1.0]) / 2.0, -1)  # [0.506, 0.307, 0.186]
+    assert torch.allclose(kept[0, :2], base[:2] / base[:2].sum(), atol=1e-6)
+    assert kept[0, 2:].sum() == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(SpecdraftError, match=field):
+        SamplingConfig(**kwargs)
+
+
+def test_sample_follows_generator():
+    probs = torch.tensor([[0.2, 0.3, 0.5]]).repeat(1000, 1)
+    a = sample(probs, torch.Generator().manual_seed(3))
+    b = sample(probs, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    assert abs((a == 2).float().mean().item() - 0.5) < 0.06
+
+
+def test_check_finite():
+    check_finite(torch.zeros(3), "target")
+    with pytest.raises(SpecdraftError, match=r"non-finite logits .* target"):
+        check_finite(torch.tensor([0.0, math.nan]), "target")

@@ -1,0 +1,116 @@
+"""Toy models and drafters for tests: tiny random Llamas, a bigram table LM, and drafters that are right on a
+chosen pattern of positions."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdraft.drafters.base import Draft
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.models.hf import HFCausalLM
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 64, layers: int = 2, hidden: int = 32, std: float = 0.3,
+               max_positions: int = 256) -> LlamaForCausalLM:
+    """A random Llama whose logits are peaked enough for greedy decoding to be stable (fp32)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions, initializer_range=std, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+class TableCache:
+    """Cache of the bigram LM: only a length (the model keeps no keys or values)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        assert 0 <= length <= self.length
+        self.length = length
+
+
+class BigramLM:
+    """A CausalLM whose logits depend only on the current token: logits[t] = table[input[t]]."""
+
+    def __init__(self, table: torch.Tensor, name: str = "bigram") -> None:
+        self.table = table  # (V, V)
+        self.vocab_size = table.shape[0]
+        self.max_context = 1 << 20
+        self.dtype = torch.float32
+        self.name = name
+
+    def new_cache(self, capacity: int, batch_size: int = 1) -> TableCache:
+        return TableCache(capacity)
+
+    def forward(self, input_ids: torch.Tensor, cache: TableCache) -> torch.Tensor:
+        cache.length += input_ids.shape[1]
+        assert cache.length <= cache.capacity
+        return self.table[input_ids]  # (B, T, V)
+
+
+def random_bigram(vocab_size: int, seed: int, scale: float = 1.5) -> BigramLM:
+    generator = torch.Generator().manual_seed(seed)
+    return BigramLM(torch.randn(vocab_size, vocab_size, generator=generator) * scale, name=f"bigram{seed}")
+
+
+class PatternDrafter:
+    """Greedy oracle drafts (the target's own argmax continuation) corrupted where ``wrong(step, i)`` says so:
+    always right, never right, or right on a chosen pattern of positions."""
+
+    name = "pattern"
+    max_context = None
+
+    def __init__(self, target, wrong) -> None:
+        self.oracle = DraftModelDrafter(target)
+        self.vocab_size = target.vocab_size
+        self.wrong = wrong
+        self.step = 0
+
+    def propose(self, context, num_draft_tokens, sampling, generator) -> Draft:
+        tokens = self.oracle.propose(context, num_draft_tokens, sampling, generator).tokens.clone()
+        for i in range(tokens.shape[0]):
+            if self.wrong(self.step, i):
+                tokens[i] = (tokens[i] + 1) % self.vocab_size
+        self.step += 1
+        return Draft(tokens)
+
+    def observe(self, result) -> None:
+        pass
+
+
+def hf_target(seed: int = 0, **kwargs) -> HFCausalLM:
+    return HFCausalLM(tiny_llama(seed, **kwargs), name=f"tiny{seed}")
+
+
+WORDS = [f"w{i}" for i in range(61)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def tiny_tokenizer(words: list[str] = WORDS, eos: str = "</s>"):
+    """A word-level tokenizer: <unk>=0, <s>=1, </s>=2, then ``words``; with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token=eos, unk_token="<unk>",
+                                        pad_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_checkpoint(path, seed: int = 0, tokenizer=None, **kwargs):
+    """A tiny Llama checkpoint folder (safetensors + tokenizer), as a user's model folder would be."""
+    model = tiny_llama(seed, **kwargs)
+    model.save_pretrained(path)
+    (tokenizer or tiny_tokenizer()).save_pretrained(path)
+    return path
