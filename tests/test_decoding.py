@@ -152,3 +152,35 @@ def test_non_finite_target_logits_are_an_error():
     target.table[3, 1] = float("nan")
     with pytest.raises(SpecdraftError, match="non-finite"):
         generate(target, [3], None, GenerationConfig(4))
+
+
+def test_native_target_greedy_equals_transformers_generate_and_speculative():
+    from specdraft.models.native_llama import NativeLlama
+    from toys import tiny_llama
+
+    hf_model = tiny_llama(0)
+    native = NativeLlama.from_hf(hf_model)
+    plain = generate(native, PROMPT, None, GenerationConfig(40)).token_ids
+    out = hf_model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=40, eos_token_id=None,
+                            pad_token_id=0)
+    assert out[0, len(PROMPT):].tolist() == plain
+    for drafter in (DraftModelDrafter(NativeLlama.from_hf(tiny_llama(1))), PromptLookupDrafter(),
+                    PatternDrafter(native, PATTERNS["sometimes"])):
+        assert generate(native, PROMPT, drafter, GenerationConfig(40, 4)).token_ids == plain
+
+
+def test_other_architectures_run_through_transformers_with_cache_crop():
+    """A GPT-2 target (not served natively) decodes speculatively through DynamicCache crops, losslessly."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specdraft.models.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=4, initializer_range=0.3)
+    target = HFCausalLM(GPT2LMHeadModel(config).eval(), name="tiny-gpt2")
+    plain = generate(target, PROMPT, None, GenerationConfig(30)).token_ids
+    out = target.model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=30, eos_token_id=None,
+                                pad_token_id=0)
+    assert out[0, len(PROMPT):].tolist() == plain
+    for drafter in (PatternDrafter(target, PATTERNS["sometimes"]), PromptLookupDrafter()):
+        assert generate(target, PROMPT, drafter, GenerationConfig(30, 4)).token_ids == plain
