@@ -1,0 +1,106 @@
+"""Distillation data: batched with left padding, exactly once per prompt, resumable after kill -9."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from specdraft.errors import SpecdraftError
+from specdraft.training.generation import DistillDataConfig, generate_distillation_data, shard_path
+from toys import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("target") / "t", seed=0))
+
+
+def _prompt_file(path, n):
+    lines = [json.dumps({"prompt": " ".join(f"w{(i * 7 + j) % 60}" for j in range(1 + i % 5))}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _records(out):
+    return [json.loads(line) for f in sorted(out.glob("shard-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def _config(target, prompts, out, **kwargs):
+    defaults = dict(max_new_tokens=6, batch_size=3, shard_size=4, dtype="float32", temperature=0.0)
+    return DistillDataConfig(target=target, out=str(out), prompts=prompts, **(defaults | kwargs))
+
+
+def test_every_prompt_answered_once_with_valid_records(target, tmp_path):
+    prompts = _prompt_file(tmp_path / "p.jsonl", 10)
+    manifest = generate_distillation_data(_config(target, prompts, tmp_path / "out", temperature=1.0,
+                                                  responses_per_prompt=2, top_logprobs=3), progress=False)
+    assert manifest["complete"] and manifest["num_shards"] == 3 and manifest["records"] == 20
+    records = _records(tmp_path / "out")
+    assert Counter(r["prompt_id"] for r in records) == {f"p.jsonl:{i}": 2 for i in range(10)}
+    for r in records:
+        assert 1 <= len(r["response_token_ids"]) <= 6
+        assert len(r["top_ids"]) == len(r["top_logprobs"]) == len(r["response_token_ids"])
+        assert all(len(row) == 3 and row == sorted(row, reverse=True) for row in r["top_logprobs"])
+        assert r["messages"][0]["role"] == "user" and r["sampling"]["temperature"] == 1.0
+
+
+def test_left_padded_batches_equal_unbatched_greedy(target, tmp_path):
+    prompts = _prompt_file(tmp_path / "p.jsonl", 7)  # prompts of 1..5 words: padding differs within a batch
+    generate_distillation_data(_config(target, prompts, tmp_path / "b", batch_size=4), progress=False)
+    generate_distillation_data(_config(target, prompts, tmp_path / "u", batch_size=1), progress=False)
+    batched, single = _records(tmp_path / "b"), _records(tmp_path / "u")
+    assert [r["response_token_ids"] for r in batched] == [r["response_token_ids"] for r in single]
+
+
+def test_resume_regenerates_only_missing_shards_and_rejects_other_settings(target, tmp_path):
+    prompts = _prompt_file(tmp_path / "p.jsonl", 9)
+    config = _config(target, prompts, tmp_path / "out")
+    generate_distillation_data(config, progress=False)
+    out = tmp_path / "out"
+    kept = shard_path(out, 0).stat().st_mtime_ns
+    before = _records(out)
+    shard_path(out, 1).unlink()
+    manifest = generate_distillation_data(config, progress=False)
+    assert manifest["complete"] and _records(out) == before
+    assert shard_path(out, 0).stat().st_mtime_ns == kept
+    with pytest.raises(SpecdraftError, match="max_new_tokens"):
+        generate_distillation_data(_config(target, prompts, out, max_new_tokens=9), progress=False)
+
+
+def test_bad_settings_and_empty_prompt_file(target, tmp_path):
+    with pytest.raises(SpecdraftError, match="top_p"):
+        _config(target, "x", tmp_path, top_p=0)
+    with pytest.raises(SpecdraftError, match="shard_size"):
+        _config(target, "x", tmp_path, shard_size=0)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SpecdraftError):
+        generate_distillation_data(_config(target, str(tmp_path / "empty.jsonl"), tmp_path / "o"), progress=False)
+
+
+def test_kill_9_mid_run_then_resume_answers_every_prompt_exactly_once(target, tmp_path):
+    prompts = _prompt_file(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "out"
+    code = ("import sys; from specdraft.training.generation import DistillDataConfig, generate_distillation_data; "
+            f"generate_distillation_data(DistillDataConfig(target={target!r}, out={str(out)!r}, prompts={prompts!r}, "
+            "max_new_tokens=24, batch_size=1, shard_size=2, dtype='float32', temperature=1.0), progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(out.glob("shard-*.jsonl"))) < 2:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(out.glob("shard-*.jsonl")))
+    assert 2 <= done_before < 20, "the run should have been killed part-way"
+    assert not (out / "manifest.json").exists()
+    (out / ".shard-00019.jsonl.999.tmp").write_text("{\"partial")  # what a kill mid-write leaves
+    config = DistillDataConfig(target=target, out=str(out), prompts=prompts, max_new_tokens=24, batch_size=1,
+                               shard_size=2, dtype="float32", temperature=1.0)
+    manifest = generate_distillation_data(config, progress=False)
+    assert manifest["complete"] and manifest["records"] == 40
+    assert Counter(r["prompt_id"] for r in _records(out)) == {f"p.jsonl:{i}": 1 for i in range(40)}
+    assert not list(out.glob(".*.tmp"))
