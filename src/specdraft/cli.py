@@ -96,11 +96,69 @@ def _run_demo(args: argparse.Namespace) -> None:
                         num_draft_tokens=args.num_draft_tokens, dtype=parse_dtype(args.dtype)))
 
 
+def _add_bench(sub) -> None:
+    from specdraft.bench.config import _default_methods
+    from specdraft.bench.questions import BUILTIN, SUBTASKS
+    from specdraft.models.registry import SMOLLM2
+
+    p = sub.add_parser("bench", help="Spec-Bench-style benchmark: answer records, summary.json/.md and plots")
+    p.add_argument("--out", required=True, help="output folder (resumed when it holds the same run)")
+    p.add_argument("--target", default=SMOLLM2, help="built-in name, checkpoint folder or cached hub id")
+    p.add_argument("--methods", default=",".join(_default_methods()),
+                   help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, or a training-free drafter "
+                        f"({', '.join(sorted(TRAINING_FREE))}); ar always runs")
+    p.add_argument("--questions", default=BUILTIN, help="Spec-Bench-format question JSONL file, or 'builtin'")
+    p.add_argument("--categories", help=f"comma-separated subtasks to keep ({', '.join(SUBTASKS)})")
+    p.add_argument("--per-category", type=int, help="first N questions of each subtask")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per turn")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
+    p.add_argument("--sweep", help="run every speculative method at each γ, e.g. num_draft_tokens=1,2,4,8")
+    p.add_argument("--repeats", type=int, default=1, help="timing repeats per question and method")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-only", action="store_true", help="only (re)write the report from the records in --out")
+    p.add_argument("--overwrite", action="store_true", help="discard answers of a different run in --out")
+    p.set_defaults(run=_run_bench)
+
+
+def _bench_command(args: argparse.Namespace) -> list[str]:
+    """The run as one canonical command line (recorded in run.json)."""
+    command = ["specdraft", "bench"]
+    for key, value in vars(args).items():
+        if key in ("command", "run", "report_only", "overwrite") or value is None:
+            continue
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    return command
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    from specdraft.bench.config import BenchConfig, parse_list, parse_sweep
+    from specdraft.bench.report import render_markdown, write_report
+    from specdraft.bench.runner import run_bench
+
+    if args.report_only:
+        summary = write_report(args.out)
+    else:
+        config = BenchConfig(
+            out=args.out, target=args.target, methods=parse_list(args.methods) or (), questions=args.questions,
+            categories=parse_list(args.categories), per_category=args.per_category,
+            max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+            sweep=parse_sweep(args.sweep) if args.sweep else None, repeats=args.repeats, dtype=args.dtype,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        )
+        summary = run_bench(config, command=_bench_command(args), overwrite=args.overwrite)
+    print(render_markdown(summary), flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding for chat LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_demo(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,90 @@
+"""The benchmark's configuration: one validated dataclass, built by ``specdraft bench`` or by hand."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specdraft.api import parse_dtype
+from specdraft.bench.methods import parse_methods
+from specdraft.bench.questions import BUILTIN, CATEGORY_TO_SUBTASK, SUBTASKS
+from specdraft.decoding import GenerationConfig
+from specdraft.drafters import TRAINING_FREE
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import SMOLLM2
+from specdraft.sampling import SamplingConfig
+
+SWEEPABLE = ("num_draft_tokens",)
+
+
+def _default_methods() -> tuple[str, ...]:
+    return ("ar", *TRAINING_FREE)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything that determines a benchmark run's answers (``out`` says only where they go)."""
+
+    out: str = field(metadata={"help": "output folder: run.json, answers/<method>.jsonl, summary.*, plots"})
+    target: str = field(default=SMOLLM2, metadata={"help": "target model: built-in name, folder or cached hub id"})
+    methods: tuple[str, ...] = field(default_factory=_default_methods, metadata={"help": "method specs; ar is added"})
+    questions: str = field(default=BUILTIN, metadata={"help": "Spec-Bench-format JSONL file, or 'builtin'"})
+    categories: tuple[str, ...] | None = field(default=None, metadata={"help": "subtasks (or categories) to keep"})
+    per_category: int | None = field(default=None, metadata={"help": "first N questions of each subtask"})
+    max_new_tokens: int = field(default=128, metadata={"help": "most tokens per turn"})
+    num_draft_tokens: int = field(default=4, metadata={"help": "γ for every speculative method (without a sweep)"})
+    sweep: tuple[int, ...] | None = field(default=None, metadata={"help": "γ values to sweep (num_draft_tokens=...)"})
+    repeats: int = field(default=1, metadata={"help": "timing repeats per (question, method)"})
+    dtype: str = field(default="bfloat16", metadata={"help": "float32 or bfloat16, for every model"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_k: int = field(default=0, metadata={"help": "0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "1 = off"})
+    seed: int = field(default=0, metadata={"help": "each answer's generator is seeded with this"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "methods", tuple(parse_methods(self.methods)))
+        parse_dtype(self.dtype)
+        GenerationConfig(self.max_new_tokens, self.num_draft_tokens, self.sampling)  # validates all three
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise SpecdraftError(f"repeats must be an integer >= 1, got {self.repeats}")
+        if self.per_category is not None and (not isinstance(self.per_category, int) or self.per_category < 1):
+            raise SpecdraftError(f"per_category must be an integer >= 1, got {self.per_category}")
+        if self.sweep is not None and (not self.sweep or any(not isinstance(k, int) or k < 1 for k in self.sweep)):
+            raise SpecdraftError(f"sweep num_draft_tokens values must be integers >= 1, got {self.sweep}")
+        unknown = sorted(set(self.categories or ()) - set(CATEGORY_TO_SUBTASK))
+        if unknown:
+            raise SpecdraftError(f"unknown category {', '.join(unknown)}; subtasks: {', '.join(SUBTASKS)}")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def gammas(self) -> tuple[int, ...]:
+        """The γ values each speculative method runs at."""
+        return self.sweep or (self.num_draft_tokens,)
+
+    def identity(self) -> dict:
+        """The fields a resumed run must share with the run it continues (all but ``out``)."""
+        fields = asdict(self)
+        del fields["out"]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
+
+
+def parse_sweep(text: str) -> tuple[int, ...]:
+    """``num_draft_tokens=1,2,3`` -> (1, 2, 3), de-duplicated, in the order given."""
+    key, sep, values = text.partition("=")
+    if not sep or key.strip() not in SWEEPABLE:
+        raise SpecdraftError(f"--sweep must look like num_draft_tokens=1,2,4, got {text!r}")
+    try:
+        gammas = tuple(dict.fromkeys(int(v) for v in values.split(",") if v.strip()))
+    except ValueError:
+        raise SpecdraftError(f"--sweep values must be integers, got {values!r}") from None
+    if not gammas or min(gammas) < 1:
+        raise SpecdraftError(f"--sweep num_draft_tokens values must be integers >= 1, got {values!r}")
+    return gammas
+
+
+def parse_list(text: str | None) -> tuple[str, ...] | None:
+    """Comma-separated names, or None for an empty/missing value."""
+    items = tuple(s.strip() for s in (text or "").split(",") if s.strip())
+    return items or None

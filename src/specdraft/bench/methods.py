@@ -1,0 +1,253 @@
+"""Benchmarked methods: each is an object with a ``name`` and ``answer(prompt_ids, config, generator) -> TurnResult``.
+
+Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-assisted:PATH``) are looked up in
+:data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.TRAINING_FREE``); the runner never branches on a name.
+
+- ``ar``: plain decoding through specdraft's loop (the baseline; always run).
+- ``draft:PATH``: a draft model (``specdraft.api.load_drafter(..., draft=PATH)``).
+- a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter.
+- ``hf``: transformers' ``model.generate`` on the same weights and dtype.
+- ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
+  ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
+
+With a sweep over num_draft_tokens, each speculative method becomes one variant per γ named ``NAME@γ=K``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+
+from specdraft.api import load_drafter
+from specdraft.compat import check_compatible
+from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import load_model, load_tokenizer
+
+
+@dataclass
+class TurnResult:
+    """What one method measured while answering one turn. None marks a quantity the method cannot measure."""
+
+    token_ids: list[int]
+    wall_time: float
+    finish_reason: str | None = None
+    decoding_steps: int | None = None  # target forward calls
+    accept_lengths: list[int] | None = None  # tokens committed per target forward
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    draft_tokens_proposed: int | None = None
+    draft_tokens_accepted: int | None = None
+    accepted_per_position: list[int] | None = None
+    reached_per_position: list[int] | None = None
+
+
+class Method(Protocol):
+    """A benchmarked way of answering.
+
+    ``num_draft_tokens`` is γ (None when the method drafts nothing); ``param_ratio`` is draft parameters / target
+    parameters (0 for a training-free drafter, None when the method drafts nothing); ``base`` is the name before a
+    sweep suffix.
+    """
+
+    name: str
+    base: str
+    num_draft_tokens: int | None
+    param_ratio: float | None
+
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
+        """Generate after ``prompt_ids`` (batch 1) under ``config`` (its num_draft_tokens is replaced by γ)."""
+        ...
+
+
+def count_parameters(model) -> int:
+    """Unique parameters of a CausalLM (native module or transformers adapter)."""
+    module = model if hasattr(model, "parameters") else model.model
+    return sum(p.numel() for p in module.parameters())
+
+
+@dataclass
+class SpecdraftMethod:
+    """specdraft's decoding loop with a drafter (None: plain decoding, the ``ar`` baseline)."""
+
+    name: str
+    target: object
+    drafter: Drafter | None
+    num_draft_tokens: int | None = None
+    param_ratio: float | None = None
+    base: str = ""
+
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
+        if self.num_draft_tokens is not None:
+            config = replace(config, num_draft_tokens=self.num_draft_tokens)
+        start = time.perf_counter()
+        result = generate(self.target, prompt_ids, self.drafter, config, generator)
+        wall = time.perf_counter() - start
+        s = result.stats
+        return TurnResult(
+            token_ids=result.token_ids, wall_time=wall, finish_reason=result.finish_reason,
+            decoding_steps=s.target_forward_calls, accept_lengths=list(s.accept_lengths),
+            draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
+            draft_tokens_proposed=s.draft_tokens_proposed, draft_tokens_accepted=s.draft_tokens_accepted,
+            accepted_per_position=list(s.accepted_per_position), reached_per_position=list(s.reached_per_position),
+        )
+
+
+@dataclass
+class HFMethod:
+    """transformers' ``generate``, plain or assisted (``assistant`` set). Target forward calls are counted with a
+    forward pre-hook (decoding_steps); per-step accept lengths and the draft/verify split are not measurable."""
+
+    name: str
+    model: object  # a transformers PreTrainedModel
+    assistant: object | None = None
+    num_draft_tokens: int | None = None
+    param_ratio: float | None = None
+    base: str = ""
+    calls: int = field(default=0, repr=False)  # target forward calls of the current answer
+
+    def __post_init__(self) -> None:
+        self.model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def _kwargs(self, config: GenerationConfig, generator: torch.Generator) -> dict:
+        eos = list(config.eos_token_ids) or None
+        kwargs = {"max_new_tokens": config.max_new_tokens, "eos_token_id": eos,
+                  "pad_token_id": eos[0] if eos else 0, "do_sample": not config.sampling.greedy}
+        if not config.sampling.greedy:
+            s = config.sampling
+            kwargs |= {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+            torch.manual_seed(int(torch.randint(2**31 - 1, (1,), generator=generator)))  # transformers' global RNG
+        if self.assistant is not None:
+            gc = self.assistant.generation_config
+            gc.num_assistant_tokens = self.num_draft_tokens
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = self.assistant
+        return kwargs
+
+    @torch.inference_mode()
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
+        kwargs = self._kwargs(config, generator)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, N)
+        self.calls = 0
+        start = time.perf_counter()
+        out = self.model.generate(ids, **kwargs)
+        wall = time.perf_counter() - start
+        tokens = out[0, ids.shape[1] :].tolist()
+        reason = "eos" if tokens and tokens[-1] in config.eos_token_ids else "length"
+        return TurnResult(token_ids=tokens, wall_time=wall, finish_reason=reason, decoding_steps=self.calls)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a method builder needs: the loaded target, its tokenizer, dtype, and lazily the transformers copy."""
+
+    target: object
+    tokenizer: object
+    target_name: str
+    dtype: torch.dtype
+    cache: dict = field(default_factory=dict)
+
+    def hf_target(self):
+        """The target's weights as a transformers model (loaded once, shared by ``hf`` and ``hf-assisted``)."""
+        if "hf" not in self.cache:
+            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf").model
+        return self.cache["hf"]
+
+    def param_ratio(self, draft_model) -> float:
+        if "target_params" not in self.cache:
+            self.cache["target_params"] = count_parameters(self.target)
+        return count_parameters(draft_model) / self.cache["target_params"]
+
+
+def _variants(base: str, gammas: Sequence[int], sweep: bool, make: Callable[[str, int], Method]) -> list[Method]:
+    return [make(f"{base}@γ={k}" if sweep else base, k) for k in gammas]
+
+
+def _build_ar(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    return [SpecdraftMethod(spec, ctx.target, None, base=spec)]
+
+
+def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    drafter: DraftModelDrafter = load_drafter(ctx.target, ctx.tokenizer, draft=arg, dtype=ctx.dtype)
+    ratio = ctx.param_ratio(drafter.model)
+    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec))
+
+
+def _build_training_free(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    drafter = load_drafter(ctx.target, ctx.tokenizer, drafter=spec)
+    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, 0.0, spec))
+
+
+def _build_hf(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    return [HFMethod(spec, ctx.hf_target(), base=spec)]
+
+
+def _tokenizer_or_none(name: str):
+    try:
+        return load_tokenizer(name)
+    except SpecdraftError:
+        return None  # a bare checkpoint: only the vocabulary size can be checked
+
+
+def _build_hf_assisted(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    wrapped = load_model(arg, ctx.dtype, backend="hf")
+    check_compatible(ctx.target, ctx.tokenizer, wrapped, _tokenizer_or_none(arg))  # the checks of draft:PATH
+    assistant, model = wrapped.model, ctx.hf_target()
+    ratio = count_parameters(assistant) / count_parameters(model)
+    return _variants(spec, gammas, sweep, lambda name, k: HFMethod(name, model, assistant, k, ratio, spec))
+
+
+@dataclass(frozen=True)
+class MethodKind:
+    """How to build one kind of method; ``needs_path``: the spec is ``KIND:PATH``."""
+
+    build: Callable[..., list[Method]]
+    needs_path: bool = False
+
+
+METHOD_KINDS: dict[str, MethodKind] = {
+    "ar": MethodKind(_build_ar),
+    "draft": MethodKind(_build_draft, needs_path=True),
+    "hf": MethodKind(_build_hf),
+    "hf-assisted": MethodKind(_build_hf_assisted, needs_path=True),
+}
+BASELINE = "ar"
+
+
+def _kind(spec: str) -> tuple[MethodKind, str | None]:
+    name, _, arg = spec.partition(":")
+    kind = METHOD_KINDS.get(name) or (MethodKind(_build_training_free) if name in TRAINING_FREE else None)
+    if kind is None:
+        known = [*METHOD_KINDS, *TRAINING_FREE]
+        raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} (draft and hf-assisted take :PATH)")
+    if kind.needs_path and not arg:
+        raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
+    if not kind.needs_path and arg:
+        raise SpecdraftError(f"method {name!r} takes no argument, got {spec!r}")
+    return kind, arg or None
+
+
+def parse_methods(text: str | Sequence[str]) -> list[str]:
+    """Validated method specs, ``ar`` first (added when missing), duplicates dropped."""
+    specs = [s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
+    for spec in specs:
+        _kind(spec)
+    return list(dict.fromkeys([BASELINE, *specs]))
+
+
+def build_methods(ctx: BuildContext, specs: Sequence[str], gammas: Sequence[int], sweep: bool) -> list[Method]:
+    """Build every method once; a speculative method yields one variant per γ in ``gammas``."""
+    methods: list[Method] = []
+    for spec in parse_methods(specs):
+        kind, arg = _kind(spec)
+        methods += kind.build(ctx, spec, arg, gammas, sweep)
+    return methods

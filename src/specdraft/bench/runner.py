@@ -1,0 +1,140 @@
+"""The benchmark runner: answer every selected question with every method, interleaved, one record per answer.
+
+Order: for each question, each repeat, every method in turn, the order rotated by one each time (so no method
+always runs first, right after another's cache warmed up). Each method answers one short warm-up generation first.
+Each answer gets a fresh ``torch.Generator`` seeded with ``config.seed`` and carried across its turns, so repeats
+are pure timing repeats. Records are appended as they are made; a rerun of the same command resumes where the last
+one stopped. The report is computed afterwards from the records alone (:mod:`specdraft.bench.report`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specdraft.api import eos_token_ids, load_target, parse_dtype
+from specdraft.bench.config import BenchConfig
+from specdraft.bench.methods import BuildContext, Method, build_methods
+from specdraft.bench.questions import BUILTIN, Question, conversation_ids, load_questions, select_questions
+from specdraft.bench.records import (
+    ANSWERS_DIR,
+    append_record,
+    check_out,
+    file_sha256,
+    load_answers,
+    make_record,
+    method_filename,
+    prepare_out,
+    record_key,
+)
+from specdraft.bench.report import write_report
+from specdraft.decoding import GenerationConfig
+
+WARMUP_TOKENS = 8
+
+
+def environment() -> dict:
+    """Versions and hardware of this process (recorded in run.json, reported in summary.json's setup)."""
+    import transformers
+
+    import specdraft
+
+    return {
+        "versions": {"specdraft": specdraft.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "hardware": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+                     "platform": platform.platform(), "cuda": torch.cuda.is_available()},
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def schedule(questions: Sequence[Question], methods: Sequence[Method], repeats: int,
+             done: set[tuple]) -> list[tuple[Question, Method, int]]:
+    """(question, method, repeat) still to answer, interleaved with the method order rotated every round."""
+    todo = []
+    for i, question in enumerate(questions):
+        for repeat in range(repeats):
+            shift = (i * repeats + repeat) % len(methods)
+            for method in [*methods[shift:], *methods[:shift]]:
+                if (question.question_id, method.name, repeat) not in done:
+                    todo.append((question, method, repeat))
+    return todo
+
+
+def answer_question(question: Question, method: Method, repeat: int, tokenizer, config: GenerationConfig,
+                    seed: int) -> dict:
+    """Answer every turn of ``question`` (each turn sees the conversation so far, with the method's own earlier
+    answers as assistant turns) and return the record."""
+    generator = torch.Generator().manual_seed(seed)
+    results, texts = [], []
+    for _ in question.turns:
+        ids = conversation_ids(tokenizer, question.turns, texts)
+        result = method.answer(ids, config, generator)
+        results.append(result)
+        texts.append(tokenizer.decode(result.token_ids, skip_special_tokens=True).strip())
+    return make_record(question, method, repeat, results, texts)
+
+
+def warm_up(methods: Sequence[Method], tokenizer, question: Question, config: GenerationConfig) -> None:
+    """One short generation per method (first-call allocations and kernel selection stay out of the timings)."""
+    short = replace(config, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens))
+    ids = conversation_ids(tokenizer, question.turns, [])
+    for method in methods:
+        method.answer(ids, short, torch.Generator().manual_seed(0))
+
+
+def _run_info(config: BenchConfig, questions_sha256: str | None, command: Sequence[str] | None) -> dict:
+    return {"command": list(command) if command is not None else None, "config": config.identity(),
+            "questions_sha256": questions_sha256, "environment": environment(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwrite: bool = False,
+              progress: bool = True, plots: bool = True) -> dict:
+    """Run (or resume) the benchmark described by ``config`` and write its report; return summary.json's dict.
+
+    ``command`` is recorded in run.json. A folder holding a run with another config is an error unless
+    ``overwrite`` (which discards its answers).
+    """
+    from tqdm import tqdm
+
+    out = Path(config.out)
+    questions = select_questions(load_questions(config.questions), config.categories, config.per_category)
+    sha = None if config.questions == BUILTIN else file_sha256(config.questions)
+    run_info = _run_info(config, sha, command)
+    check_out(out, run_info, overwrite)
+    dtype = parse_dtype(config.dtype)
+    target, tokenizer = load_target(config.target, dtype)
+    ctx = BuildContext(target, tokenizer, config.target, dtype)
+    methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)
+    gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, config.sampling,
+                           eos_token_ids(tokenizer, config.target))
+    run_info["method_names"] = [m.name for m in methods]
+    prepare_out(out, run_info, overwrite)
+    done = {record_key(r) for r in load_answers(out, repair=True)}
+    todo = schedule(questions, methods, config.repeats, done)
+    if todo:
+        warm_up(methods, tokenizer, questions[0], gen)
+    bar = tqdm(todo, desc="bench", unit="answer", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    for question, method, repeat in bar:
+        bar.set_postfix_str(f"{method.name} q={question.question_id}", refresh=False)
+        record = answer_question(question, method, repeat, tokenizer, gen, config.seed)
+        append_record(out / ANSWERS_DIR / method_filename(method.name), record)
+    return write_report(out, plots=plots)
