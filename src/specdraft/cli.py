@@ -16,6 +16,7 @@ from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.training.commands import add_training_commands
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_bench(sub)
+    add_training_commands(sub)
     return parser
 
 

@@ -1,0 +1,149 @@
+"""Training checkpoints (for ``--resume``) and the Hugging Face export of a trained drafter (Goel et al. 2024).
+
+Both are written so that a crash at any moment never leaves something that looks complete:
+
+- a training checkpoint is one ``torch.save`` file written to a temp file in the same folder, fsynced, then
+  ``os.replace``-d over the old one;
+- an export is built in a temp folder beside its destination and renamed into place at the very end, so the
+  destination folder exists only when ``config.json``, the weights, the tokenizer files, ``generation_config.json``
+  and the model card ``README.md`` are all there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+CHECKPOINT_FILE = "checkpoint.pt"
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng", "data")
+EXPORT_FILES = ("config.json", "model.safetensors", "generation_config.json", "README.md")
+
+
+# --- training checkpoints --------------------------------------------------------------------------------------------
+
+
+def save_training_state(path: str | Path, state: dict) -> Path:
+    """Write ``state`` (model, optimizer, scheduler, step, rng, data, ...) atomically to ``path``."""
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise SpecdraftError(f"training state lacks {', '.join(missing)}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_training_state(path: str | Path) -> dict:
+    """A state written by :func:`save_training_state`; a missing, truncated or foreign file is a SpecdraftError."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"no training checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged file
+        raise SpecdraftError(f"corrupt training checkpoint {path}: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
+        raise SpecdraftError(f"{path} is not a specdraft training checkpoint (needs {', '.join(REQUIRED_KEYS)})")
+    return state
+
+
+# --- Hugging Face export ---------------------------------------------------------------------------------------------
+
+
+def is_complete_export(path: str | Path) -> bool:
+    """Whether ``path`` is a finished export (every file of :data:`EXPORT_FILES` present)."""
+    return all((Path(path) / name).is_file() for name in EXPORT_FILES)
+
+
+def hardware() -> str:
+    """One line describing this machine, for model cards."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    return (f"{device}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+
+
+def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a transformers ``LlamaForCausalLM`` drafter as a self-contained checkpoint folder at ``out``.
+
+    Args:
+        model: the trained drafter (left unchanged: a copy is cast to ``dtype``).
+        out: destination folder; replaced as a whole if it exists.
+        target: the target's name or path, whose tokenizer files are copied.
+        card: the model card's facts: ``title``, ``command``, ``data``, ``budget`` (dict), ``metrics`` (dict).
+        dtype: weight dtype of the saved safetensors (float32 or bfloat16).
+    """
+    from transformers import GenerationConfig
+
+    from specdraft.models.registry import load_tokenizer
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        copy = type(model)(model.config)
+        copy.load_state_dict(model.state_dict())
+        copy.to(dtype).save_pretrained(tmp)
+        load_tokenizer(target).save_pretrained(tmp)
+        config = model.config
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                         pad_token_id=config.pad_token_id).save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(card | {"target": target, "dtype": str(dtype)}))
+        os.chmod(tmp, 0o755)
+        _replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an old ``out`` is first moved aside, then deleted."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_card(card: dict) -> str:
+    """A README.md: what the drafter is for, how it was made (exact command, data, budget) and its metrics."""
+    lines = [
+        f"# {card.get('title', 'specdraft drafter')}",
+        "",
+        f"A draft model for speculative decoding with target `{card['target']}` (same tokenizer), trained with",
+        "specdraft's draft training pipeline (Goel et al. 2024, *Direct Alignment of Draft Model for Speculative",
+        "Decoding with Chat-Fine-Tuned LLMs*, arXiv 2403.00858).",
+        "",
+        "## How it was made",
+        "",
+        f"- Command: `{card.get('command', '(library call)')}`",
+        f"- Data: {card.get('data', 'unknown')}",
+        f"- Weights dtype: {card['dtype']}",
+    ]
+    lines += [f"- {key}: {value}" for key, value in card.get("budget", {}).items()]
+    lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {key} | {_fmt(value)} |" for key, value in card.get("metrics", {}).items()]
+    lines += ["", "## Config", "", "```json", json.dumps(card.get("config", {}), indent=1, default=str), "```", ""]
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

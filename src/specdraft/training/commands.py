@@ -1,0 +1,164 @@
+"""The draft-training subcommands of ``specdraft`` (Goel et al. 2024, arXiv 2403.00858): ``pretrain``,
+``distill-data``, ``finetune``, and ``train-drafter`` that runs all three from one JSON or TOML file.
+
+Each subcommand's flags are generated from its config dataclass (one flag per field, its help text from the
+field's metadata, ``--x/--no-x`` for booleans), so the CLI and the library cannot drift apart. A handler builds
+the config (whose validation raises :class:`SpecdraftError`, which the CLI turns into exit code 2) and calls one
+library function. Register them with :func:`add_training_commands`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tomllib
+from dataclasses import MISSING, fields, replace
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export
+from specdraft.training.finetune import FinetuneConfig, finetune
+from specdraft.training.generation import MANIFEST_FILE, DistillDataConfig, generate_distillation_data
+from specdraft.training.pretrain import PretrainConfig, export_path, pretrain
+
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
+STAGES = ("pretrain", "distill_data", "finetune")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the dataclass ``cls``; fields without a default are required flags."""
+    for f in fields(cls):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
+        required = f.default is MISSING and f.default_factory is MISSING
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        elif f.type in _TYPES:
+            default = None if required else f.default
+            shown = "" if required or default is None else f" (default: {default})"
+            parser.add_argument(flag, type=_TYPES[f.type], default=default, required=required, help=text + shown)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no CLI mapping for type {f.type!r}")
+
+
+def config_from_args(cls: type, args: argparse.Namespace):
+    """An instance of ``cls`` from the parsed flags of :func:`add_config_arguments`."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The run as one canonical command line (for model cards): every flag with its parsed value."""
+    words = ["specdraft", args.subcommand]
+    for key, value in vars(args).items():
+        if key in ("command", "subcommand", "run") or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        words += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
+    return shlex.join(words)
+
+
+def _run_pretrain(args: argparse.Namespace) -> None:
+    print(pretrain(config_from_args(PretrainConfig, args), command=command_line(args)), flush=True)
+
+
+def _run_distill_data(args: argparse.Namespace) -> None:
+    manifest = generate_distillation_data(config_from_args(DistillDataConfig, args), overwrite=args.overwrite)
+    print(json.dumps({k: manifest[k] for k in ("complete", "num_shards", "records") if k in manifest}), flush=True)
+
+
+def _run_finetune(args: argparse.Namespace) -> None:
+    print(finetune(config_from_args(FinetuneConfig, args), command=command_line(args)), flush=True)
+
+
+def _run_train_drafter(args: argparse.Namespace) -> None:
+    print(train_drafter(load_pipeline_file(args.config), command=command_line(args)), flush=True)
+
+
+def add_training_commands(sub) -> None:
+    """Add ``pretrain``, ``distill-data``, ``finetune`` and ``train-drafter`` to an argparse subparsers object."""
+    p = sub.add_parser("pretrain", help="stage 1: pretrain a small drafter on text with the target's tokenizer")
+    add_config_arguments(p, PretrainConfig)
+    p.set_defaults(run=_run_pretrain, subcommand="pretrain")
+    p = sub.add_parser("distill-data", help="generate the target's responses to prompts (distillation data)")
+    add_config_arguments(p, DistillDataConfig)
+    p.add_argument("--overwrite", action="store_true", help="discard data made with other settings in --out")
+    p.set_defaults(run=_run_distill_data, subcommand="distill-data")
+    p = sub.add_parser("finetune", help="stage 2: align a pretrained drafter with the target by distillation")
+    add_config_arguments(p, FinetuneConfig)
+    p.set_defaults(run=_run_finetune, subcommand="finetune")
+    p = sub.add_parser("train-drafter", help="pretrain, distill-data and finetune from one JSON or TOML file")
+    p.add_argument("--config", required=True, help="file with sections pretrain, distill_data, finetune")
+    p.set_defaults(run=_run_train_drafter, subcommand="train-drafter")
+
+
+# --- the whole pipeline ----------------------------------------------------------------------------------------------
+
+
+def load_pipeline_file(path: str | Path) -> dict:
+    """The sections of a pipeline file: ``.toml`` (tomllib) or JSON; an optional top-level ``target`` applies to
+    every stage."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        spec = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except OSError as exc:
+        raise SpecdraftError(f"cannot read pipeline file {path}: {exc.strerror}") from None
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise SpecdraftError(f"malformed pipeline file {path}: {exc}") from None
+    if not isinstance(spec, dict):
+        raise SpecdraftError(f"{path}: expected a table of sections {', '.join(STAGES)}")
+    unknown = sorted(set(spec) - {*STAGES, "target"})
+    if unknown or not all(isinstance(spec.get(s, {}), dict) for s in STAGES):
+        raise SpecdraftError(f"{path}: unknown key {unknown[0]!r}" if unknown else f"{path}: sections must be tables")
+    return spec
+
+
+def _build(cls: type, section: str, values: dict):
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise SpecdraftError(f"[{section}] has no setting {unknown[0]!r}; known: {', '.join(sorted(names))}")
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise SpecdraftError(f"[{section}]: {exc}") from None
+
+
+def pipeline_configs(spec: dict) -> tuple[PretrainConfig, DistillDataConfig, FinetuneConfig]:
+    """The three stage configs; finetune's drafter and data default to the outputs of the stages before it."""
+    for stage in STAGES:
+        if stage not in spec:
+            raise SpecdraftError(f"pipeline file lacks the [{stage}] section")
+    shared = {"target": spec["target"]} if "target" in spec else {}
+    pre = _build(PretrainConfig, "pretrain", shared | spec["pretrain"])
+    data = _build(DistillDataConfig, "distill_data", shared | spec["distill_data"])
+    defaults = {"drafter": str(export_path(pre.out)), "data": data.out}
+    fine = _build(FinetuneConfig, "finetune", shared | defaults | spec["finetune"])
+    return pre, data, fine
+
+
+def _data_complete(out: str) -> bool:
+    try:
+        return bool(json.loads((Path(out) / MANIFEST_FILE).read_text()).get("complete"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def train_drafter(spec: dict, command: str | None = None) -> Path:
+    """Run pretrain -> distill-data -> finetune, skipping each stage whose output is already complete and resuming a
+    training stage that left a checkpoint; returns the fine-tuned drafter's folder. Every config is validated before
+    any stage starts."""
+    pre, data, fine = pipeline_configs(spec)
+    if not is_complete_export(export_path(pre.out)):
+        pretrain(_resumed(pre), command=command)
+    if not _data_complete(data.out):
+        generate_distillation_data(data, progress=fine.progress)
+    if not is_complete_export(export_path(fine.out)):
+        finetune(_resumed(fine), command=command)
+    return export_path(fine.out)
+
+
+def _resumed(config):
+    """A training stage resumes when its run folder holds a training checkpoint (a run killed part-way)."""
+    return replace(config, resume=config.resume or (Path(config.out) / CHECKPOINT_FILE).is_file())
+

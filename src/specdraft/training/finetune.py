@@ -1,0 +1,350 @@
+"""Stage 2 of draft training (Goel et al. 2024, arXiv 2403.00858, Sec. 3.2): align a pretrained drafter with the
+target by knowledge distillation on the target's own responses (made by ``specdraft distill-data``).
+
+Each example is the prompt followed by the target's response, right-padded in a batch. The loss counts only the
+positions whose label is a response token. The target distribution p is computed on the fly under
+``torch.no_grad()`` by the transformers target, or, with ``use_stored_topk``, rebuilt from the top-k
+log-probabilities stored in the data: the stored k tokens keep their log-probabilities and the remaining mass is
+spread uniformly over the other tokens. That is an approximation of p, labelled as such in the model card.
+
+Evaluation (every ``eval_every`` steps and at the end) reports the held-out loss, TVD (1 − TVD is the expected
+acceptance rate) and forward KL against the real target, and the block efficiency τ of greedy speculative decoding
+with the real decoder (:func:`specdraft.decoding.generate`) on prompts whose responses were held out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.training.checkpoint import export_hf, hardware
+from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
+from specdraft.training.pretrain import EXPORT_DTYPES, export_path
+from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed, train
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig(TrainerConfig):
+    """Settings of ``specdraft finetune``."""
+
+    drafter: str = field(metadata={"help": "pretrained drafter checkpoint folder"})
+    target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
+    data: str = field(metadata={"help": "distill-data output folder"})
+    loss: str = field(default="fkl", metadata={"help": f"loss: {', '.join(LOSSES)}"})
+    beta: float = field(default=0.5, metadata={"help": "jsd: weight of p in the mixture"})
+    weighting: str = field(default="q", metadata={"help": f"tvdpp: {' or '.join(WEIGHTINGS)}"})
+    normalization: str = field(default="batch", metadata={"help": f"tvdpp: {', '.join(NORMALIZATIONS)}"})
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate"})
+    use_stored_topk: bool = field(default=False, metadata={"help": "p from the stored top-k (an approximation)"})
+    allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
+    max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
+    heldout_every: int = field(default=20, metadata={"help": "hold out every N-th prompt for evaluation"})
+    eval_prompts: int = field(default=8, metadata={"help": "held-out prompts decoded for block efficiency"})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per evaluation prompt"})
+    eval_num_draft_tokens: str = field(default="3,5", metadata={"help": "γ values evaluated, comma-separated"})
+    target_dtype: str = field(default="float32", metadata={"help": "target weights: float32 or bfloat16"})
+    export_dtype: str = field(default="float32", metadata={"help": "exported weights: float32 or bfloat16"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.loss not in LOSSES:
+            raise SpecdraftError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise SpecdraftError(f"beta must be in [0, 1], got {self.beta}")
+        if self.weighting not in WEIGHTINGS:
+            raise SpecdraftError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise SpecdraftError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                                 f"got {self.normalization!r}")
+        for name in ("max_seq_len", "eval_max_new_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.eval_prompts < 0 or self.heldout_every < 2:
+            raise SpecdraftError(f"eval_prompts must be >= 0 and heldout_every >= 2, got {self.eval_prompts}, "
+                                 f"{self.heldout_every}")
+        for name in ("target_dtype", "export_dtype"):
+            if getattr(self, name) not in EXPORT_DTYPES:
+                raise SpecdraftError(f"{name} must be one of {', '.join(EXPORT_DTYPES)}, got {getattr(self, name)!r}")
+        self.num_draft_tokens()
+
+    def num_draft_tokens(self) -> tuple[int, ...]:
+        """The γ values of ``eval_num_draft_tokens``."""
+        try:
+            values = tuple(int(v) for v in self.eval_num_draft_tokens.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise SpecdraftError(f"eval_num_draft_tokens must be comma-separated integers >= 1, "
+                                 f"got {self.eval_num_draft_tokens!r}")
+        return values
+
+    def loss_options(self, generator: torch.Generator | None) -> dict:
+        """Keyword options of the chosen loss."""
+        if self.loss == "jsd":
+            return {"beta": self.beta}
+        if self.loss == "tvdpp":
+            extra = {"generator": generator} if self.weighting == "sample" else {}
+            return {"weighting": self.weighting, "normalization": self.normalization} | extra
+        return {}
+
+
+# --- data ------------------------------------------------------------------------------------------------------------
+
+
+def load_distill_records(folder: str | Path, allow_incomplete: bool = False, need_topk: bool = False) -> list[dict]:
+    """The records of a distill-data folder, checked; an unfinished folder is refused unless ``allow_incomplete``."""
+    from specdraft.training.data import read_jsonl
+    from specdraft.training.generation import MANIFEST_FILE
+
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        shards = sorted(manifest["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SpecdraftError(f"{folder} is not a distill-data folder (missing or bad {MANIFEST_FILE})") from None
+    if not manifest.get("complete") and not allow_incomplete:
+        raise SpecdraftError(f"{folder} is incomplete ({len(shards)} of {manifest.get('num_shards')} shards): "
+                             "finish distill-data or pass --allow-incomplete")
+    records = [record for name in shards for record in read_jsonl(folder / name)]
+    for number, record in enumerate(records):
+        _check_record(record, f"{folder} record {number}", need_topk)
+    if not records:
+        raise SpecdraftError(f"{folder} holds no records")
+    return records
+
+
+def _check_record(record: dict, where: str, need_topk: bool) -> None:
+    for key in ("prompt_token_ids", "response_token_ids"):
+        ids = record.get(key)
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise SpecdraftError(f"{where}: {key!r} must be a non-empty list of token ids")
+    if need_topk and ("top_ids" not in record or "top_logprobs" not in record):
+        raise SpecdraftError(f"{where}: no stored top-k ('top_ids', 'top_logprobs'); make the data with "
+                             "--top-logprobs K or drop --use-stored-topk")
+
+
+def split_by_prompt(records: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records: every ``every``-th distinct prompt, with all its responses, is held out."""
+    from specdraft.training.data import holdout_every
+
+    ids = list(dict.fromkeys(r.get("prompt_id", json.dumps(r["prompt_token_ids"])) for r in records))
+    if len(ids) < every:
+        raise SpecdraftError(f"only {len(ids)} distinct prompts; heldout_every={every} would hold none out")
+    heldout = set(holdout_every(ids, every)[1])
+    train = [r for r in records if r.get("prompt_id", json.dumps(r["prompt_token_ids"])) not in heldout]
+    return train, [r for r in records if r.get("prompt_id", json.dumps(r["prompt_token_ids"])) in heldout]
+
+
+class DistillDataset(torch.utils.data.Dataset):
+    """Prompt + response token sequences (cut to ``max_seq_len + 1`` tokens) with the prompt length."""
+
+    def __init__(self, records: list[dict], max_seq_len: int, topk: bool = False) -> None:
+        self.records, self.max_len, self.topk = records, max_seq_len + 1, topk
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        record = self.records[index]
+        ids = (record["prompt_token_ids"] + record["response_token_ids"])[: self.max_len]
+        item = {"ids": torch.tensor(ids), "prompt_len": len(record["prompt_token_ids"])}
+        if self.topk:
+            item["top_ids"] = torch.tensor(record["top_ids"])  # (R, k): distribution of response token r
+            item["top_logprobs"] = torch.tensor(record["top_logprobs"], dtype=torch.float32)  # (R, k)
+        return item
+
+
+def collate_distill(items: list[dict], pad_id: int) -> dict:
+    """Right-padded batch: input_ids, labels, attention_mask, mask (True where the label is a response token),
+    and with stored top-k, ``top_ids`` / ``top_logprobs`` (B, T, k) aligned with the labels."""
+    width = max(item["ids"].shape[0] for item in items) - 1  # T
+    batch = {"input_ids": torch.full((len(items), width), pad_id), "labels": torch.full((len(items), width), pad_id),
+             "attention_mask": torch.zeros(len(items), width, dtype=torch.long),
+             "mask": torch.zeros(len(items), width, dtype=torch.bool)}
+    topk = "top_ids" in items[0]
+    if topk:
+        k = items[0]["top_ids"].shape[-1]
+        batch["top_ids"] = torch.zeros(len(items), width, k, dtype=torch.long)
+        batch["top_logprobs"] = torch.zeros(len(items), width, k)
+    for row, item in enumerate(items):
+        ids, start = item["ids"], item["prompt_len"] - 1  # label j is ids[j + 1]: a response token from j = P - 1
+        length = ids.shape[0] - 1
+        batch["input_ids"][row, :length], batch["labels"][row, :length] = ids[:-1], ids[1:]
+        batch["attention_mask"][row, :length] = 1
+        batch["mask"][row, start:length] = True
+        if topk and length > start:
+            batch["top_ids"][row, start:length] = item["top_ids"][: length - start]
+            batch["top_logprobs"][row, start:length] = item["top_logprobs"][: length - start]
+    return batch
+
+
+def dense_from_topk(top_ids: torch.Tensor, top_logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Approximate log p (n, V) from top-k (n, k): stored entries kept, leftover mass spread evenly elsewhere."""
+    rest = (1.0 - top_logprobs.exp().sum(-1, keepdim=True)).clamp_min(1e-9)  # (n, 1)
+    fill = rest.log() - math.log(max(vocab_size - top_ids.shape[-1], 1))  # (n, 1)
+    dense = fill.expand(-1, vocab_size).clone()  # (n, V)
+    return dense.scatter_(-1, top_ids, top_logprobs)
+
+
+# --- loss and evaluation ---------------------------------------------------------------------------------------------
+
+
+def make_kd_loss(config: FinetuneConfig, target_model):
+    """loss_fn(model, batch, generator) for the trainer: the chosen loss on response positions only."""
+
+    def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+        mask = batch["mask"]  # (B, T)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        draft = logits[mask]  # (n, V)
+        target = None
+        if config.loss != "ce" and config.use_stored_topk:
+            target = dense_from_topk(batch["top_ids"][mask], batch["top_logprobs"][mask], draft.shape[-1])
+        elif config.loss != "ce":
+            target = target_logits(target_model, batch)[mask]  # (n, V)
+        options = config.loss_options(generator)
+        return distillation_loss(config.loss, draft, target, batch["labels"][mask], None, **options), draft.shape[0]
+
+    return kd_loss
+
+
+@torch.no_grad()
+def target_logits(target_model, batch: dict) -> torch.Tensor:
+    """The target's logits (B, T, V) for a right-padded batch, without gradient."""
+    return target_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+
+
+def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneConfig) -> dict[str, float]:
+    """On held-out response positions, against the real target (never the stored top-k): the training loss, TVD
+    (1 − TVD is the expected acceptance rate) and forward KL, each a mean over positions."""
+    device = next(model.parameters()).device
+    sums, count = {"heldout_loss": 0.0, "heldout_tvd": 0.0, "heldout_fkl": 0.0}, 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        mask = batch["mask"]  # (B, T)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            draft = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[mask]  # (n, V)
+            target = target_logits(target_model, batch)[mask]  # (n, V)
+        n = int(mask.sum())
+        options = config.loss_options(torch.Generator(device=device).manual_seed(0))
+        loss = distillation_loss(config.loss, draft, target, batch["labels"][mask], None, **options)
+        sums["heldout_loss"] += float(loss) * n
+        sums["heldout_tvd"] += float(tvd(draft, target)) * n
+        sums["heldout_fkl"] += float(forward_kl(draft, target)) * n
+        count += n
+    return {k: v / max(count, 1) for k, v in sums.items()}
+
+
+def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], num_draft_tokens: int,
+                     max_new_tokens: int, eos_token_ids: tuple[int, ...] = ()) -> float:
+    """τ = new tokens / target forwards of greedy speculative decoding over ``prompts``, pooled.
+
+    Args:
+        target: a :class:`~specdraft.models.base.CausalLM`.
+        drafter_model: a transformers causal LM (copied to the native fp32 implementation when it is a Llama).
+    """
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.drafters.draft_model import DraftModelDrafter
+    from specdraft.models.hf import HFCausalLM
+    from specdraft.models.native_llama import NativeLlama, supports
+
+    if supports(drafter_model.config):
+        draft = NativeLlama.from_hf(drafter_model, torch.float32)  # a CPU fp32 copy
+    else:
+        draft = HFCausalLM(drafter_model)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
+                              eos_token_ids=tuple(eos_token_ids))
+    new_tokens, forwards = 0, 0
+    for prompt in prompts:
+        stats = generate(target, list(prompt), DraftModelDrafter(draft), config).stats
+        new_tokens, forwards = new_tokens + stats.new_tokens, forwards + stats.target_forward_calls
+    return new_tokens / max(forwards, 1)
+
+
+def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[dict], pad_id: int, eos: tuple):
+    """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ."""
+    dataset = DistillDataset(heldout, config.max_seq_len)
+    batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
+               for s in range(0, len(dataset), config.batch_size)]
+    prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]
+
+    def evaluate(model) -> dict[str, float]:
+        metrics = heldout_metrics(model, target_model, batches, config)
+        for k in config.num_draft_tokens():
+            if prompts:
+                metrics[f"block_efficiency@{k}"] = block_efficiency(target, model, prompts, k,
+                                                                    config.eval_max_new_tokens, eos)
+        return metrics
+
+    return evaluate
+
+
+def load_models(config: FinetuneConfig):
+    """(drafter to train, transformers target, target for decoding, target tokenizer), with the vocabularies
+    checked before any training."""
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.models.registry import load_model, load_tokenizer, resolve
+
+    try:
+        drafter = AutoModelForCausalLM.from_pretrained(resolve(config.drafter), dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise SpecdraftError(f"cannot load drafter {config.drafter!r}: {str(exc).splitlines()[0]}") from None
+    dtype = EXPORT_DTYPES[config.target_dtype]
+    target_model = load_model(config.target, dtype, backend="hf").model.eval().requires_grad_(False)
+    target = load_model(config.target, torch.float32)
+    draft_vocab = drafter.get_output_embeddings().weight.shape[0]
+    if draft_vocab != target.vocab_size:
+        raise SpecdraftError(f"vocabulary mismatch: drafter {config.drafter!r} has {draft_vocab} logits, "
+                             f"target {config.target!r} has {target.vocab_size}")
+    return drafter, target_model, target, load_tokenizer(config.target)
+
+
+def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
+    top = max(max(r["prompt_token_ids"] + r["response_token_ids"]) for r in records)
+    if top >= vocab_size:
+        raise SpecdraftError(f"{where} holds token id {top}, outside the target's vocabulary of {vocab_size}: "
+                             "was it made with another target?")
+
+
+def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
+    """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
+    from specdraft.api import eos_token_ids
+
+    need_topk = config.use_stored_topk and config.loss != "ce"
+    records = load_distill_records(config.data, config.allow_incomplete, need_topk)
+    train_records, heldout = split_by_prompt(records, config.heldout_every)
+    drafter, target_model, target, tokenizer = load_models(config)
+    _check_token_ids(records, target.vocab_size, config.data)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rank, world, device = init_distributed()
+    target_model.to(device)
+    evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target))
+    result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
+                   make_kd_loss(config, target_model), config, lambda items: collate_distill(items, pad_id), evaluate)
+    out = export_path(config.out)
+    if rank == 0 and (config.stop_after is None or result.steps == config.steps):
+        data = (f"`{config.data}`: {len(train_records)} target responses for training, {len(heldout)} held out"
+                + ("; p approximated from the stored top-k log-probabilities" if need_topk else ""))
+        export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
+                  EXPORT_DTYPES[config.export_dtype])
+    barrier(world)
+    return out
+
+
+def _card(config: FinetuneConfig, result: TrainResult, command: str | None, data: str) -> dict:
+    budget = {"Budget": f"{result.steps} steps, {result.tokens:,} response tokens, {result.wall_seconds:.0f} s "
+                        f"wall time ({result.tokens_per_second:.0f} tokens/s)",
+              "Hardware": f"{hardware()}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)",
+              "Loss": f"{config.loss} {config.loss_options(None)}"}
+    return {"title": f"specdraft drafter (distilled, {config.loss})", "command": command or shlex.join(sys.argv),
+            "data": data, "budget": budget, "metrics": {"train_loss": result.train_loss} | result.eval,
+            "config": asdict(config)}

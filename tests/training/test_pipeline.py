@@ -1,0 +1,252 @@
+"""The whole draft-training pipeline (Goel et al. 2024) on a tiny random target, through the CLI: pretrain ->
+distill-data -> finetune, then the bad inputs each stage must refuse."""
+
+import argparse
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import load_model
+from specdraft.training.checkpoint import is_complete_export
+from specdraft.training.commands import add_training_commands
+from specdraft.training.drafter_config import project_embeddings
+from specdraft.training.finetune import (
+    FinetuneConfig,
+    block_efficiency,
+    dense_from_topk,
+    finetune,
+    load_distill_records,
+    split_by_prompt,
+)
+from specdraft.training.pretrain import PretrainConfig, build_drafter, pretrain
+from toys import WORDS, save_tiny_checkpoint
+
+PIPELINE = """
+target = "{root}/target"
+
+[pretrain]
+out = "{root}/pre"
+source = "{root}/corpus.txt"
+hidden_size = 64
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 128
+seq_len = 32
+batch_size = 8
+steps = 30
+heldout_every = 10
+bf16 = false
+progress = false
+
+[distill_data]
+out = "{root}/data"
+prompts = "{root}/prompts.jsonl"
+max_new_tokens = 24
+temperature = 0.0
+batch_size = 16
+shard_size = 32
+dtype = "float32"
+
+[finetune]
+out = "{root}/fine"
+loss = "fkl"
+steps = 200
+batch_size = 8
+lr = 3e-3
+warmup_steps = 5
+bf16 = false
+heldout_every = 8
+eval_prompts = 4
+eval_max_new_tokens = 24
+eval_every = 100
+progress = false
+"""
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="specdraft")
+    add_training_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _cli(*argv):
+    args = _parser().parse_args([str(a) for a in argv])
+    args.run(args)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    save_tiny_checkpoint(root / "target", seed=0, layers=1, hidden=32)
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(200)]
+    (root / "corpus.txt").write_text("\n\n".join(docs))
+    prompts = [json.dumps({"prompt": " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randint(1, 6)))})
+               for _ in range(128)]
+    (root / "prompts.jsonl").write_text("\n".join(prompts) + "\n")
+    (root / "pipeline.toml").write_text(PIPELINE.format(root=root))
+    _cli("train-drafter", "--config", root / "pipeline.toml")
+    return root
+
+
+def test_finetuning_raises_block_efficiency_on_held_out_prompts(run):
+    target = load_model(str(run / "target"))
+    _, heldout = split_by_prompt(load_distill_records(run / "data"), 8)
+    prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))
+    assert len(prompts) == 16
+    tau = {}
+    for stage in ("pre", "fine"):
+        drafter = AutoModelForCausalLM.from_pretrained(run / stage / "model")
+        tau[stage] = [block_efficiency(target, drafter, prompts, k, 24, (2,)) for k in (3, 5)]
+    assert all(fine > pre + 0.1 for pre, fine in zip(tau["pre"], tau["fine"], strict=True)), tau
+    logged = (run / "fine" / "eval_log.csv").read_text().splitlines()
+    assert logged[0].split(",")[-2:] == ["block_efficiency@3", "block_efficiency@5"] and len(logged) == 3
+    card = (run / "fine" / "model" / "README.md").read_text()
+    assert "train-drafter" in card and "fkl" in card and "block_efficiency@5" in card
+
+
+def test_a_second_run_skips_every_completed_stage(run):
+    files = [run / "pre" / "model" / "model.safetensors", run / "data" / "manifest.json",
+             run / "fine" / "model" / "model.safetensors"]
+    before = [f.stat().st_mtime_ns for f in files]
+    _cli("train-drafter", "--config", run / "pipeline.toml")
+    assert [f.stat().st_mtime_ns for f in files] == before
+
+
+def _finetune(run, out, **kwargs):
+    defaults = dict(drafter=str(run / "pre" / "model"), target=str(run / "target"), data=str(run / "data"),
+                    out=str(out), steps=2, batch_size=4, bf16=False, heldout_every=8, eval_prompts=1,
+                    eval_max_new_tokens=4, progress=False)
+    return finetune(FinetuneConfig(**(defaults | kwargs)))
+
+
+def _assert_nothing_complete(out):
+    assert not is_complete_export(out / "model")
+
+
+def test_a_drafter_with_another_vocabulary_is_refused_at_the_start(run, tmp_path):
+    other = save_tiny_checkpoint(tmp_path / "other", seed=3, vocab_size=80)
+    with pytest.raises(SpecdraftError, match="vocabulary mismatch"):
+        _finetune(run, tmp_path / "out", drafter=str(other))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_drafter_checkpoint(run, tmp_path):
+    with pytest.raises(SpecdraftError, match="nope"):
+        _finetune(run, tmp_path / "out", drafter=str(tmp_path / "nope"))
+    _assert_nothing_complete(tmp_path / "out")
+
+
+def _data_copy(run, tmp_path):
+    return shutil.copytree(run / "data", tmp_path / "data")
+
+
+def test_incomplete_or_missing_manifest(run, tmp_path):
+    data = _data_copy(run, tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    (data / "manifest.json").write_text(json.dumps(manifest | {"complete": False}))
+    with pytest.raises(SpecdraftError, match=r"incomplete.*--allow-incomplete"):
+        _finetune(run, tmp_path / "out", data=str(data))
+    (data / "manifest.json").unlink()
+    with pytest.raises(SpecdraftError, match="not a distill-data folder"):
+        _finetune(run, tmp_path / "out", data=str(data))
+    _assert_nothing_complete(tmp_path / "out")
+
+
+@pytest.mark.parametrize(("content", "message"), [("", "no records"), ('{"prompt_token_ids": [1]\n', "invalid JSON"),
+                                                  ('{"prompt_token_ids": [1, 2]}\n', "response_token_ids"),
+                                                  ('{"prompt_token_ids": [1, 999], "response_token_ids": [5]}\n',
+                                                   "outside the target's vocabulary")])
+def test_empty_or_malformed_data_files(run, tmp_path, content, message):
+    data = _data_copy(run, tmp_path)
+    (data / "shard-00001.jsonl").write_text(content)
+    with pytest.raises(SpecdraftError, match=message):
+        _finetune(run, tmp_path / "out", data=str(data))
+    _assert_nothing_complete(tmp_path / "out")
+
+
+def test_stored_topk_is_required_for_use_stored_topk(run, tmp_path):
+    with pytest.raises(SpecdraftError, match="top-k"):
+        _finetune(run, tmp_path / "out", use_stored_topk=True)
+
+
+def test_stored_topk_training_through_the_cli(run, tmp_path):
+    _cli("distill-data", "--target", run / "target", "--out", tmp_path / "data", "--prompts", run / "prompts.jsonl",
+         "--limit", 16, "--max-new-tokens", 8, "--top-logprobs", 5, "--dtype", "float32", "--shard-size", 8)
+    _cli("finetune", "--drafter", run / "pre" / "model", "--target", run / "target", "--data", tmp_path / "data",
+         "--out", tmp_path / "fine", "--use-stored-topk", "--loss", "tvdpp", "--weighting", "sample", "--steps", 3,
+         "--batch-size", 4, "--no-bf16", "--heldout-every", 4, "--eval-prompts", 1, "--eval-max-new-tokens", 4,
+         "--no-progress")
+    card = (tmp_path / "fine" / "model" / "README.md").read_text()
+    assert "approximated from the stored top-k" in card and "--use-stored-topk" in card and "'sample'" in card
+
+
+def test_dense_from_topk_keeps_stored_log_probs_and_spreads_the_rest():
+    log_p = torch.log_softmax(torch.randn(3, 10), -1)
+    top = log_p.topk(4, dim=-1)
+    dense = dense_from_topk(top.indices, top.values, 10)  # (3, 10)
+    torch.testing.assert_close(dense.gather(-1, top.indices), top.values)
+    torch.testing.assert_close(dense.exp().sum(-1), torch.ones(3))
+    full = log_p.topk(10, dim=-1)
+    torch.testing.assert_close(dense_from_topk(full.indices, full.values, 10), log_p)
+
+
+def test_cli_bad_values_name_the_field(run, tmp_path):
+    with pytest.raises(SpecdraftError, match="steps"):
+        _cli("pretrain", "--target", run / "target", "--out", tmp_path / "p", "--steps", "0")
+    with pytest.raises(SpecdraftError, match="loss"):
+        _cli("finetune", "--drafter", "d", "--target", "t", "--data", "x", "--out", tmp_path / "f", "--loss", "kl")
+    with pytest.raises(SystemExit):  # argparse rejects a non-integer at parse time
+        _parser().parse_args(["pretrain", "--target", "t", "--out", "o", "--steps", "many"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"pretrain": {"out": "x", "colour": "red"}, "distill_data": {}, "finetune": {}}))
+    with pytest.raises(SpecdraftError, match="colour"):
+        _cli("train-drafter", "--config", bad)
+    with pytest.raises(SpecdraftError, match="cannot read"):
+        _cli("train-drafter", "--config", tmp_path / "missing.toml")
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("name", ["pretrain", "distill-data", "finetune", "train-drafter"])
+def test_every_subcommand_documents_its_flags(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args([name, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    flags = {"pretrain": ["--preset", "--tokens", "--init-from-target", "--no-bf16", "--resume", "--stop-after"],
+             "distill-data": ["--top-logprobs", "--overwrite"],
+             "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens"],
+             "train-drafter": ["--config"]}[name]
+    assert all(flag in text for flag in flags), text
+
+
+def _pretrain_config(run, out, **kwargs):
+    defaults = dict(target=str(run / "target"), out=str(out), source=str(run / "corpus.txt"), hidden_size=16,
+                    num_heads=2, num_kv_heads=1, intermediate_size=32, num_layers=1, seq_len=16, batch_size=4, steps=4,
+                    heldout_every=10, bf16=False, progress=False)
+    return PretrainConfig(**(defaults | kwargs))
+
+
+def test_an_interrupted_pretrain_exports_nothing_until_resumed(run, tmp_path):
+    pretrain(_pretrain_config(run, tmp_path / "p", stop_after=2))
+    assert (tmp_path / "p" / "checkpoint.pt").is_file() and not (tmp_path / "p" / "model").exists()
+    out = pretrain(_pretrain_config(run, tmp_path / "p", resume=True))
+    assert is_complete_export(out) and "4 steps" in (out / "README.md").read_text()
+
+
+def test_token_budget_sets_steps_and_init_from_target_copies_the_projection(run, tmp_path):
+    config = _pretrain_config(run, tmp_path, tokens=1000, stop_after=3)
+    assert config.with_budget().steps == 16 and config.with_budget(world=2).steps == 8  # ceil(1000 / (4 * 16))
+    drafter = build_drafter(_pretrain_config(run, tmp_path, init_from_target=True))
+    target = AutoModelForCausalLM.from_pretrained(run / "target")
+    expected = project_embeddings(target.get_input_embeddings().weight, 16)
+    torch.testing.assert_close(drafter.get_input_embeddings().weight, expected)
+    with pytest.raises(SpecdraftError, match="heldout_every"):
+        _pretrain_config(run, tmp_path, heldout_every=1)
+    with pytest.raises(SpecdraftError, match="at least heldout_every"):
+        pretrain(_pretrain_config(run, tmp_path / "few", max_docs=5))

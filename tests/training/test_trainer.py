@@ -1,0 +1,133 @@
+"""The generic training loop: schedule, data order, logs, checkpoints, and resume == uninterrupted."""
+
+import csv
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdraft.errors import SpecdraftError
+from specdraft.training import trainer
+from specdraft.training.checkpoint import load_training_state
+from specdraft.training.data import PackedDataset
+from specdraft.training.losses import distillation_loss
+from specdraft.training.trainer import BatchStream, TrainerConfig, lr_factor, train
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _dataset(rows=24, seq_len=8):
+    return PackedDataset(torch.randint(0, 32, (rows, seq_len + 1), generator=torch.Generator().manual_seed(1)))
+
+
+def noisy_loss(model, batch, generator):
+    """Cross-entropy on a random subset of positions: draws from the loss generator and the global RNG."""
+    input_ids, labels = batch
+    logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
+    mask = torch.rand(labels.shape, generator=generator) < 0.7
+    mask |= torch.rand(labels.shape) < 0.2
+    return distillation_loss("ce", logits, None, labels, mask), int(mask.sum())
+
+
+def _config(out, **kwargs):
+    defaults = dict(steps=8, batch_size=4, grad_accum=2, lr=1e-2, warmup_steps=2, bf16=False, log_every=1,
+                    progress=False)
+    return TrainerConfig(out=str(out), **(defaults | kwargs))
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_to_the_floor():
+    factors = [lr_factor(step, 4, 20, 0.1) for step in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
+    assert lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
+    assert lr_factor(12, 4, 20, 0.1) == pytest.approx(0.55)  # half-way down the cosine
+
+
+def test_batch_stream_visits_every_example_once_per_epoch_and_splits_ranks():
+    streams = [BatchStream(10, 2, seed=3, rank=r, world=2) for r in range(2)]
+    epoch = [i for _ in range(2) for s in streams for i in s.next_indices()]
+    assert len(set(epoch)) == 8 and set(epoch) <= set(range(10))  # 2 global batches of 4; the tail is skipped
+    assert streams[0].next_indices() != streams[1].next_indices()
+    assert streams[0].epoch == 1
+    resumed = BatchStream(10, 2, seed=3, rank=0, world=2)
+    resumed.load_state_dict(streams[0].state_dict())
+    assert resumed.next_indices() == streams[0].next_indices()
+    with pytest.raises(SpecdraftError, match="fewer than one global batch"):
+        BatchStream(3, 2, seed=0, world=2)
+
+
+def test_resume_reaches_exactly_the_uninterrupted_weights(tmp_path):
+    straight = _model()
+    torch.manual_seed(5)
+    train(straight, _dataset(), noisy_loss, _config(tmp_path / "a"))
+    split = _model()
+    torch.manual_seed(5)
+    first = train(split, _dataset(), noisy_loss, _config(tmp_path / "b", stop_after=4))
+    assert first.steps == 4
+    torch.manual_seed(123)  # a new process would start from another RNG state
+    resumed = _model(seed=9)  # and another initialisation: the checkpoint must restore everything
+    second = train(resumed, _dataset(), noisy_loss, _config(tmp_path / "b", resume=True))
+    assert second.steps == 8
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert load_training_state(tmp_path / "b" / "checkpoint.pt")["step"] == 8
+    with open(tmp_path / "b" / "train_log.csv") as file:
+        assert [int(row["step"]) for row in csv.DictReader(file)] == list(range(1, 9))
+
+
+def test_logs_evaluation_and_periodic_checkpoints(tmp_path, monkeypatch):
+    calls, saved_steps = [], []
+    original = trainer.save_training_state
+
+    def spy(path, state):
+        saved_steps.append(state["step"])
+        return original(path, state)
+
+    def evaluate(model):
+        calls.append(model.training)
+        return {"score": 1.5}
+
+    monkeypatch.setattr(trainer, "save_training_state", spy)
+    result = train(_model(), _dataset(), noisy_loss, _config(tmp_path, steps=6, eval_every=2, checkpoint_every=4),
+                   evaluate=evaluate)
+    assert calls == [False, False, False]  # steps 2, 4, 6, in eval mode
+    assert saved_steps == [4, 6]
+    assert result.eval == {"score": 1.5} and result.tokens > 0 and result.wall_seconds > 0
+    with open(tmp_path / "eval_log.csv") as file:
+        assert [row["step"] for row in csv.DictReader(file)] == ["2", "4", "6"]
+
+
+def test_bf16_autocast_training_lowers_the_loss(tmp_path):
+    data = PackedDataset(torch.arange(9).repeat(16, 1) % 32)  # one repeated sequence: easy to learn
+    model = _model()
+    losses = []
+
+    def loss_fn(m, batch, generator):
+        input_ids, labels = batch
+        logits = m(input_ids=input_ids, use_cache=False).logits
+        assert logits.dtype == torch.bfloat16
+        loss = distillation_loss("ce", logits, None, labels)
+        losses.append(float(loss.detach()))
+        return loss, labels.numel()
+
+    train(model, data, loss_fn, _config(tmp_path, steps=20, grad_accum=1, bf16=True))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"),
+                                               ({"grad_accum": 0}, "grad_accum"), ({"stop_after": 9}, "stop_after"),
+                                               ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"out": " "}, "out")])
+def test_bad_values_name_the_field(tmp_path, kwargs, field):
+    with pytest.raises(SpecdraftError, match=field):
+        TrainerConfig(**({"out": str(tmp_path), "steps": 8} | kwargs))
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(SpecdraftError, match="no training checkpoint"):
+        train(_model(), _dataset(), noisy_loss, _config(tmp_path, resume=True))
