@@ -63,7 +63,8 @@ def _run_pretrain(args: argparse.Namespace) -> None:
 
 def _run_distill_data(args: argparse.Namespace) -> None:
     manifest = generate_distillation_data(config_from_args(DistillDataConfig, args), overwrite=args.overwrite)
-    print(json.dumps({k: manifest[k] for k in ("complete", "num_shards", "records") if k in manifest}), flush=True)
+    if manifest:  # under torchrun only rank 0 writes and returns the manifest
+        print(json.dumps({k: manifest[k] for k in ("complete", "num_shards", "records")}), flush=True)
 
 
 def _run_finetune(args: argparse.Namespace) -> None:

@@ -52,7 +52,7 @@ class TrainerConfig:
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (0 = off)"})
-    bf16: bool = field(default=True, metadata={"help": "bf16 autocast (about 3x faster on this CPU)"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast (CPU: ~1.3x over fp32 at a 49k vocabulary)"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0 = only at the end)"})
     checkpoint_every: int = field(default=0, metadata={"help": "save a training checkpoint every N steps (0 = end)"})
     log_every: int = field(default=10, metadata={"help": "write a train_log.csv row every N steps"})
