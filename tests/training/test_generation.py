@@ -104,3 +104,23 @@ def test_kill_9_mid_run_then_resume_answers_every_prompt_exactly_once(target, tm
     assert manifest["complete"] and manifest["records"] == 40
     assert Counter(r["prompt_id"] for r in _records(out)) == {f"p.jsonl:{i}": 1 for i in range(40)}
     assert not list(out.glob(".*.tmp"))
+
+
+def test_torchrun_two_ranks_split_prompts_exactly_once(target, tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    prompts = _prompt_file(tmp_path / "p.jsonl", 11)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "specdraft.cli", "distill-data", "--target", target, "--out", str(out), "--prompts", prompts,
+           "--shard-size", "2", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["num_shards"] == 6 and manifest["records"] == 11
+    assert Counter(r["prompt_id"] for r in _records(out)) == {f"p.jsonl:{i}": 1 for i in range(11)}
+    assert proc.stdout.count('"complete": true') == 1  # only rank 0 reports
