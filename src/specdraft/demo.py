@@ -20,7 +20,7 @@ class DemoConfig:
     num_prompts: int = 4
     max_new_tokens: int = 96
     num_draft_tokens: int = 4
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.float32
 
 
 def run_demo(config: DemoConfig, out=print) -> list[dict]:
