@@ -13,13 +13,23 @@ schedule are restored. Evaluation runs under a forked RNG so it never changes wh
 
 Distributed: under ``torchrun`` (``WORLD_SIZE > 1``) the process group is initialised (gloo on CPU, nccl on CUDA),
 the model is wrapped in ``DistributedDataParallel``, each global micro-batch of ``batch_size * world`` indices is
-split by rank, and only rank 0 evaluates and writes logs and checkpoints. FSDP is not implemented (drafters are
-small enough to replicate).
+split by rank, and only rank 0 evaluates and writes logs and checkpoints.
+
+With ``fsdp`` (and ``WORLD_SIZE > 1``) a sharded copy is trained instead (FSDP2 ``fully_shard`` on every decoder
+layer, ``model.model.layers``, then on the root; rank 0's initial weights are broadcast, as DDP does). The caller's
+``model`` stays a plain, full module on the CPU: at each evaluation and at the end every rank gathers the full
+weights into it; rank 0 evaluates it on the device while the others wait at a barrier, and when ``train`` returns
+it holds the trained weights on every rank (still on the CPU), so exporting it needs nothing special. Checkpoints
+hold the full model and optimizer state (gathered by every rank with ``torch.distributed.checkpoint.state_dict``,
+written by rank 0; the optimizer state is keyed by parameter name), so a run resumes only under the same ``fsdp``
+setting. Gradient accumulation reduce-scatters after every micro-batch (FSDP2 has no ``no_sync``); clipping uses
+the DTensor-aware ``clip_grad_norm_``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import math
 import os
@@ -60,6 +70,8 @@ class TrainerConfig:
     resume: bool = field(default=False, metadata={"help": "continue from the run folder's checkpoint (must exist)"})
     stop_after: int | None = field(default=None, metadata={"help": "stop after this step (schedule keeps `steps`)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    fsdp: bool = field(default=False, metadata={"help": "under torchrun, shard the model, gradients and optimizer "
+                                                        "state with FSDP2 instead of replicating it with DDP"})
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
@@ -70,6 +82,7 @@ class TrainerConfig:
         _check(self, "min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
         _check(self, "weight_decay", lambda v: v >= 0, ">= 0")
         _check(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
+        _check(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
         _check(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps, f"None or in 1 .. steps={self.steps}")
         if not str(self.out).strip():
             raise SpecdraftError("out must be a folder path, got an empty string")
@@ -202,7 +215,8 @@ class RunLog:
 
 @dataclass
 class _Run:
-    """The mutable state of one training run (everything a checkpoint holds)."""
+    """The mutable state of one training run (everything a checkpoint holds). Under FSDP ``model`` is the sharded
+    copy being trained and ``full`` the caller's plain model, which receives the gathered weights."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -212,18 +226,42 @@ class _Run:
     step: int = 0
     tokens: int = 0
     wall_seconds: float = 0.0
+    full: nn.Module | None = None
 
     def state_dict(self, config: TrainerConfig) -> dict:
+        """The checkpoint; under FSDP a collective (every rank calls it) whose model and optimizer state are full
+        on rank 0 only (empty elsewhere)."""
         return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "step": self.step, "tokens": self.tokens,
-            "wall_seconds": self.wall_seconds, "data": self.stream.state_dict(), "config": _plain(asdict(config)),
+            **self._weights_state(), "scheduler": self.scheduler.state_dict(), "step": self.step,
+            "tokens": self.tokens, "wall_seconds": self.wall_seconds, "data": self.stream.state_dict(),
+            "config": _plain(asdict(config)),
             "rng": {"torch": torch.get_rng_state(), "loss": self.generator.get_state()},
         }
 
+    def _weights_state(self) -> dict:
+        if self.full is None:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model, "optimizer": optimizer}
+
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore a checkpoint (under FSDP every rank passes the full state it read)."""
+        by_name = any(isinstance(p, str) for group in state["optimizer"]["param_groups"] for p in group["params"])
+        if by_name != (self.full is not None):
+            raise SpecdraftError(f"cannot resume: the checkpoint was written {'with' if by_name else 'without'} FSDP "
+                                 f"sharding and this run is {'not ' if by_name else ''}sharded (fsdp shards only "
+                                 "when WORLD_SIZE > 1); resume with the same fsdp setting")
+        if self.full is None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -238,13 +276,52 @@ def _plain(value):
     return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
-def _new_run(model: nn.Module, size: int, config: TrainerConfig, rank: int, world: int) -> _Run:
+def _new_run(model: nn.Module, size: int, config: TrainerConfig, rank: int, world: int,
+             full: nn.Module | None = None) -> _Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     schedule = lambda step: lr_factor(step, config.warmup_steps, config.steps, config.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     stream = BatchStream(size, config.batch_size, config.seed, rank, world)
-    return _Run(model, optimizer, scheduler, stream, torch.Generator().manual_seed(config.seed))
+    return _Run(model, optimizer, scheduler, stream, torch.Generator().manual_seed(config.seed), full=full)
+
+
+def fully_shard_copy(model: nn.Module, device: torch.device) -> nn.Module:
+    """An FSDP2-sharded copy of ``model`` on ``device`` holding rank 0's weights (a collective; ``model`` is left as
+    it is). Each decoder layer (``model.model.layers`` of a transformers Llama) is one shard group, the rest the root.
+
+    The copy starts with its parameters on the meta device (no second full copy in memory); its buffers, such as the
+    non-persistent rotary ``inv_freq``, are copied from ``model``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    sharded = copy.deepcopy(model, memo)
+    for layer in getattr(getattr(sharded, "model", None), "layers", []):
+        fully_shard(layer)
+    fully_shard(sharded)
+    sharded.to_empty(device=device)
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, buffer in sharded.named_buffers():
+            buffer.copy_(buffers[name])
+    set_model_state_dict(sharded, model.state_dict(),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return sharded.train(model.training)
+
+
+def gather_full(sharded: nn.Module, full: nn.Module) -> nn.Module:
+    """Copy the weights of an FSDP-sharded module into its plain twin ``full`` (a collective: every rank calls it;
+    one full tensor at a time is gathered) and return ``full``."""
+    from torch.distributed.tensor import DTensor
+
+    target = full.state_dict()
+    with torch.no_grad():
+        for name, value in sharded.state_dict().items():
+            target[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+    return full
 
 
 def _to(batch, device: torch.device):
@@ -271,6 +348,7 @@ def _train_step(run: _Run, wrapped: nn.Module, dataset, collate, loss_fn: LossFn
             (loss / config.grad_accum).backward()
         total, tokens = total + float(loss.detach()), tokens + int(count)
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.max_grad_norm or float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -288,29 +366,51 @@ def _evaluate(model: nn.Module, evaluate: EvalFn | None) -> dict:
         model.train()
 
 
+def _evaluate_on_rank0(run: _Run, evaluate: EvalFn | None, device: torch.device, main: bool, world: int) -> dict:
+    """Rank 0's evaluation of the current weights; under FSDP every rank first gathers them into the plain model,
+    which rank 0 evaluates on ``device`` while the others wait."""
+    if evaluate is None:
+        return {}
+    if run.full is None:
+        return _evaluate(run.model, evaluate) if main else {}
+    model = gather_full(run.model, run.full)
+    try:
+        return _evaluate(model.to(device), evaluate) if main else {}
+    finally:
+        model.cpu()
+        barrier(world)
+
+
 def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, collate: Callable | None = None,
           evaluate: EvalFn | None = None) -> TrainResult:
     """Train ``model`` in place on ``dataset`` (indexable) with ``loss_fn``; see the module docstring."""
     rank, world, device = init_distributed()
     collate = collate or torch.utils.data.default_collate
     out = Path(config.out)
-    model.to(device).train()
-    run = _new_run(model, len(dataset), config, rank, world)
+    sharded = config.fsdp and world > 1
+    model.to("cpu" if sharded else device).train()
+    if sharded:
+        run = _new_run(fully_shard_copy(model, device), len(dataset), config, rank, world, full=model)
+    else:
+        run = _new_run(model, len(dataset), config, rank, world)
     if config.resume:  # a missing or damaged checkpoint is a SpecdraftError
         run.load_state_dict(load_training_state(out / CHECKPOINT_FILE))
     elif rank == 0:  # a fresh run starts fresh logs
         for name in ("train_log.csv", "eval_log.csv"):
             (out / name).unlink(missing_ok=True)
-    wrapped = model
-    if world > 1:
+    wrapped = run.model
+    if world > 1 and not sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     log = RunLog(out, rank == 0)
     try:
-        return _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world)
+        result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world)
     finally:
         log.close()
+    if sharded:
+        gather_full(run.model, model)
+    return result
 
 
 def _loop(run: _Run, wrapped, dataset, collate, loss_fn, evaluate, config: TrainerConfig, device, log: RunLog,
@@ -332,12 +432,14 @@ def _loop(run: _Run, wrapped, dataset, collate, loss_fn, evaluate, config: Train
         if main and (run.step % config.log_every == 0 or run.step == last):
             log.write("train", {"step": run.step, "tokens": run.tokens, "lr": run.scheduler.get_last_lr()[0],
                                 "loss": loss, "grad_norm": norm, "tokens_per_s": rate, "wall_s": run.wall_seconds})
-        if main and (run.step == last or (config.eval_every and run.step % config.eval_every == 0)):
-            metrics = _evaluate(run.model, evaluate)
+        if run.step == last or (config.eval_every and run.step % config.eval_every == 0):
+            metrics = _evaluate_on_rank0(run, evaluate, device, main, world)
             if metrics:
                 log.write("eval", {"step": run.step, "tokens": run.tokens} | metrics)
                 bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        if main and (run.step == last or (config.checkpoint_every and run.step % config.checkpoint_every == 0)):
-            save_training_state(Path(config.out) / CHECKPOINT_FILE, run.state_dict(config))
+        if run.step == last or (config.checkpoint_every and run.step % config.checkpoint_every == 0):
+            state = run.state_dict(config) if main or run.full is not None else None  # FSDP: every rank gathers
+            if main:
+                save_training_state(Path(config.out) / CHECKPOINT_FILE, state)
     bar.close()
     return TrainResult(run.step, run.tokens, run.wall_seconds, loss, metrics)
