@@ -87,7 +87,7 @@ def generate(
     """Generate from ``target`` after ``prompt_ids`` (batch 1), speculatively when a drafter is given.
 
     Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the target's
-    warped distribution exactly (Leviathan et al. 2023, Theorem 1). ``tokenizer`` is needed only for stop strings.
+    warped distribution exactly (Leviathan et al. 2023, Appendix A). ``tokenizer`` is needed only for stop strings.
     """
     config = config or GenerationConfig()
     drafter = drafter or NoDrafter()

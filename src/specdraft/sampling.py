@@ -1,5 +1,5 @@
 """Logit warping, done once: temperature, top-k and top-p turn logits into the probabilities p (target) and
-q (draft) on which all acceptance math runs (Leviathan et al. 2023, Sec. 2.3: speculative sampling stays exact for
+q (draft) on which all acceptance math runs (Leviathan et al. 2023: speculative sampling stays exact for
 any warping applied identically to both models).
 """
 

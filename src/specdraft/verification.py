@@ -66,7 +66,7 @@ def acceptance_probabilities(draft_tokens: torch.Tensor, p: torch.Tensor, q: tor
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)), the distribution of the recovered token (Leviathan et al. 2023, Alg. 1;
-    Chen et al. 2023, Eq. 1). Sampled as is, never re-warped. Falls back to p where p == q numerically.
+    Chen et al. 2023). Sampled as is, never re-warped. Falls back to p where p == q numerically.
 
     Args:
         p, q: (..., V) probabilities. Returns (..., V).

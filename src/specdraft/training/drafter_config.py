@@ -1,4 +1,4 @@
-"""The drafter's architecture, derived from the target (Goel et al. 2024, arXiv 2403.00858, Sec. 3: a small, shallow
+"""The drafter's architecture, derived from the target (Goel et al. 2024, arXiv 2403.00858: a small, shallow
 Llama that shares the target's tokenizer, trained from scratch and then aligned by distillation).
 
 The drafter keeps everything that speculative decoding compares token for token: the vocabulary size, the

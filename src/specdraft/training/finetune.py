@@ -1,4 +1,4 @@
-"""Stage 2 of draft training (Goel et al. 2024, arXiv 2403.00858, Sec. 3.2): align a pretrained drafter with the
+"""Stage 2 of draft training (Goel et al. 2024, arXiv 2403.00858): align a pretrained drafter with the
 target by knowledge distillation on the target's own responses (made by ``specdraft distill-data``).
 
 Each example is the prompt followed by the target's response, right-padded in a batch. The loss counts only the

@@ -1,4 +1,5 @@
-"""Distillation data (Goel et al. 2024, Sec. 3.1): the target's own responses to real instructions.
+"""Distillation data (Goel et al. 2024, arXiv 2403.00858, the stage "distillation dataset generation"): the
+target's own responses to real instructions.
 
 Prompts (ShareGPT first turns, or any prompt jsonl) are cut into fixed shards; each shard is generated in batches
 with left padding by transformers' ``generate`` and written atomically (temp file, then rename). A shard file that

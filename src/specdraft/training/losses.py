@@ -79,7 +79,7 @@ def jsd(
     *,
     beta: float = 0.5,
 ) -> torch.Tensor:
-    """Generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024, Eq. 1), TRL's ``generalized_jsd_loss``.
+    """Generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024), TRL's ``generalized_jsd_loss``.
 
         m = β p + (1 − β) q
         JSD(β) = β KL(p ‖ m) + (1 − β) KL(q ‖ m)          for 0 < β < 1

@@ -1,4 +1,4 @@
-"""Stage 1 of draft training (Goel et al. 2024, arXiv 2403.00858, Sec. 3.1): pretrain a small drafter from scratch
+"""Stage 1 of draft training (Goel et al. 2024, arXiv 2403.00858): pretrain a small drafter from scratch
 with next-token cross-entropy on text tokenised by the target's tokenizer.
 
 The corpus is a named source (``sharegpt``: assistant turns of the ShareGPT *train* split, so held-out chat
