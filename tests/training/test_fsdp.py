@@ -3,7 +3,9 @@ training on the same global batches, the checkpoint (written by rank 0) holds th
 resumed ends with the same weights."""
 
 import os
+import signal
 import socket
+import warnings
 
 import pytest
 import torch
@@ -61,6 +63,7 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
     train(resumed, _dataset(), lm_loss, _config(half, 2, fsdp=True, resume=True))
     torch.save(resumed.state_dict(), os.path.join(folder, f"resumed{rank}.pt"))
     dist.destroy_process_group()
+    open(os.path.join(folder, f"done{rank}"), "w").close()  # everything above finished on this rank
 
 
 def _free_port() -> int:
@@ -69,10 +72,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _spawn_tolerating_exit_abort(folder) -> None:
+    """Run both ranks. Once (in ~16 runs on a loaded 2-core machine) a rank aborted with "terminate called without
+    an active exception" after its work and ``destroy_process_group`` had finished: a crash in interpreter teardown,
+    not in training. Only that case is tolerated (with a warning); an abort before a rank's done-marker fails."""
+    context = mp.spawn(_worker, args=(2, _free_port(), str(folder)), nprocs=2, join=False)
+    for process in context.processes:  # wait for every rank: spawn's join would kill the others at the first abort
+        process.join(timeout=300)
+    for rank, process in enumerate(context.processes):
+        if process.exitcode == -signal.SIGABRT and (folder / f"done{rank}").exists():
+            warnings.warn(f"rank {rank} aborted in interpreter teardown after finishing its work", stacklevel=1)
+        else:
+            assert process.exitcode == 0, f"rank {rank} exited with {process.exitcode}"
+
+
 def test_fsdp_matches_one_process_and_resumes_exactly(tmp_path):
     single = _model(seed=0)
     train(single, _dataset(), lm_loss, _config(tmp_path / "single", batch_size=4))
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    _spawn_tolerating_exit_abort(tmp_path)
     saved = load_training_state(tmp_path / "run" / "checkpoint.pt")
     assert saved["step"] == STEPS
     assert set(saved["optimizer"]["state"]) == dict(single.named_parameters()).keys()  # full, keyed by name
