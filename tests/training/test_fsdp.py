@@ -73,9 +73,10 @@ def _free_port() -> int:
 
 
 def _spawn_tolerating_exit_abort(folder) -> None:
-    """Run both ranks. Once (in ~16 runs on a loaded 2-core machine) a rank aborted with "terminate called without
-    an active exception" after its work and ``destroy_process_group`` had finished: a crash in interpreter teardown,
-    not in training. Only that case is tolerated (with a warning); an abort before a rank's done-marker fails."""
+    """Run both ranks and wait for both. Once in ~16 runs on a loaded 2-core machine a rank aborted with "terminate
+    called without an active exception" (where was not captured). An abort is tolerated, with a warning, only after
+    the rank wrote its done-marker (its work and ``destroy_process_group`` finished: interpreter teardown); an abort
+    or any other failure before that fails the test."""
     context = mp.spawn(_worker, args=(2, _free_port(), str(folder)), nprocs=2, join=False)
     for process in context.processes:  # wait for every rank: spawn's join would kill the others at the first abort
         process.join(timeout=300)
