@@ -46,13 +46,20 @@ def load_drafter(
         return TRAINING_FREE[drafter]()
     if not draft:
         return None
+    return DraftModelDrafter(load_draft_model(target, target_tokenizer, draft, dtype, backend), name=f"draft:{draft}")
+
+
+def load_draft_model(
+    target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto"
+) -> CausalLM:
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint)."""
     model = load_model(draft, dtype, backend)
     try:
         draft_tokenizer = load_tokenizer(draft)
     except SpecdraftError:
         draft_tokenizer = None  # a bare checkpoint: only the vocabulary size can be checked
     check_compatible(target, target_tokenizer, model, draft_tokenizer)
-    return DraftModelDrafter(model, name=f"draft:{draft}")
+    return model
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:

@@ -22,12 +22,11 @@ from typing import Protocol
 
 import torch
 
-from specdraft.api import load_drafter
-from specdraft.compat import check_compatible
+from specdraft.api import load_draft_model, load_drafter
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import load_model, load_tokenizer
+from specdraft.models.registry import load_model
 
 
 @dataclass
@@ -191,16 +190,8 @@ def _build_hf(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> l
     return [HFMethod(spec, ctx.hf_target(), base=spec)]
 
 
-def _tokenizer_or_none(name: str):
-    try:
-        return load_tokenizer(name)
-    except SpecdraftError:
-        return None  # a bare checkpoint: only the vocabulary size can be checked
-
-
 def _build_hf_assisted(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    wrapped = load_model(arg, ctx.dtype, backend="hf")
-    check_compatible(ctx.target, ctx.tokenizer, wrapped, _tokenizer_or_none(arg))  # the checks of draft:PATH
+    wrapped = load_draft_model(ctx.target, ctx.tokenizer, arg, ctx.dtype, backend="hf")  # the checks of draft:PATH
     assistant, model = wrapped.model, ctx.hf_target()
     ratio = count_parameters(assistant) / count_parameters(model)
     return _variants(spec, gammas, sweep, lambda name, k: HFMethod(name, model, assistant, k, ratio, spec))

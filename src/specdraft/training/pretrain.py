@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from specdraft.api import DTYPES
 from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
 from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, train
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPORT_DTYPES = DTYPES  # float32 | bfloat16, the same names as --dtype
 
 
 @dataclass(frozen=True, kw_only=True)
