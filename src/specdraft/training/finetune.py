@@ -14,6 +14,7 @@ with the real decoder (:func:`specdraft.decoding.generate`) on prompts whose res
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -292,6 +293,8 @@ def load_models(config: FinetuneConfig):
     checked before any training."""
     from transformers import AutoModelForCausalLM
 
+    from specdraft.compat import check_compatible
+    from specdraft.models.hf import HFCausalLM
     from specdraft.models.registry import load_model, load_tokenizer, resolve
 
     try:
@@ -300,12 +303,12 @@ def load_models(config: FinetuneConfig):
         raise SpecdraftError(f"cannot load drafter {config.drafter!r}: {str(exc).splitlines()[0]}") from None
     dtype = EXPORT_DTYPES[config.target_dtype]
     target_model = load_model(config.target, dtype, backend="hf").model.eval().requires_grad_(False)
-    target = load_model(config.target, torch.float32)
-    draft_vocab = drafter.get_output_embeddings().weight.shape[0]
-    if draft_vocab != target.vocab_size:
-        raise SpecdraftError(f"vocabulary mismatch: drafter {config.drafter!r} has {draft_vocab} logits, "
-                             f"target {config.target!r} has {target.vocab_size}")
-    return drafter, target_model, target, load_tokenizer(config.target)
+    target, tokenizer = load_model(config.target, torch.float32), load_tokenizer(config.target)
+    draft_tokenizer = None  # a bare checkpoint: only the vocabulary size can be checked
+    with contextlib.suppress(SpecdraftError):
+        draft_tokenizer = load_tokenizer(config.drafter)
+    check_compatible(target, tokenizer, HFCausalLM(drafter, name=config.drafter), draft_tokenizer)
+    return drafter, target_model, target, tokenizer
 
 
 def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
