@@ -33,6 +33,10 @@ class TableCache:
         assert 0 <= length <= self.length
         self.length = length
 
+    def compact(self, start: int, slots) -> None:
+        assert 0 <= start <= self.length and all(start <= s < self.length for s in slots)
+        self.length = start + len(slots)
+
 
 class BigramLM:
     """A CausalLM whose logits depend only on the current token: logits[t] = table[input[t]]."""
@@ -47,7 +51,8 @@ class BigramLM:
     def new_cache(self, capacity: int, batch_size: int = 1) -> TableCache:
         return TableCache(capacity)
 
-    def forward(self, input_ids: torch.Tensor, cache: TableCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: TableCache, positions=None, attention_mask=None) -> torch.Tensor:
+        """Positions and masks do not matter to a bigram: each row depends on its own token only."""
         cache.length += input_ids.shape[1]
         assert cache.length <= cache.capacity
         return self.table[input_ids]  # (B, T, V)
@@ -70,6 +75,9 @@ class PatternDrafter:
         self.vocab_size = target.vocab_size
         self.wrong = wrong
         self.step = 0
+
+    def begin(self, target, cache) -> None:
+        pass
 
     def propose(self, context, num_draft_tokens, sampling, generator) -> Draft:
         tokens = self.oracle.propose(context, num_draft_tokens, sampling, generator).tokens.clone()

@@ -36,14 +36,18 @@ def load_drafter(
     drafter: str | None = None,
     dtype: torch.dtype = torch.float32,
     backend: str = "auto",
+    options: dict[str, str] | None = None,
 ) -> Drafter | None:
-    """A drafter from a draft model name/path (checked for compatibility) or a training-free drafter name."""
+    """A drafter from a draft model name/path (checked for compatibility) or a training-free drafter name with
+    its ``options`` (``{KEY: VALUE}`` strings)."""
     if draft and drafter:
         raise SpecdraftError("give either a draft model or a training-free drafter, not both")
+    if options and not drafter:
+        raise SpecdraftError("drafter options need a training-free drafter (--drafter)")
     if drafter:
         if drafter not in TRAINING_FREE:
             raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(TRAINING_FREE))}")
-        return TRAINING_FREE[drafter]()
+        return TRAINING_FREE[drafter](target, target_tokenizer, dict(options or {}))
     if not draft:
         return None
     return DraftModelDrafter(load_draft_model(target, target_tokenizer, draft, dtype, backend), name=f"draft:{draft}")

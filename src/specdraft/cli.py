@@ -13,7 +13,7 @@ import torch
 
 from specdraft.api import DTYPES, encode_prompt, eos_token_ids, load_drafter, load_target, parse_dtype
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import TRAINING_FREE, parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.training.commands import add_training_commands
@@ -35,6 +35,8 @@ def _add_generate(sub) -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--draft", help="draft model: built-in name, checkpoint folder or cached hub id")
     how.add_argument("--drafter", choices=sorted(TRAINING_FREE), help="training-free drafter")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="option of the training-free drafter (repeatable), e.g. max_ngram_size=4")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text")
     what.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")
@@ -61,7 +63,8 @@ def _run_generate(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target, dtype, args.backend)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, sampling,
                               eos_token_ids(tokenizer, args.target), tuple(args.stop))
-    drafter = load_drafter(target, tokenizer, args.draft, args.drafter, dtype, args.backend)
+    drafter = load_drafter(target, tokenizer, args.draft, args.drafter, dtype, args.backend,
+                           parse_options(args.drafter_option))
     ids = args.prompt_ids if args.prompt_ids is not None else encode_prompt(tokenizer, args.prompt, args.chat)
     for i in range(args.n):
         result = generate(target, ids, drafter, config, torch.Generator().manual_seed(args.seed + i), tokenizer)

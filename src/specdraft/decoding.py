@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdraft.drafters.base import EMPTY_DRAFT, Drafter, NoDrafter
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.sampling import SamplingConfig, check_finite, warp
 from specdraft.stats import GenerationStats
 from specdraft.stopping import Stopper
-from specdraft.verification import VerifyResult, verify_greedy, verify_sampling
+from specdraft.trees import chain_parents, depths, keep_nodes, verify_layout
+from specdraft.verification import (
+    VerifyResult,
+    verify_greedy,
+    verify_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
+
+_TREE_ROOM = 256  # cache slots beyond prompt + max_new_tokens for tree nodes and auxiliary tokens in flight
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,41 @@ def _check_inputs(prompt_ids: Sequence[int] | torch.Tensor, target: CausalLM, dr
     return prompt
 
 
+def _fit_tree(draft: Draft, max_depth: int, room: int, max_position: int) -> Draft:
+    """Drop tree nodes deeper than ``max_depth`` or beyond ``room`` nodes, and an auxiliary branch that does not fit
+    in the cache or past the model's last position. Node order keeps the result a tree."""
+    aux = draft.aux
+    if aux is not None and (len(draft) + aux.tokens.shape[0] > room or int(aux.offsets.max(initial=0)) > max_position):
+        aux = None
+    parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+    keep = (depths(parents) <= max_depth) & (torch.arange(len(draft)) < room)
+    if bool(keep.all()):
+        return Draft(draft.tokens, draft.q, parents, aux)
+    kept, parents = keep_nodes(parents, keep)
+    return Draft(draft.tokens[kept], None if draft.q is None else draft.q[kept], parents, aux)
+
+
+def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, config: GenerationConfig, generator):
+    """One target forward over the uncached tail, the tree and the auxiliary branch; verify the tree; keep only the
+    accepted path in the cache. Returns the verification result (with the auxiliary logits)."""
+    start, tail = cache.length, context[cache.length :]  # tail: (T0,), its last token is the root
+    aux = draft.aux
+    offsets, mask = verify_layout(tail.shape[0], draft.parents, aux)  # (T,), (T, T)
+    fed = [tail, draft.tokens] + ([aux.tokens] if aux is not None else [])
+    logits = target.forward(torch.cat(fed).unsqueeze(0), cache, positions=start + offsets, attention_mask=mask)[0]
+    check_finite(logits, "target")
+    rows = logits[tail.shape[0] - 1 : tail.shape[0] + len(draft)]  # (N + 1, V): root, then every node
+    if config.sampling.greedy:
+        result = verify_tree_greedy(draft.tokens, draft.parents, rows)
+    else:
+        result = verify_tree_sampling(draft.tokens, draft.parents, draft.q, warp(rows, config.sampling), generator)
+    first_node = start + tail.shape[0]
+    cache.compact(first_node, [first_node + node for node in result.accepted_nodes])
+    if aux is not None:
+        result = replace(result, aux_logits=logits[tail.shape[0] + len(draft) :])
+    return result, draft.tokens[list(result.accepted_nodes)].tolist()
+
+
 def _verify(draft, logits: torch.Tensor, sampling: SamplingConfig, generator) -> VerifyResult:
     """Greedy exact match, or speculative sampling on p warped once."""
     if sampling.greedy:
@@ -93,23 +137,31 @@ def generate(
     drafter = drafter or NoDrafter()
     prompt = _check_inputs(prompt_ids, target, drafter, config.max_new_tokens)
     stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, tokenizer)
-    cache = target.new_cache(prompt.numel() + config.max_new_tokens)
+    needed = prompt.numel() + config.max_new_tokens
+    cache = target.new_cache(min(needed + _TREE_ROOM, target.max_context))  # room for tree and auxiliary slots
+    drafter.begin(target, cache)
     context, generated, stats, reason = prompt, [], GenerationStats(), None
     start = time.perf_counter()
     while reason is None:
         tick = time.perf_counter()
         num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(generated) - 1)
         draft = drafter.propose(context, num_draft, config.sampling, generator) if num_draft > 0 else EMPTY_DRAFT
-        if len(draft) > num_draft:
-            draft = type(draft)(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
         tock = time.perf_counter()
-        fed = torch.cat([context[cache.length :], draft.tokens])  # (T,) uncached tokens, then the draft
-        logits = target.forward(fed.unsqueeze(0), cache)[0, -(len(draft) + 1) :]  # (γ + 1, V)
-        check_finite(logits, "target")
-        result = _verify(draft, logits, config.sampling, generator)
-        cache.crop(context.shape[0] + result.num_accepted)
+        if draft.is_tree:
+            room = cache.capacity - context.shape[0]
+            draft = _fit_tree(draft, num_draft, room, target.max_context - 1 - context.shape[0])
+            result, accepted = _tree_step(target, cache, context, draft, config, generator)
+        else:
+            if len(draft) > num_draft:
+                draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
+            fed = torch.cat([context[cache.length :], draft.tokens])  # (T,) uncached tokens, then the draft
+            logits = target.forward(fed.unsqueeze(0), cache)[0, -(len(draft) + 1) :]  # (γ + 1, V)
+            check_finite(logits, "target")
+            result = _verify(draft, logits, config.sampling, generator)
+            cache.crop(context.shape[0] + result.num_accepted)
+            accepted = draft.tokens[: result.num_accepted].tolist()
         verified = time.perf_counter()
-        new = draft.tokens[: result.num_accepted].tolist() + [result.next_token]
+        new = accepted + [result.next_token]
         keep, reason = stopper.scan(generated, new)
         generated += new[:keep]
         context = torch.cat([context, torch.tensor(new[:keep], dtype=torch.long)])

@@ -34,8 +34,8 @@ class GenerationStats:
         self.target_forward_calls += 1
         self.draft_tokens_proposed += result.num_draft_tokens
         self.draft_tokens_accepted += result.num_accepted
-        reached = min(result.num_accepted + 1, result.num_draft_tokens)
-        grow = result.num_draft_tokens - len(self.reached_per_position)
+        reached = min(result.num_accepted + 1, result.positions)
+        grow = result.positions - len(self.reached_per_position)
         if grow > 0:
             self.reached_per_position += [0] * grow
             self.accepted_per_position += [0] * grow

@@ -22,9 +22,16 @@ class VerifyResult:
     num_accepted: int  # leading draft tokens kept, 0..num_draft_tokens
     next_token: int  # the recovered token (on rejection) or the bonus token (all accepted)
 
+    aux_logits: torch.Tensor | None = None  # (A, V) logits of the draft's auxiliary branch, when it had one
+
     @property
     def bonus(self) -> bool:
         return self.num_accepted == self.num_draft_tokens
+
+    @property
+    def positions(self) -> int:
+        """Draft positions (depths) this step offered: γ for a chain."""
+        return self.num_draft_tokens
 
 
 def _leading_true(mask: torch.Tensor) -> int:
@@ -98,3 +105,86 @@ def verify_sampling(
     else:
         next_token = sample(p[gamma], generator)
     return VerifyResult(gamma, num_accepted, int(next_token))
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult(VerifyResult):
+    """Outcome of verifying a token tree: ``num_draft_tokens`` counts its nodes, ``accepted_nodes`` is the accepted
+    root-to-node path (node indices, length ``num_accepted``), ``depth`` the tree's depth."""
+
+    accepted_nodes: tuple[int, ...] = ()
+    depth: int = 0
+
+    @property
+    def positions(self) -> int:
+        return self.depth
+
+
+def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> TreeVerifyResult:
+    """Greedy tree verification: from the root, follow the child equal to the target's argmax while there is one
+    (the longest path agreeing with greedy decoding; Medusa, Cai et al. 2024; SpecInfer, Miao et al. 2024).
+
+    Args:
+        tokens, parents: (N,) the tree (:mod:`specdraft.trees`).
+        target_logits: (N + 1, V) logits at the root (row 0) and at every node (row i + 1).
+    """
+    from specdraft.trees import children, depths
+
+    argmax = target_logits.argmax(-1).tolist()  # (N + 1,)
+    kids, ids = children(parents), tokens.tolist()
+    path, row = [], 0
+    while True:
+        match = next((c for c in kids[row] if ids[c] == argmax[row]), None)
+        if match is None:
+            break
+        path.append(match)
+        row = match + 1
+    depth = int(depths(parents).max()) if parents.numel() else 0
+    return TreeVerifyResult(len(ids), len(path), argmax[row], accepted_nodes=tuple(path), depth=depth)
+
+
+def verify_tree_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+) -> TreeVerifyResult:
+    """Multi-draft recursive rejection sampling over a token tree (SpecInfer, Miao et al. 2024, Alg. 2 "multi-step
+    speculative sampling"): lossless, the emitted tokens follow p exactly.
+
+    At the current node the children are tried in order. Child x drawn from q_x is accepted with probability
+    min(1, p'(x) / q_x(x)); on rejection the residual becomes p' <- norm(max(0, p' - q_x)). A deterministic child
+    (q None) is a point mass, so rejection removes x from p'. When every child is rejected the recovered token is
+    drawn from the final residual; when a leaf is accepted the bonus token is drawn from p at the leaf.
+
+    Args:
+        tokens, parents: (N,) the tree.
+        q: (N, V) the distribution each node was drawn from (siblings with q: independent draws from one row),
+           or None for deterministic candidates.
+        p: (N + 1, V) warped target probabilities at the root (row 0) and every node (row i + 1).
+        generator: the source of every random draw.
+    """
+    from specdraft.trees import children, depths
+
+    kids, ids = children(parents), tokens.tolist()
+    vocab = p.shape[-1]
+    path, row = [], 0
+    while True:
+        residual = p[row]  # (V,)
+        accepted = None
+        for child in kids[row]:
+            q_child = q[child] if q is not None else torch.nn.functional.one_hot(tokens[child], vocab).to(p.dtype)
+            x = ids[child]
+            ratio = residual[x] / q_child[x] if q_child[x] > 0 else torch.tensor(0.0)
+            if float(torch.rand((), generator=generator)) < min(1.0, float(ratio)):
+                accepted = child
+                break
+            residual = residual_distribution(residual, q_child)
+        if accepted is None:
+            next_token = int(sample(residual, generator))
+            break
+        path.append(accepted)
+        row = accepted + 1
+    depth = int(depths(parents).max()) if parents.numel() else 0
+    return TreeVerifyResult(len(ids), len(path), next_token, accepted_nodes=tuple(path), depth=depth)

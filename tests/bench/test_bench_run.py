@@ -180,15 +180,22 @@ def test_malformed_question_line_names_it(files, tmp_path, capsys):
 
 def test_training_free_methods_come_from_the_registry(files, monkeypatch):
     """A drafter added to TRAINING_FREE is a benchmark method with no change here."""
+    from specdraft.drafters.options import build
+
     monkeypatch.setitem(__import__("specdraft.drafters", fromlist=["x"]).TRAINING_FREE, "toy-lookup",
-                        lambda: PromptLookupDrafter(max_ngram_size=1))
+                        lambda target, tokenizer, options: build(PromptLookupDrafter, options))
     assert parse_methods("toy-lookup") == ["ar", "toy-lookup"]
     ctx = BuildContext(None, None, files["target"], None)
-    (ar, toy) = build_methods(ctx, ["toy-lookup"], gammas=[2], sweep=False)
+    (ar, toy, opt) = build_methods(ctx, ["toy-lookup", "toy-lookup:max_ngram_size=1;min-ngram-size=1"], gammas=[2],
+                                   sweep=False)
     assert (ar.name, toy.name, toy.num_draft_tokens, toy.param_ratio) == ("ar", "toy-lookup", 2, 0.0)
-    assert toy.drafter.max_ngram_size == 1
+    assert toy.drafter.max_ngram_size == 3 and opt.drafter.max_ngram_size == 1
     with pytest.raises(SpecdraftError, match="unknown method"):
         parse_methods("other-lookup")
+    with pytest.raises(SpecdraftError, match="unknown drafter option window; this drafter takes: max_ngram_size"):
+        build_methods(ctx, ["toy-lookup:window=3"], gammas=[2], sweep=False)
+    with pytest.raises(SpecdraftError, match="max_ngram_size='x': expected int"):
+        build_methods(ctx, ["toy-lookup:max_ngram_size=x"], gammas=[2], sweep=False)
 
 
 

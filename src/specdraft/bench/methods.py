@@ -5,7 +5,8 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
 
 - ``ar``: plain decoding through specdraft's loop (the baseline; always run).
 - ``draft:PATH``: a draft model (``specdraft.api.load_drafter(..., draft=PATH)``).
-- a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter.
+- a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter, optionally with options
+  ``NAME:KEY=VALUE;KEY=VALUE`` (quote the semicolons in a shell).
 - ``hf``: transformers' ``model.generate`` on the same weights and dtype.
 - ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
   ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
@@ -24,7 +25,7 @@ import torch
 
 from specdraft.api import load_draft_model, load_drafter
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
+from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
 
@@ -182,7 +183,8 @@ def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -
 
 
 def _build_training_free(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    drafter = load_drafter(ctx.target, ctx.tokenizer, drafter=spec)
+    name = spec.partition(":")[0]
+    drafter = load_drafter(ctx.target, ctx.tokenizer, drafter=name, options=parse_options(arg))
     return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, 0.0, spec))
 
 
@@ -203,6 +205,7 @@ class MethodKind:
 
     build: Callable[..., list[Method]]
     needs_path: bool = False
+    takes_options: bool = False  # training-free drafters: NAME:KEY=VALUE;KEY=VALUE
 
 
 METHOD_KINDS: dict[str, MethodKind] = {
@@ -216,13 +219,14 @@ BASELINE = "ar"
 
 def _kind(spec: str) -> tuple[MethodKind, str | None]:
     name, _, arg = spec.partition(":")
-    kind = METHOD_KINDS.get(name) or (MethodKind(_build_training_free) if name in TRAINING_FREE else None)
+    kind = METHOD_KINDS.get(name) or (MethodKind(_build_training_free, takes_options=True)
+                                      if name in TRAINING_FREE else None)
     if kind is None:
         known = [*METHOD_KINDS, *TRAINING_FREE]
         raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} (draft and hf-assisted take :PATH)")
     if kind.needs_path and not arg:
         raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
-    if not kind.needs_path and arg:
+    if not kind.needs_path and not kind.takes_options and arg:
         raise SpecdraftError(f"method {name!r} takes no argument, got {spec!r}")
     return kind, arg or None
 

@@ -1,15 +1,38 @@
 """Drafters, one file each behind :class:`~specdraft.drafters.base.Drafter`.
 
-``TRAINING_FREE`` maps the CLI name of each drafter that needs no second model to its factory; draft models are
-built from a checkpoint with :class:`DraftModelDrafter`.
+``TRAINING_FREE`` maps the CLI name of each drafter that needs no second model to its factory
+``make(target, tokenizer, options) -> Drafter`` (options: ``KEY=VALUE`` strings, see
+:mod:`specdraft.drafters.options`); draft models are built from a checkpoint with :class:`DraftModelDrafter`.
+Factories import their module lazily, so a drafter's dependencies load only when it is used.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
+from typing import Any
 
 from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.options import build, parse_options
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
-TRAINING_FREE: dict[str, Callable[[], Drafter]] = {"prompt-lookup": PromptLookupDrafter}
+DrafterFactory = Callable[[Any, Any, dict[str, str]], Drafter]
 
-__all__ = ["EMPTY_DRAFT", "TRAINING_FREE", "Draft", "DraftModelDrafter", "Drafter", "NoDrafter", "PromptLookupDrafter"]
+
+def _prompt_lookup(target, tokenizer, options: dict[str, str]) -> Drafter:
+    return build(PromptLookupDrafter, options)
+
+
+TRAINING_FREE: dict[str, DrafterFactory] = {"prompt-lookup": _prompt_lookup}
+
+__all__ = [
+    "EMPTY_DRAFT",
+    "TRAINING_FREE",
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
+    "DrafterFactory",
+    "NoDrafter",
+    "PromptLookupDrafter",
+    "parse_options",
+]

@@ -1,8 +1,11 @@
-"""The drafter interface: two verbs, as transformers' ``CandidateGenerator``.
+"""The drafter interface: three verbs, as transformers' ``CandidateGenerator`` plus a start hook.
 
-``propose(context, num_draft_tokens, sampling, generator) -> Draft`` drafts up to ``num_draft_tokens`` tokens to
-follow ``context``; ``observe(result)`` tells an adaptive drafter how verification went. The decoding loop knows
-nothing else about a drafter, so a new drafting method is a new file behind this interface.
+``begin(target, cache)`` is called once at the start of every generation with the target and its KV cache
+(self-speculative drafters draft through them; drafters with per-generation state reset it);
+``propose(context, num_draft_tokens, sampling, generator) -> Draft`` drafts a chain of up to ``num_draft_tokens``
+tokens, or a token tree no deeper than that, to follow ``context``; ``observe(result)`` tells an adaptive drafter
+how verification went. The decoding loop knows nothing else about a drafter, so a new drafting method is a new
+file behind this interface.
 """
 
 from __future__ import annotations
@@ -12,24 +15,41 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig
+from specdraft.trees import AuxBranch, check_tree
 from specdraft.verification import VerifyResult
 
 
 @dataclass(frozen=True)
 class Draft:
-    """A drafted chain.
+    """A drafted chain or token tree.
 
-    tokens: (γ,) long ids, γ may be 0 (then the step is plain decoding).
-    q: (γ, V) draft probabilities after the same warping as p, or None for a deterministic draft, which
-       verification treats as a point mass on ``tokens``.
+    tokens: (N,) long ids, N may be 0 (then the step is plain decoding).
+    q: (N, V) draft probabilities after the same warping as p, or None for a deterministic draft, which
+       verification treats as a point mass on ``tokens``. In a tree, row i is the distribution node i was drawn
+       from (its parent's); siblings that carry q must be independent draws from that same row (SpecInfer).
+    parents: None for a chain, else (N,) the tree (see :mod:`specdraft.trees`: -1 = child of the root,
+       parents[i] < i).
+    aux: tokens fed in the same target forward whose logits come back in ``VerifyResult.aux_logits``.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+    aux: AuxBranch | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            check_tree(self.tokens, self.parents, self.q)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether the decoding loop must take the tree path (a tree, or an auxiliary branch)."""
+        return self.parents is not None or self.aux is not None
 
 
 EMPTY_DRAFT = Draft(torch.empty(0, dtype=torch.long))
@@ -42,6 +62,10 @@ class Drafter(Protocol):
     name: str
     vocab_size: int | None
     max_context: int | None
+
+    def begin(self, target: CausalLM, cache: KVCache) -> None:
+        """A generation starts: ``target`` and its (empty) ``cache`` serve it. Most drafters ignore them."""
+        ...
 
     def propose(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
@@ -60,6 +84,9 @@ class NoDrafter:
     name = "ar"
     vocab_size = None
     max_context = None
+
+    def begin(self, target: CausalLM, cache: KVCache) -> None:
+        pass
 
     def propose(self, context, num_draft_tokens, sampling, generator) -> Draft:
         return EMPTY_DRAFT

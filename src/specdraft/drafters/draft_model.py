@@ -58,5 +58,8 @@ class DraftModelDrafter:
         self._cached = torch.cat([context, draft[:-1]])
         return Draft(draft, torch.stack(probs) if probs else None)
 
+    def begin(self, target, cache) -> None:
+        pass
+
     def observe(self, result: VerifyResult) -> None:
         pass

@@ -36,5 +36,8 @@ class PromptLookupDrafter:
                 return Draft(context[start : start + num_draft_tokens].clone())
         return EMPTY_DRAFT
 
+    def begin(self, target, cache) -> None:
+        pass
+
     def observe(self, result: VerifyResult) -> None:
         pass

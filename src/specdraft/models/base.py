@@ -32,6 +32,10 @@ class KVCache(Protocol):
         """Keep only the first ``length`` positions (rollback of rejected draft tokens)."""
         ...
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Keep the first ``start`` positions, then the given slots (>= start, increasing) moved after them."""
+        ...
+
 
 @runtime_checkable
 class CausalLM(Protocol):
@@ -49,12 +53,20 @@ class CausalLM(Protocol):
         """An empty cache for up to ``capacity`` positions."""
         ...
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits for ``input_ids``.
 
         Args:
-            input_ids: (B, T) token ids, placed at positions ``cache.length .. cache.length + T - 1``.
-            cache: extended in place by T positions.
+            input_ids: (B, T) token ids, written to cache slots ``cache.length .. cache.length + T - 1``.
+            cache: extended in place by T slots.
+            positions: (T,) absolute positions, default the slots (a token tree gives its depths).
+            attention_mask: (T, T) bool among the new tokens, default causal; cached slots are visible to all.
 
         Returns:
             (B, T, V) logits in float32.

@@ -29,6 +29,17 @@ class HFCache:
         if length < self.length:
             self.cache.crop(length - self.length)  # transformers 5 crops by a negative count of tokens to drop
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Keep positions ``0 .. start - 1`` plus the given slots moved after them (the accepted tree path)."""
+        length = self.length
+        if not 0 <= start <= length or any(not start <= s < length for s in slots):
+            raise SpecdraftError(f"cannot compact a cache of length {length} to {start} + slots {slots}")
+        index = torch.cat([torch.arange(start), torch.tensor(slots, dtype=torch.long)])  # (start + m,)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))  # (B, K, start + m, hd)
+                layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+
 
 class HFCausalLM:
     """Adapter from a transformers ``PreTrainedModel`` to :class:`CausalLM`."""
@@ -45,13 +56,30 @@ class HFCausalLM:
         return HFCache(capacity, self.config)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: HFCache) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HFCache,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`NativeLlama.forward`: a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool,
+        given to the model as a 4D additive mask (models that ignore 4D masks cannot verify trees)."""
         start, num_new = cache.length, input_ids.shape[1]
         if start + num_new > cache.capacity:
             raise SpecdraftError(f"KV cache capacity {cache.capacity} exceeded ({start} + {num_new} positions)")
-        positions = torch.arange(start, start + num_new).unsqueeze(0)  # (1, T)
+        slots = torch.arange(start, start + num_new)  # (T,)
+        mask = None
+        if positions is not None or attention_mask is not None:
+            positions = slots if positions is None else positions
+            local = attention_mask if attention_mask is not None else torch.ones(num_new, num_new).tril().bool()
+            seen = torch.ones(num_new, start + num_new, dtype=torch.bool)  # (T, S)
+            seen[:, start:] = local
+            mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill(~seen, torch.finfo(self.dtype).min)
+            mask = mask[None, None]  # (1, 1, T, S)
         out = self.model(
-            input_ids=input_ids, past_key_values=cache.cache, use_cache=True, position_ids=positions,
-            cache_position=positions[0],
+            input_ids=input_ids, past_key_values=cache.cache, use_cache=True,
+            position_ids=(slots if positions is None else positions).unsqueeze(0), cache_position=slots,
+            attention_mask=mask,
         )
         return out.logits.float()  # (B, T, V)

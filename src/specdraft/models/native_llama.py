@@ -169,6 +169,19 @@ class StaticKVCache:
         self.values[layer][:, :, start:end].copy_(values.transpose(1, 2))  # (B, K, T, hd)
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Keep positions ``0 .. start - 1`` and move the given slots (each >= start, increasing) to ``start ..``;
+        the length becomes ``start + len(slots)``. After tree verification this keeps the accepted path only."""
+        if not 0 <= start <= self._length or any(not start <= s < self._length for s in slots):
+            raise SpecdraftError(f"cannot compact a KV cache of length {self._length} to {start} + slots {slots}")
+        if slots != list(range(start, start + len(slots))):
+            index = torch.tensor(slots, dtype=torch.long, device=self.keys[0].device)
+            end = start + len(slots)
+            for tensors in (self.keys, self.values):
+                for layer in tensors:
+                    layer[:, :, start:end] = layer.index_select(2, index)  # (B, K, m, hd)
+        self._length = start + len(slots)
+
     def advance(self, num_new: int) -> None:
         """Mark ``num_new`` more positions valid, once every layer has written them."""
         self.ensure_room(num_new)
@@ -183,6 +196,7 @@ class _Step:
     cos: torch.Tensor  # (T, 1, hd/2)
     sin: torch.Tensor  # (T, 1, hd/2)
     mask: torch.Tensor | None  # (G*T, start + T) bool, or None when no mask is needed
+    explicit: bool = False  # the mask is given (tree step): never take the is_causal prefill path
 
 
 def _attention_mask(start: int, steps: int, groups: int, device: torch.device) -> torch.Tensor | None:
@@ -210,7 +224,7 @@ def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ste
     batch, steps, heads, head_dim = queries.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
-    if step.start == 0:
+    if step.start == 0 and not step.explicit:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys, values, is_causal=True, enable_gqa=True
         )  # (B, H, T, hd)
@@ -392,15 +406,29 @@ class NativeLlama(nn.Module):
         )
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        """Logits for ``input_ids`` (B, T) placed at positions ``cache.length ..``; returns (B, T, V) float32."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: StaticKVCache,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for ``input_ids`` (B, T) written to cache slots ``cache.length ..``; returns (B, T, V) float32.
+
+        By default token t sits at position ``cache.length + t`` and attends causally. For a token tree give
+        ``positions`` (T,) absolute positions and ``attention_mask`` (T, T) bool among the new tokens (every cached
+        slot stays visible to all of them); slots then differ from positions until :meth:`StaticKVCache.compact`.
+        """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] != cache.batch_size:
             raise SpecdraftError(
                 f"input_ids must be (batch {cache.batch_size}, T >= 1) to match the cache, got {tuple(input_ids.shape)}"
             )
         steps = input_ids.shape[1]
         cache.ensure_room(steps)
-        step = self._step(cache.length, steps)
+        if positions is None and attention_mask is None:
+            step = self._step(cache.length, steps)
+        else:
+            step = self._tree_step(cache.length, steps, positions, attention_mask)
         hidden = F.embedding(input_ids, self.embed_weight)  # (B, T, D)
         hidden = self._run_layers(hidden, cache, step)
         cache.advance(steps)
@@ -412,6 +440,26 @@ class NativeLlama(nn.Module):
         cos = self.rope_cos[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
         sin = self.rope_sin[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
         return _Step(start, cos, sin, _attention_mask(start, steps, groups, cos.device))
+
+    def _tree_step(
+        self, start: int, steps: int, positions: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> _Step:
+        """A step with explicit positions and a mask among the new tokens (token-tree verification)."""
+        device = self.rope_cos.device
+        if positions is None:
+            positions = start + torch.arange(steps, device=device)
+        if attention_mask is None:
+            attention_mask = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()
+        if positions.shape != (steps,) or attention_mask.shape != (steps, steps):
+            raise SpecdraftError(f"tree positions must be ({steps},) and attention_mask ({steps}, {steps})")
+        if int(positions.min()) < 0 or int(positions.max()) >= self.max_context:
+            raise SpecdraftError(f"positions must lie in 0 .. {self.max_context - 1}")
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, hd/2)
+        sin = self.rope_sin[positions].unsqueeze(1)  # (T, 1, hd/2)
+        seen = torch.ones(steps, start + steps, dtype=torch.bool, device=device)  # (T, S): all cached slots
+        seen[:, start:] = attention_mask.to(device)
+        return _Step(start, cos, sin, seen.repeat(groups, 1), explicit=True)
 
     def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step) -> torch.Tensor:
         """The decoder stack, layer by layer; each layer owns cache slot ``index``."""

@@ -1,0 +1,245 @@
+"""Token trees: compilation, one-forward tree attention on both model paths, greedy tree decoding equal to plain
+decoding, and multi-draft tree sampling whose output follows the target (chi-square)."""
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters.base import Draft
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.native_llama import NativeLlama
+from specdraft.sampling import SamplingConfig, warp
+from specdraft.trees import (
+    AuxBranch,
+    ancestor_mask,
+    chain_parents,
+    children,
+    depths,
+    keep_nodes,
+    parents_from_paths,
+    retrieve_indices,
+    verify_layout,
+)
+from specdraft.verification import verify_tree_greedy, verify_tree_sampling
+from toys import hf_target, tiny_llama
+
+PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]
+#        root
+#       /    \
+#      0      1
+#     / \     |
+#    2   3    4
+#    |
+#    5
+PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2])
+
+
+def test_structure():
+    assert depths(PARENTS).tolist() == [1, 1, 2, 2, 2, 3]
+    mask = ancestor_mask(PARENTS)
+    assert mask[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert mask[4].nonzero().flatten().tolist() == [1, 4]
+    assert children(PARENTS) == [[0, 1], [2, 3], [4], [5], [], [], []]
+    assert retrieve_indices(PARENTS).tolist() == [[0, 3, -1], [1, 4, -1], [0, 2, 5]]
+    assert chain_parents(3).tolist() == [-1, 0, 1]
+
+
+def test_parents_from_paths_orders_and_checks_prefixes():
+    parents, paths = parents_from_paths([(0, 1), (1,), (0,), (0, 0), (0, 0, 0)])
+    assert paths == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    assert parents.tolist() == [-1, -1, 0, 0, 2]
+    with pytest.raises(SpecdraftError, match="without its prefix"):
+        parents_from_paths([(0,), (1, 0)])
+
+
+def test_keep_nodes_renumbers_and_refuses_orphans():
+    kept, parents = keep_nodes(PARENTS, depths(PARENTS) <= 2)
+    assert kept.tolist() == [0, 1, 2, 3, 4] and parents.tolist() == [-1, -1, 0, 0, 1]
+    kept, parents = keep_nodes(PARENTS, torch.tensor([False, True, False, False, True, False]))
+    assert kept.tolist() == [1, 4] and parents.tolist() == [-1, 0]
+    with pytest.raises(SpecdraftError, match="descendants"):
+        keep_nodes(PARENTS, torch.tensor([False, True, True, True, True, True]))
+
+
+def test_verify_layout_positions_and_mask():
+    aux = AuxBranch(torch.tensor([7, 8]), torch.tensor([1, 2]), torch.tensor([[True, False], [True, True]]))
+    offsets, mask = verify_layout(2, PARENTS, aux)
+    assert offsets.tolist() == [0, 1, 2, 2, 3, 3, 3, 4, 2, 3]
+    assert mask[0].tolist()[:2] == [True, False] and mask[1, :2].all()
+    assert mask[2:, :2].all()  # everything sees the whole tail
+    node5 = 2 + 5
+    assert mask[node5].nonzero().flatten().tolist() == [0, 1, 2, 4, 7]
+    assert not mask[8:, 2:8].any() and not mask[2:8, 8:].any()  # tree and auxiliary branch never see each other
+    assert mask[9, 8:].tolist() == [True, True]
+
+
+@pytest.fixture(scope="module", params=["native", "hf"])
+def target(request):
+    return NativeLlama.from_hf(tiny_llama(0)) if request.param == "native" else hf_target(0)
+
+
+def _chain_logits(target, tokens):
+    cache = target.new_cache(64)
+    return target.forward(torch.tensor([tokens]), cache)[0]  # (T, V)
+
+
+def test_tree_forward_matches_each_path_as_a_chain(target):
+    """One tree forward gives every node the logits its root-to-node path would give as a plain chain."""
+    tokens = torch.tensor([11, 12, 13, 14, 15, 16])
+    cache = target.new_cache(64)
+    target.forward(torch.tensor([PROMPT[:-2]]), cache)
+    tail = torch.tensor(PROMPT[-2:])
+    offsets, mask = verify_layout(2, PARENTS)
+    logits = target.forward(torch.cat([tail, tokens])[None], cache, positions=cache.length + offsets,
+                            attention_mask=mask)[0]
+    for path in retrieve_indices(PARENTS).tolist():
+        path = [n for n in path if n >= 0]
+        chain = _chain_logits(target, PROMPT + tokens[path].tolist())
+        torch.testing.assert_close(logits[[2 + n for n in path]], chain[len(PROMPT):], atol=1e-4, rtol=1e-4)
+    # keep only the path 0 -> 2 -> 5, then decode one more token: equal to the chain's next logits
+    start = len(PROMPT)
+    cache.compact(start, [start + 0, start + 2, start + 5])
+    assert cache.length == start + 3
+    nxt = target.forward(torch.tensor([[21]]), cache)[0, -1]
+    chain = _chain_logits(target, PROMPT + [11, 13, 16, 21])
+    torch.testing.assert_close(nxt, chain[-1], atol=1e-4, rtol=1e-4)
+
+
+class OracleTreeDrafter:
+    """A tree whose first branch holds wrong tokens and whose second holds the target's greedy continuation,
+    corrupted at depth ``wrong_at`` (None: never), plus a wrong sibling under each oracle node."""
+
+    name = "oracle-tree"
+    vocab_size = None
+    max_context = None
+
+    def __init__(self, target, wrong_at=None) -> None:
+        self.oracle = DraftModelDrafter(target)
+        self.vocab = target.vocab_size
+        self.wrong_at = wrong_at
+
+    def begin(self, target, cache) -> None:
+        pass
+
+    def propose(self, context, num_draft_tokens, sampling, generator) -> Draft:
+        right = self.oracle.propose(context, num_draft_tokens, SamplingConfig(), None).tokens.clone()
+        if self.wrong_at is not None and self.wrong_at < right.shape[0]:
+            right[self.wrong_at] = (right[self.wrong_at] + 1) % self.vocab
+        tokens, parents = [(int(right[0]) + 3) % self.vocab], [-1]  # a wrong first child of the root
+        previous = -1
+        for token in right.tolist():
+            tokens += [token, (token + 2) % self.vocab]
+            parents += [previous, previous]
+            previous = len(tokens) - 2
+        return Draft(torch.tensor(tokens), parents=torch.tensor(parents))
+
+    def observe(self, result) -> None:
+        pass
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 2])
+def test_greedy_tree_decoding_equals_plain(target, wrong_at):
+    plain = generate(target, PROMPT, None, GenerationConfig(30)).token_ids
+    result = generate(target, PROMPT, OracleTreeDrafter(target, wrong_at), GenerationConfig(30, 4))
+    assert result.token_ids == plain
+    if wrong_at is None:
+        assert result.stats.block_efficiency > 4
+    elif wrong_at == 0:
+        assert result.stats.draft_tokens_accepted == 0
+    else:
+        assert 2 < result.stats.block_efficiency <= 3
+
+
+def test_verify_tree_greedy_follows_argmax():
+    logits = torch.full((7, 20), -1.0)
+    for row, best in enumerate([12, 13, 4, 15, 0, 9, 3]):
+        logits[row, best] = 1.0
+    tokens = torch.tensor([11, 12, 13, 14, 15, 16])
+    result = verify_tree_greedy(tokens, PARENTS, logits)
+    assert result.accepted_nodes == (1,) and result.next_token == 4  # root -> 12 (node 1); node 1 wants 4, has 15
+    assert result.num_draft_tokens == 6 and result.depth == 3
+
+
+def _sampled_tree_distribution(deterministic: bool, trials: int = 12000):
+    """First two emitted tokens of one tree step, completed from p when only one is emitted; and the exact p."""
+    vocab = 4
+    gen = torch.Generator().manual_seed(0)
+    sampling = SamplingConfig(1.0)
+
+    def p_at(prefix):
+        g = torch.Generator().manual_seed(1000 + hash(prefix) % 997)
+        return warp(torch.randn(vocab, generator=g) * 1.5, sampling)
+
+    def q_at(prefix):
+        g = torch.Generator().manual_seed(2000 + hash(prefix) % 991)
+        return warp(torch.randn(vocab, generator=g) * 1.5, sampling)
+
+    counts = Counter()
+    for _ in range(trials):
+        if deterministic:  # top-2 of q at the root, top-1 under each: point masses
+            first = q_at(()).topk(2).indices.tolist()
+            tokens = first + [int(q_at((t,)).argmax()) for t in first]
+            q = None
+        else:  # two i.i.d. draws from q at the root, two i.i.d. draws under the first
+            first = torch.multinomial(q_at(()), 2, replacement=True, generator=gen).tolist()
+            second = torch.multinomial(q_at((first[0],)), 2, replacement=True, generator=gen).tolist()
+            tokens = first + second
+            q = torch.stack([q_at(()), q_at(()), q_at((first[0],)), q_at((first[0],))])
+        parents = torch.tensor([-1, -1, 0, 1]) if deterministic else torch.tensor([-1, -1, 0, 0])
+        rows = [()] + [tuple(tokens[n] for n in _path(parents, i)) for i in range(4)]
+        p = torch.stack([p_at(r) for r in rows])  # (5, V)
+        result = verify_tree_sampling(torch.tensor(tokens), parents, q, p, gen)
+        emitted = [tokens[n] for n in result.accepted_nodes] + [result.next_token]
+        if len(emitted) == 1:
+            emitted.append(int(torch.multinomial(p_at(tuple(emitted)), 1, generator=gen)))
+        counts[tuple(emitted[:2])] += 1
+    expected = {(a, b): float(p_at(())[a] * p_at((a,))[b]) for a in range(vocab) for b in range(vocab)}
+    return counts, expected
+
+
+def _path(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_tree_sampling_follows_target(deterministic):
+    counts, expected = _sampled_tree_distribution(deterministic)
+    keys = sorted(expected)
+    total = sum(counts.values())
+    observed = [counts[k] for k in keys]
+    weights = torch.tensor([expected[k] for k in keys], dtype=torch.float64)
+    exp = (weights / weights.sum() * total).tolist()
+    assert chisquare(observed, exp).pvalue > 1e-3
+
+
+def test_sampled_tree_decoding_matches_plain_sampling_marginal():
+    """End to end on a tiny model: the first sampled token after the prompt has the target's distribution."""
+    target = NativeLlama.from_hf(tiny_llama(0, std=0.05))
+    sampling = SamplingConfig(1.0)
+    p = warp(_chain_logits(target, PROMPT)[-1], sampling)
+    counts = Counter()
+    trials = 1500
+    for seed in range(trials):
+        result = generate(target, PROMPT, OracleTreeDrafter(target, 1), GenerationConfig(2, 3, sampling),
+                          torch.Generator().manual_seed(seed))
+        counts[result.token_ids[0]] += 1
+    support = (p * trials >= 5).nonzero().flatten().tolist()
+    observed = [counts[t] for t in support]
+    exp = [float(p[t]) * trials for t in support]
+    rest = trials * (1 - float(p[support].sum()))
+    if rest >= 5:
+        observed.append(trials - sum(observed))
+        exp.append(rest)
+    else:  # too little mass outside the support for a chi-square bucket: it must stay rare
+        assert trials - sum(observed) <= 5 + 4 * rest
+        exp = [e * sum(observed) / sum(exp) for e in exp]
+    exp = [e * sum(observed) / sum(exp) for e in exp]
+    assert chisquare(observed, exp).pvalue > 1e-3
