@@ -250,3 +250,28 @@ def test_token_budget_sets_steps_and_init_from_target_copies_the_projection(run,
         _pretrain_config(run, tmp_path, heldout_every=1)
     with pytest.raises(SpecdraftError, match="at least heldout_every"):
         pretrain(_pretrain_config(run, tmp_path / "few", max_docs=5))
+
+
+def test_distill_topk_matches_the_log_probs_stored_during_generation(run, tmp_path):
+    """The teacher pass (right-padded teacher forcing) reproduces the top-k that generation stored (left-padded
+    sampling), so fine-tuning runs can share one pass of the target; a killed pass resumes shard by shard."""
+    _cli("distill-data", "--target", run / "target", "--out", tmp_path / "gen", "--prompts", run / "prompts.jsonl",
+         "--limit", 12, "--max-new-tokens", 6, "--top-logprobs", 4, "--dtype", "float32", "--shard-size", 8)
+    _cli("distill-data", "--target", run / "target", "--out", tmp_path / "plain", "--prompts",
+         run / "prompts.jsonl", "--limit", 12, "--max-new-tokens", 6, "--dtype", "float32", "--shard-size", 8)
+    _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "topk", "--target", run / "target",
+         "--k", 4, "--dtype", "float32", "--batch-size", 5)
+    stored = load_distill_records(tmp_path / "gen", need_topk=True)
+    annotated = load_distill_records(tmp_path / "topk", need_topk=True)
+    assert [r["response_token_ids"] for r in stored] == [r["response_token_ids"] for r in annotated]
+    for a, b in zip(stored, annotated, strict=True):
+        assert a["top_ids"] == b["top_ids"]
+        torch.testing.assert_close(torch.tensor(b["top_logprobs"]), torch.tensor(a["top_logprobs"]), atol=2e-4,
+                                   rtol=0)
+    first = tmp_path / "topk" / "shard-00000.jsonl"
+    first.write_text("sentinel\n")  # a present shard is kept, not recomputed
+    _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "topk", "--target", run / "target",
+         "--k", 4, "--dtype", "float32")
+    assert first.read_text() == "sentinel\n"
+    with pytest.raises(SpecdraftError, match="must differ"):
+        _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "plain", "--target", run / "target")

@@ -21,6 +21,7 @@ from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export
 from specdraft.training.finetune import FinetuneConfig, finetune
 from specdraft.training.generation import MANIFEST_FILE, DistillDataConfig, generate_distillation_data
 from specdraft.training.pretrain import PretrainConfig, export_path, pretrain
+from specdraft.training.teacher import TeacherTopkConfig, annotate_topk
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 STAGES = ("pretrain", "distill_data", "finetune")
@@ -57,6 +58,11 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def _run_distill_topk(args: argparse.Namespace) -> None:
+    manifest = annotate_topk(config_from_args(TeacherTopkConfig, args))
+    print(f"distill-topk: {manifest['records']} records in {len(manifest['shards'])} shards -> {args.out}")
+
+
 def _run_pretrain(args: argparse.Namespace) -> None:
     print(pretrain(config_from_args(PretrainConfig, args), command=command_line(args)), flush=True)
 
@@ -84,6 +90,9 @@ def add_training_commands(sub) -> None:
     add_config_arguments(p, DistillDataConfig)
     p.add_argument("--overwrite", action="store_true", help="discard data made with other settings in --out")
     p.set_defaults(run=_run_distill_data, subcommand="distill-data")
+    p = sub.add_parser("distill-topk", help="store the target's top-k log-probs for distill-data (teacher pass)")
+    add_config_arguments(p, TeacherTopkConfig)
+    p.set_defaults(run=_run_distill_topk, subcommand="distill-topk")
     p = sub.add_parser("finetune", help="stage 2: align a pretrained drafter with the target by distillation")
     add_config_arguments(p, FinetuneConfig)
     p.set_defaults(run=_run_finetune, subcommand="finetune")
