@@ -23,7 +23,16 @@ def _prompt_lookup(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(PromptLookupDrafter, options)
 
 
-TRAINING_FREE: dict[str, DrafterFactory] = {"prompt-lookup": _prompt_lookup}
+def _lookahead(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.lookahead import LookaheadDrafter
+
+    return build(LookaheadDrafter, options)
+
+
+TRAINING_FREE: dict[str, DrafterFactory] = {
+    "prompt-lookup": _prompt_lookup,
+    "lookahead": _lookahead,
+}
 
 __all__ = [
     "EMPTY_DRAFT",
