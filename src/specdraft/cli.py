@@ -158,12 +158,40 @@ def _run_bench(args: argparse.Namespace) -> None:
     print(render_markdown(summary), flush=True)
 
 
+def _add_build_datastore(sub) -> None:
+    from specdraft.models.registry import SMOLLM2
+
+    p = sub.add_parser("build-datastore", help="index a corpus for the rest drafter (REST, He et al. 2023)")
+    p.add_argument("--target", default=SMOLLM2, help="model whose tokenizer tokenises the corpus")
+    p.add_argument("--source", default="sharegpt",
+                   help="'sharegpt' (assistant turns, train split) or a .txt/.jsonl file or folder")
+    p.add_argument("--out", help="datastore folder (default: under the specdraft cache, named for source and "
+                                 "tokenizer, where the rest drafter looks by default)")
+    p.add_argument("--max-docs", type=int, help="index only the first N documents")
+    p.set_defaults(run=_run_build_datastore)
+
+
+def _run_build_datastore(args: argparse.Namespace) -> None:
+    import time
+
+    from specdraft import datastore
+    from specdraft.models.registry import load_tokenizer
+
+    started = time.perf_counter()
+    out, manifest = datastore.build(load_tokenizer(args.target), args.source, args.out, args.max_docs)
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"datastore {out}: {manifest['documents']} documents, {manifest['tokens']} tokens, index "
+          f"{size / 2**20:.1f} MiB on disk, built in {manifest['build_seconds']:.1f} s "
+          f"({time.perf_counter() - started:.1f} s with loading and saving)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding for chat LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_demo(sub)
     _add_bench(sub)
+    _add_build_datastore(sub)
     add_training_commands(sub)
     return parser
 

@@ -29,9 +29,16 @@ def _lookahead(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(LookaheadDrafter, options)
 
 
+def _rest(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.rest import RESTDrafter
+
+    return build(RESTDrafter, options, tokenizer=tokenizer, store=None)
+
+
 TRAINING_FREE: dict[str, DrafterFactory] = {
     "prompt-lookup": _prompt_lookup,
     "lookahead": _lookahead,
+    "rest": _rest,
 }
 
 __all__ = [
