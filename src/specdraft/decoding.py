@@ -81,7 +81,8 @@ def _fit_tree(draft: Draft, max_depth: int, room: int, max_position: int) -> Dra
     """Drop tree nodes deeper than ``max_depth`` or beyond ``room`` nodes, and an auxiliary branch that does not fit
     in the cache or past the model's last position. Node order keeps the result a tree."""
     aux = draft.aux
-    if aux is not None and (len(draft) + aux.tokens.shape[0] > room or int(aux.offsets.max(initial=0)) > max_position):
+    too_far = aux is not None and aux.offsets.numel() > 0 and int(aux.offsets.max()) > max_position
+    if aux is not None and (len(draft) + aux.tokens.shape[0] > room or too_far):
         aux = None
     parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
     keep = (depths(parents) <= max_depth) & (torch.arange(len(draft)) < room)
