@@ -112,7 +112,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--methods", default=",".join(_default_methods()),
                    help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, or a training-free drafter "
                         f"({', '.join(sorted(TRAINING_FREE))}); ar always runs")
-    p.add_argument("--questions", default=BUILTIN, help="Spec-Bench-format question JSONL file, or 'builtin'")
+    p.add_argument("--questions", default=BUILTIN,
+                   help="Spec-Bench-format question JSONL file, 'builtin', or 'sharegpt-heldout'")
     p.add_argument("--categories", help=f"comma-separated subtasks to keep ({', '.join(SUBTASKS)})")
     p.add_argument("--per-category", type=int, help="first N questions of each subtask")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per turn")

@@ -7,7 +7,7 @@ import pytest
 
 from specdraft.bench.methods import TurnResult
 from specdraft.bench.questions import (
-    SUBTASKS,
+    SPEC_BENCH_SUBTASKS,
     Question,
     builtin_questions,
     conversation_ids,
@@ -74,7 +74,7 @@ def test_missing_file_and_reference_and_blank_lines(tmp_path):
 def test_builtin_suite_covers_every_subtask():
     questions = load_questions("builtin")
     assert questions == builtin_questions()
-    assert {q.subtask for q in questions} == set(SUBTASKS)
+    assert {q.subtask for q in questions} == set(SPEC_BENCH_SUBTASKS)
     assert [q.question_id for q in questions] == list(range(1, len(questions) + 1))
 
 
@@ -94,8 +94,8 @@ def test_selection_is_first_n_per_subtask_in_file_order():
 def test_spec_bench_file_parses_into_six_subtasks():
     questions = load_questions(SPEC_BENCH)
     assert len(questions) == 480
-    per = {s: sum(q.subtask == s for q in questions) for s in SUBTASKS}
-    assert per == dict.fromkeys(SUBTASKS, 80)
+    per = {s: sum(q.subtask == s for q in questions) for s in SPEC_BENCH_SUBTASKS}
+    assert per == dict.fromkeys(SPEC_BENCH_SUBTASKS, 80)
     assert all(len(q.turns) == 2 for q in questions if q.subtask == "mt_bench")
 
 
@@ -179,3 +179,15 @@ def test_config_mismatch_is_an_error(tmp_path):
     with pytest.raises(SpecdraftError, match="questions_sha256"):
         check_out(tmp_path, {**info, "questions_sha256": "def"}, overwrite=False)
     check_out(tmp_path, {**info, "config": {"max_new_tokens": 9}}, overwrite=True)
+
+def test_sharegpt_heldout_questions_are_the_heldout_split():
+    from specdraft.bench.questions import SHAREGPT_HELDOUT
+    from specdraft.training.data import sharegpt_prompts
+
+    questions = load_questions(SHAREGPT_HELDOUT)
+    heldout = sharegpt_prompts(split="heldout")
+    assert [q.turns[0] for q in questions] == [r.text for r in heldout]
+    assert {q.subtask for q in questions} == {"sharegpt"}
+    train = {r.text for r in sharegpt_prompts(split="train")}
+    assert not train & {q.turns[0] for q in questions}
+    assert len(select_questions(questions, ["sharegpt"], 5)) == 5

@@ -27,7 +27,8 @@ class BenchConfig:
     out: str = field(metadata={"help": "output folder: run.json, answers/<method>.jsonl, summary.*, plots"})
     target: str = field(default=SMOLLM2, metadata={"help": "target model: built-in name, folder or cached hub id"})
     methods: tuple[str, ...] = field(default_factory=_default_methods, metadata={"help": "method specs; ar is added"})
-    questions: str = field(default=BUILTIN, metadata={"help": "Spec-Bench-format JSONL file, or 'builtin'"})
+    questions: str = field(default=BUILTIN,
+                           metadata={"help": "Spec-Bench-format JSONL file, 'builtin', or 'sharegpt-heldout'"})
     categories: tuple[str, ...] | None = field(default=None, metadata={"help": "subtasks (or categories) to keep"})
     per_category: int | None = field(default=None, metadata={"help": "first N questions of each subtask"})
     max_new_tokens: int = field(default=128, metadata={"help": "most tokens per turn"})

@@ -16,8 +16,11 @@ from specdraft.errors import SpecdraftError
 from specdraft.prompts import BUILTIN_PROMPTS
 
 BUILTIN = "builtin"
+SHAREGPT_HELDOUT = "sharegpt-heldout"  # the held-out ShareGPT first prompts (never in distillation data)
+GENERATED_SOURCES = (BUILTIN, SHAREGPT_HELDOUT)  # question sources that are not files
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SPEC_BENCH_SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SUBTASKS = (*SPEC_BENCH_SUBTASKS, "sharegpt")  # plus the held-out ShareGPT prompts, a subtask of its own
 CATEGORY_TO_SUBTASK: dict[str, str] = {c: "mt_bench" for c in MT_BENCH_CATEGORIES} | {s: s for s in SUBTASKS}
 
 
@@ -47,6 +50,14 @@ def builtin_questions() -> list[Question]:
     return [Question(i, p.category, (p.text,)) for i, p in enumerate(BUILTIN_PROMPTS, start=1)]
 
 
+def sharegpt_heldout_questions() -> list[Question]:
+    """The held-out split of ShareGPT first prompts (``specdraft.training.data.sharegpt_prompts(split="heldout")``)
+    as single-turn questions of category ``sharegpt``: chat prompts the drafter was never trained on."""
+    from specdraft.training.data import sharegpt_prompts
+
+    return [Question(f"sharegpt:{r.id}", "sharegpt", (r.text,)) for r in sharegpt_prompts(split="heldout")]
+
+
 def _parse_line(text: str, where: str) -> Question:
     try:
         obj = json.loads(text)
@@ -70,13 +81,16 @@ def _parse_line(text: str, where: str) -> Question:
 
 
 def load_questions(source: str | Path) -> list[Question]:
-    """Questions from a Spec-Bench-format JSONL file, or the built-in suite when ``source == "builtin"``.
+    """Questions from a Spec-Bench-format JSONL file, the built-in suite (``"builtin"``), or the held-out ShareGPT
+    prompts (``"sharegpt-heldout"``).
 
     Raises SpecdraftError for a missing file, a malformed line (naming its line number), an unknown category or a
     duplicate question_id.
     """
     if str(source) == BUILTIN:
         return builtin_questions()
+    if str(source) == SHAREGPT_HELDOUT:
+        return sharegpt_heldout_questions()
     path = Path(source)
     if not path.is_file():
         raise SpecdraftError(f"question file not found: {path}")

@@ -22,7 +22,7 @@ import torch
 from specdraft.api import eos_token_ids, load_target, parse_dtype
 from specdraft.bench.config import BenchConfig
 from specdraft.bench.methods import BuildContext, Method, build_methods
-from specdraft.bench.questions import BUILTIN, Question, conversation_ids, load_questions, select_questions
+from specdraft.bench.questions import GENERATED_SOURCES, Question, conversation_ids, load_questions, select_questions
 from specdraft.bench.records import (
     ANSWERS_DIR,
     append_record,
@@ -117,7 +117,7 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
 
     out = Path(config.out)
     questions = select_questions(load_questions(config.questions), config.categories, config.per_category)
-    sha = None if config.questions == BUILTIN else file_sha256(config.questions)
+    sha = None if config.questions in GENERATED_SOURCES else file_sha256(config.questions)
     run_info = _run_info(config, sha, command)
     check_out(out, run_info, overwrite)
     dtype = parse_dtype(config.dtype)
