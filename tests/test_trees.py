@@ -243,3 +243,52 @@ def test_sampled_tree_decoding_matches_plain_sampling_marginal():
         exp = [e * sum(observed) / sum(exp) for e in exp]
     exp = [e * sum(observed) / sum(exp) for e in exp]
     assert chisquare(observed, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+@pytest.mark.parametrize("branching,nodes", [(1, 16), (2, 8), (3, 12)])
+def test_draft_model_tree_mode_greedy_equals_plain(kind, branching, nodes):
+    """The draft model's dynamic tree (top-k branching) keeps greedy output identical, on both model paths."""
+    target = NativeLlama.from_hf(tiny_llama(0)) if kind == "native" else hf_target(0)
+    draft_model = NativeLlama.from_hf(tiny_llama(0, layers=1)) if kind == "native" else hf_target(0, layers=1)
+    plain = generate(target, PROMPT, None, GenerationConfig(30)).token_ids
+    chain = generate(target, PROMPT, DraftModelDrafter(draft_model), GenerationConfig(30, 4))
+    tree = generate(target, PROMPT, DraftModelDrafter(draft_model, tree_branching=branching, tree_nodes=nodes),
+                    GenerationConfig(30, 4))
+    assert tree.token_ids == plain == chain.token_ids
+    if branching == 1:  # a one-wide tree is the chain
+        assert tree.stats.accept_lengths == chain.stats.accept_lengths
+    else:
+        assert tree.stats.block_efficiency >= chain.stats.block_efficiency
+
+
+def test_draft_model_tree_nodes_are_the_most_confident_and_closed():
+    draft_model = NativeLlama.from_hf(tiny_llama(1, layers=1))
+    drafter = DraftModelDrafter(draft_model, tree_branching=3, tree_nodes=7)
+    draft = drafter.propose(torch.tensor(PROMPT), 3, SamplingConfig(), None)
+    assert len(draft) == 7 and draft.q is None
+    assert int(depths(draft.parents).max()) <= 3
+    first = _chain_logits(draft_model, PROMPT)[-1].topk(3).indices.tolist()
+    assert draft.tokens[draft.parents == -1].tolist() == first[: int((draft.parents == -1).sum())]
+    for node, parent in enumerate(draft.parents.tolist()):  # each node is a top-3 token after its path
+        if parent >= 0:
+            path = [int(draft.tokens[n]) for n in _path(draft.parents, parent)]
+            assert int(draft.tokens[node]) in _chain_logits(draft_model, PROMPT + path)[-1].topk(3).indices.tolist()
+    sampled = drafter.propose(torch.tensor(PROMPT), 3, SamplingConfig(1.0), torch.Generator().manual_seed(0))
+    assert sampled.q is not None and sampled.q.shape == (len(sampled), draft_model.vocab_size)
+
+
+def test_sampled_draft_model_tree_matches_target_marginal():
+    target = NativeLlama.from_hf(tiny_llama(0, std=0.05))
+    drafter = DraftModelDrafter(NativeLlama.from_hf(tiny_llama(3, std=0.05, layers=1)), tree_branching=2, tree_nodes=6)
+    sampling = SamplingConfig(1.0)
+    p = warp(_chain_logits(target, PROMPT)[-1], sampling)
+    counts, trials = Counter(), 1200
+    for seed in range(trials):
+        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling), torch.Generator().manual_seed(seed))
+        counts[result.token_ids[0]] += 1
+    support = (p * trials >= 5).nonzero().flatten().tolist()
+    observed, exp = [counts[t] for t in support], [float(p[t]) * trials for t in support]
+    exp = [e * sum(observed) / sum(exp) for e in exp]
+    assert trials - sum(observed) <= 5 + 4 * trials * (1 - float(p[support].sum()))
+    assert chisquare(observed, exp).pvalue > 1e-3

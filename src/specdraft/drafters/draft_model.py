@@ -1,5 +1,13 @@
 """An independent draft model (Leviathan et al. 2023; Chen et al. 2023): a small causal LM sharing the target's
 tokenizer drafts γ tokens autoregressively on its own KV cache and returns its distributions q.
+
+Tree mode (``tree_branching`` > 0): a dynamic token tree in the spirit of EAGLE-2 (Li et al. 2024) and SpecInfer
+(Miao et al. 2024). At each depth every frontier node gets ``tree_branching`` children: its top-k tokens when
+greedy (deterministic, q None), or k independent draws from its warped q when sampling (SpecInfer's multi-draft
+rule keeps that lossless). The ``tree_branching`` children with the highest cumulative draft log-probability
+(EAGLE-2's confidence) become the next frontier, expanded in one draft forward with a tree mask; finally the
+``tree_nodes`` most confident nodes are kept. Depth = num_draft_tokens, so one tree costs as many draft forwards
+as a chain.
 """
 
 from __future__ import annotations
@@ -7,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft
+from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
+from specdraft.trees import keep_nodes
 from specdraft.verification import VerifyResult
 
 
@@ -16,8 +26,11 @@ class DraftModelDrafter:
     """Draft with a small model. Its cache is synchronised to the context by longest common prefix, so rejected
     draft tokens are rolled back by a crop and the tokens the target added are fed in one forward."""
 
-    def __init__(self, model: CausalLM, name: str | None = None) -> None:
+    def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16) -> None:
+        if tree_branching < 0 or tree_nodes < 1:
+            raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
         self.model = model
+        self.tree_branching, self.tree_nodes = tree_branching, tree_nodes
         self.name = name or f"draft:{model.name}"
         self.vocab_size = model.vocab_size
         self.max_context = model.max_context
@@ -42,6 +55,8 @@ class DraftModelDrafter:
     def propose(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> Draft:
+        if self.tree_branching:
+            return self._propose_tree(context, num_draft_tokens, sampling, generator)
         logits = self._sync(context, num_draft_tokens)
         tokens, probs = [], []
         for i in range(num_draft_tokens):
@@ -57,6 +72,62 @@ class DraftModelDrafter:
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
         self._cached = torch.cat([context, draft[:-1]])
         return Draft(draft, torch.stack(probs) if probs else None)
+
+    def _propose_tree(
+        self, context: torch.Tensor, depth: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        """A dynamic tree of at most ``tree_nodes`` nodes and ``depth`` levels (see the module docstring)."""
+        frontier = [(-1, self._sync(context, depth * self.tree_branching))]  # (node, logits (V,)) to expand
+        base = self._cache.length  # the draft cache holds the whole context; tree nodes are fed after it
+        tokens, parents, q_rows, scores, slot_of = [], [], [], [], {}
+        for level in range(depth):
+            children = []
+            for node, logits in frontier:
+                check_finite(logits, "draft")
+                probs = torch.softmax(logits.float(), -1) if sampling.greedy else warp(logits, sampling)  # (V,)
+                picks = (probs.topk(self.tree_branching).indices if sampling.greedy else
+                         torch.multinomial(probs, self.tree_branching, replacement=True, generator=generator))
+                for token in picks.tolist():
+                    children.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(node)
+                    q_rows.append(probs)
+                    scores.append((scores[node] if node >= 0 else 0.0) + float(probs[token].clamp_min(1e-30).log()))
+            if level + 1 == depth:
+                break
+            chosen = sorted(children, key=lambda n: -scores[n])[: self.tree_branching]
+            frontier = list(zip(chosen, self._expand(chosen, tokens, parents, slot_of, base, level + 1), strict=True))
+        self._cache.crop(base)
+        self._cached = context
+        return self._best_nodes(tokens, parents, q_rows, scores, sampling.greedy)
+
+    def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], slot_of: dict[int, int], base: int,
+                depth: int) -> torch.Tensor:
+        """One draft forward over ``nodes`` (all at ``depth``), each attending the context and its ancestors.
+        Returns their logits, (F, V)."""
+        start = self._cache.length
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (F, S)
+        mask[:, :base] = True
+        for row, node in enumerate(nodes):
+            slot_of[node] = start + row
+            ancestor = node
+            while ancestor >= 0:
+                mask[row, slot_of[ancestor]] = True
+                ancestor = parents[ancestor]
+        positions = torch.full((len(nodes),), base - 1 + depth, dtype=torch.long)  # (F,)
+        ids = torch.tensor([tokens[n] for n in nodes]).unsqueeze(0)  # (1, F)
+        return self.model.forward(ids, self._cache, positions=positions, attention_mask=mask)[0]  # (F, V)
+
+    def _best_nodes(self, tokens, parents, q_rows, scores, greedy: bool) -> Draft:
+        """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order."""
+        keep = torch.zeros(len(tokens), dtype=torch.bool)
+        for node in sorted(range(len(tokens)), key=lambda n: -scores[n])[: self.tree_nodes]:
+            while node >= 0 and not keep[node]:
+                keep[node] = True
+                node = parents[node]
+        kept, new_parents = keep_nodes(torch.tensor(parents, dtype=torch.long), keep)
+        q = None if greedy else torch.stack(q_rows)[kept]  # (N, V)
+        return Draft(torch.tensor(tokens, dtype=torch.long)[kept], q, new_parents)
 
     def begin(self, target, cache) -> None:
         pass

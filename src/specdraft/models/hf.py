@@ -63,8 +63,9 @@ class HFCausalLM:
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As :meth:`NativeLlama.forward`: a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool,
-        given to the model as a 4D additive mask (models that ignore 4D masks cannot verify trees)."""
+        """As :meth:`NativeLlama.forward`: a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool
+        among the new tokens, or (T, S) over every slot; it reaches the model as a 4D additive mask (models that
+        ignore 4D masks cannot verify trees)."""
         start, num_new = cache.length, input_ids.shape[1]
         if start + num_new > cache.capacity:
             raise SpecdraftError(f"KV cache capacity {cache.capacity} exceeded ({start} + {num_new} positions)")
@@ -73,8 +74,11 @@ class HFCausalLM:
         if positions is not None or attention_mask is not None:
             positions = slots if positions is None else positions
             local = attention_mask if attention_mask is not None else torch.ones(num_new, num_new).tril().bool()
-            seen = torch.ones(num_new, start + num_new, dtype=torch.bool)  # (T, S)
-            seen[:, start:] = local
+            if local.shape == (num_new, start + num_new):  # a mask over every slot, cached ones included
+                seen = local.bool()
+            else:
+                seen = torch.ones(num_new, start + num_new, dtype=torch.bool)  # (T, S)
+                seen[:, start:] = local
             mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill(~seen, torch.finfo(self.dtype).min)
             mask = mask[None, None]  # (1, 1, T, S)
         out = self.model(
