@@ -23,6 +23,12 @@ def _prompt_lookup(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(PromptLookupDrafter, options)
 
 
+def _layer_skip(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.layer_skip import LayerSkipDrafter
+
+    return build(LayerSkipDrafter, options, target=target, tokenizer=tokenizer, calibration=None)
+
+
 def _lookahead(target, tokenizer, options: dict[str, str]) -> Drafter:
     from specdraft.drafters.lookahead import LookaheadDrafter
 
@@ -37,6 +43,7 @@ def _rest(target, tokenizer, options: dict[str, str]) -> Drafter:
 
 TRAINING_FREE: dict[str, DrafterFactory] = {
     "prompt-lookup": _prompt_lookup,
+    "layer-skip": _layer_skip,
     "lookahead": _lookahead,
     "rest": _rest,
 }

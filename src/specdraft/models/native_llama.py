@@ -16,8 +16,10 @@ Weights load from an in-memory transformers model (:meth:`NativeLlama.from_hf`) 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -412,12 +414,16 @@ class NativeLlama(nn.Module):
         cache: StaticKVCache,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Logits for ``input_ids`` (B, T) written to cache slots ``cache.length ..``; returns (B, T, V) float32.
 
         By default token t sits at position ``cache.length + t`` and attends causally. For a token tree give
         ``positions`` (T,) absolute positions and ``attention_mask`` (T, T) bool among the new tokens (every cached
-        slot stays visible to all of them); slots then differ from positions until :meth:`StaticKVCache.compact`.
+        slot stays visible to all of them), or (T, cache.length + T) over every slot; slots then differ from
+        positions until :meth:`StaticKVCache.compact`. ``layers`` (increasing indices) runs only those decoder
+        layers; the skipped layers' slots for the new positions are left unwritten (layer-skip self-speculative
+        drafting crops them afterwards).
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] != cache.batch_size:
             raise SpecdraftError(
@@ -430,7 +436,10 @@ class NativeLlama(nn.Module):
         else:
             step = self._tree_step(cache.length, steps, positions, attention_mask)
         hidden = F.embedding(input_ids, self.embed_weight)  # (B, T, D)
-        hidden = self._run_layers(hidden, cache, step)
+        if layers is None:
+            hidden = self._run_layers(hidden, cache, step)
+        else:
+            hidden = self._run_layer_subset(hidden, cache, step, self._check_layers(layers))
         cache.advance(steps)
         hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
         return F.linear(hidden, self.lm_head_weight).float()  # (B, T, V)
@@ -444,21 +453,28 @@ class NativeLlama(nn.Module):
     def _tree_step(
         self, start: int, steps: int, positions: torch.Tensor | None, attention_mask: torch.Tensor | None
     ) -> _Step:
-        """A step with explicit positions and a mask among the new tokens (token-tree verification)."""
+        """A step with explicit positions and a mask among the new tokens (token-tree verification) or over every
+        slot (layer-skip calibration)."""
         device = self.rope_cos.device
         if positions is None:
             positions = start + torch.arange(steps, device=device)
         if attention_mask is None:
             attention_mask = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()
-        if positions.shape != (steps,) or attention_mask.shape != (steps, steps):
-            raise SpecdraftError(f"tree positions must be ({steps},) and attention_mask ({steps}, {steps})")
+        full = attention_mask.shape == (steps, start + steps)  # a mask over every slot, cached ones included
+        if positions.shape != (steps,) or not (full or attention_mask.shape == (steps, steps)):
+            raise SpecdraftError(
+                f"tree positions must be ({steps},) and attention_mask ({steps}, {steps}) or ({steps}, {start + steps})"
+            )
         if int(positions.min()) < 0 or int(positions.max()) >= self.max_context:
             raise SpecdraftError(f"positions must lie in 0 .. {self.max_context - 1}")
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, hd/2)
         sin = self.rope_sin[positions].unsqueeze(1)  # (T, 1, hd/2)
-        seen = torch.ones(steps, start + steps, dtype=torch.bool, device=device)  # (T, S): all cached slots
-        seen[:, start:] = attention_mask.to(device)
+        if full:
+            seen = attention_mask.to(device)  # (T, S)
+        else:
+            seen = torch.ones(steps, start + steps, dtype=torch.bool, device=device)  # (T, S): all cached slots
+            seen[:, start:] = attention_mask.to(device)
         return _Step(start, cos, sin, seen.repeat(groups, 1), explicit=True)
 
     def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step) -> torch.Tensor:
@@ -466,6 +482,21 @@ class NativeLlama(nn.Module):
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cache, index, step)  # (B, T, D)
         return hidden
+
+    def _run_layer_subset(
+        self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step, layers: list[int]
+    ) -> torch.Tensor:
+        """Only the decoder layers ``layers``; each still owns its own cache slot ``index``."""
+        for index in layers:
+            hidden = self.layers[index](hidden, cache, index, step)  # (B, T, D)
+        return hidden
+
+    def _check_layers(self, layers: Sequence[int]) -> list[int]:
+        kept = [int(index) for index in layers]
+        count = len(self.layers)
+        if not kept or any(not 0 <= i < count for i in kept) or any(a >= b for a, b in itertools.pairwise(kept)):
+            raise SpecdraftError(f"layers must be increasing indices in 0 .. {count - 1}, at least one, got {kept}")
+        return kept
 
 
 def _first_line(exc: Exception) -> str:
