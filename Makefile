@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/specdraft build-datastore --target smollm2-135m-instruct --if-missing
 	$(VENV)/bin/specdraft demo
 
 test: $(STAMP)

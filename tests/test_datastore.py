@@ -163,6 +163,11 @@ def test_cli_build_datastore_then_generate_with_rest(corpus, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0 and "410 tokens" in printed and "MiB on disk" in printed and "built in" in printed
     assert datastore.load(out).manifest["documents"] == 10
+    again = ["build-datastore", "--target", target, "--source", str(corpus), "--out", str(out), "--max-docs", "10",
+             "--if-missing"]
+    assert main(again) == 0 and "is present; not rebuilding it" in capsys.readouterr().out
+    (out / "tokens.npy").write_bytes(b"broken")  # a datastore that does not load is rebuilt
+    assert main(again) == 0 and "410 tokens" in capsys.readouterr().out
     base = ["generate", "--target", target, "--prompt", corpus.read_text().split()[3], "--max-new-tokens", "12",
             "--json"]
     assert main(base) == 0

@@ -285,7 +285,8 @@ def test_sampled_draft_model_tree_matches_target_marginal():
     p = warp(_chain_logits(target, PROMPT)[-1], sampling)
     counts, trials = Counter(), 1200
     for seed in range(trials):
-        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling), torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling), generator)
         counts[result.token_ids[0]] += 1
     support = (p * trials >= 5).nonzero().flatten().tolist()
     observed, exp = [counts[t] for t in support], [float(p[t]) * trials for t in support]

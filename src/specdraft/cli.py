@@ -82,7 +82,7 @@ def _run_generate(args: argparse.Namespace) -> None:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct on built-in chat prompts, plain vs each drafter")
-    p.add_argument("--draft", help="also run this draft model")
+    p.add_argument("--draft", help="draft model to run (default: the shipped smollm2-135m-instruct-drafter)")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
@@ -169,6 +169,8 @@ def _add_build_datastore(sub) -> None:
     p.add_argument("--out", help="datastore folder (default: under the specdraft cache, named for source and "
                                  "tokenizer, where the rest drafter looks by default)")
     p.add_argument("--max-docs", type=int, help="index only the first N documents")
+    p.add_argument("--if-missing", action="store_true",
+                   help="do nothing when the folder already holds a datastore that loads (make demo uses this)")
     p.set_defaults(run=_run_build_datastore)
 
 
@@ -179,7 +181,18 @@ def _run_build_datastore(args: argparse.Namespace) -> None:
     from specdraft.models.registry import load_tokenizer
 
     started = time.perf_counter()
-    out, manifest = datastore.build(load_tokenizer(args.target), args.source, args.out, args.max_docs)
+    tokenizer = load_tokenizer(args.target)
+    if args.if_missing:
+        from specdraft.compat import tokenizer_fingerprint
+
+        where = args.out or datastore.default_dir(args.source, tokenizer_fingerprint(tokenizer))
+        try:
+            datastore.load(where, tokenizer, verify=False)
+            print(f"datastore {where} is present; not rebuilding it")
+            return
+        except SpecdraftError:
+            pass
+    out, manifest = datastore.build(tokenizer, args.source, args.out, args.max_docs)
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"datastore {out}: {manifest['documents']} documents, {manifest['tokens']} tokens, index "
           f"{size / 2**20:.1f} MiB on disk, built in {manifest['build_seconds']:.1f} s "

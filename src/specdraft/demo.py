@@ -9,7 +9,8 @@ import torch
 from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target
 from specdraft.decoding import GenerationConfig, GenerationResult, generate
 from specdraft.drafters import TRAINING_FREE
-from specdraft.models.registry import SMOLLM2
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import DEFAULT_DRAFTERS, SHIPPED, SMOLLM2
 from specdraft.prompts import BUILTIN_PROMPTS
 
 
@@ -27,9 +28,14 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
     """Answer the prompts with each method and print the answers and a summary table; return the table rows."""
     target, tokenizer = load_target(config.target, config.dtype)
     methods = {"plain": None}
-    methods |= {name: load_drafter(target, tokenizer, drafter=name) for name in TRAINING_FREE}
-    if config.draft:
-        methods[f"draft:{config.draft}"] = load_drafter(target, tokenizer, draft=config.draft, dtype=config.dtype)
+    draft = config.draft or DEFAULT_DRAFTERS.get(config.target)
+    if draft and (config.draft or (SHIPPED[draft] / "config.json").is_file()):
+        methods[f"draft:{draft}"] = load_drafter(target, tokenizer, draft=draft, dtype=config.dtype)
+    for name in TRAINING_FREE:
+        try:
+            methods[name] = load_drafter(target, tokenizer, drafter=name)
+        except SpecdraftError as exc:  # e.g. rest without a datastore: say why and go on
+            out(f"skipping {name}: {exc}")
     gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, eos_token_ids=eos_token_ids(tokenizer))
     prompts = [p for p in _one_per_category()][: config.num_prompts]
     ids = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]

