@@ -293,3 +293,39 @@ def test_sampled_draft_model_tree_matches_target_marginal():
     exp = [e * sum(observed) / sum(exp) for e in exp]
     assert trials - sum(observed) <= 5 + 4 * trials * (1 - float(p[support].sum()))
     assert chisquare(observed, exp).pvalue > 1e-3
+
+
+class FeatureRecorder(OracleTreeDrafter):
+    """Records the target features the loop hands over; proposes the oracle tree or, every other step, a chain."""
+
+    needs_hidden = True
+
+    def __init__(self, target, wrong_at=None) -> None:
+        super().__init__(target, wrong_at)
+        self.features, self.steps = [], 0
+
+    def propose(self, context, num_draft_tokens, sampling, generator) -> Draft:
+        self.steps += 1
+        tree = super().propose(context, num_draft_tokens, sampling, generator)
+        if self.steps % 2:
+            return tree
+        return Draft(self.oracle.propose(context, num_draft_tokens, SamplingConfig(), None).tokens[:2])
+
+    def observe(self, result) -> None:
+        self.features.append(result.hidden)
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_loop_hands_features_of_committed_tokens_to_drafters_that_ask(kind):
+    """result.hidden holds the final-normed hidden state of every committed token fed to the target, in order:
+    together they equal one teacher-forced forward over prompt + output (minus the last token, not yet fed)."""
+    model = tiny_llama(0)
+    target = NativeLlama.from_hf(model) if kind == "native" else hf_target(0)
+    drafter = FeatureRecorder(target, wrong_at=2)
+    result = generate(target, PROMPT, drafter, GenerationConfig(20, 4))
+    assert result.token_ids == generate(target, PROMPT, None, GenerationConfig(20)).token_ids
+    features = torch.cat(drafter.features)  # (N, D)
+    sequence = PROMPT + result.token_ids[:-1]
+    assert features.shape[0] == len(sequence)
+    out = model(torch.tensor([sequence]), output_hidden_states=True)
+    torch.testing.assert_close(features.float(), out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)

@@ -92,14 +92,17 @@ def _fit_tree(draft: Draft, max_depth: int, room: int, max_position: int) -> Dra
     return Draft(draft.tokens[kept], None if draft.q is None else draft.q[kept], parents, aux)
 
 
-def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, config: GenerationConfig, generator):
+def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, config: GenerationConfig, generator,
+               want_hidden: bool = False):
     """One target forward over the uncached tail, the tree and the auxiliary branch; verify the tree; keep only the
     accepted path in the cache. Returns the verification result (with the auxiliary logits)."""
     start, tail = cache.length, context[cache.length :]  # tail: (T0,), its last token is the root
     aux = draft.aux
     offsets, mask = verify_layout(tail.shape[0], draft.parents, aux)  # (T,), (T, T)
     fed = [tail, draft.tokens] + ([aux.tokens] if aux is not None else [])
-    logits = target.forward(torch.cat(fed).unsqueeze(0), cache, positions=start + offsets, attention_mask=mask)[0]
+    out = target.forward(torch.cat(fed).unsqueeze(0), cache, positions=start + offsets, attention_mask=mask,
+                         **({"return_hidden": True} if want_hidden else {}))
+    logits, hidden = (out[0][0], out[1][0]) if want_hidden else (out[0], None)  # (T, V), (T, D)
     check_finite(logits, "target")
     rows = logits[tail.shape[0] - 1 : tail.shape[0] + len(draft)]  # (N + 1, V): root, then every node
     if config.sampling.greedy:
@@ -110,6 +113,9 @@ def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, con
     cache.compact(first_node, [first_node + node for node in result.accepted_nodes])
     if aux is not None:
         result = replace(result, aux_logits=logits[tail.shape[0] + len(draft) :])
+    if hidden is not None:
+        rows = list(range(tail.shape[0])) + [tail.shape[0] + node for node in result.accepted_nodes]
+        result = replace(result, hidden=hidden[rows])  # (T0 + m, D)
     return result, draft.tokens[list(result.accepted_nodes)].tolist()
 
 
@@ -141,6 +147,7 @@ def generate(
     needed = prompt.numel() + config.max_new_tokens
     cache = target.new_cache(min(needed + _TREE_ROOM, target.max_context))  # room for tree and auxiliary slots
     drafter.begin(target, cache)
+    want_hidden = bool(getattr(drafter, "needs_hidden", False))  # Medusa / EAGLE read the target's features
     context, generated, stats, reason = prompt, [], GenerationStats(), None
     start = time.perf_counter()
     while reason is None:
@@ -151,14 +158,17 @@ def generate(
         if draft.is_tree:
             room = cache.capacity - context.shape[0]
             draft = _fit_tree(draft, num_draft, room, target.max_context - 1 - context.shape[0])
-            result, accepted = _tree_step(target, cache, context, draft, config, generator)
+            result, accepted = _tree_step(target, cache, context, draft, config, generator, want_hidden)
         else:
             if len(draft) > num_draft:
                 draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
             fed = torch.cat([context[cache.length :], draft.tokens])  # (T,) uncached tokens, then the draft
-            logits = target.forward(fed.unsqueeze(0), cache)[0, -(len(draft) + 1) :]  # (γ + 1, V)
+            out = target.forward(fed.unsqueeze(0), cache, **({"return_hidden": True} if want_hidden else {}))
+            logits = (out[0] if want_hidden else out)[0, -(len(draft) + 1) :]  # (γ + 1, V)
             check_finite(logits, "target")
             result = _verify(draft, logits, config.sampling, generator)
+            if want_hidden:  # features of the tail and the accepted draft tokens: (T0 + m, D)
+                result = replace(result, hidden=out[1][0, : fed.shape[0] - len(draft) + result.num_accepted])
             cache.crop(context.shape[0] + result.num_accepted)
             accepted = draft.tokens[: result.num_accepted].tolist()
         verified = time.perf_counter()

@@ -23,6 +23,7 @@ class VerifyResult:
     next_token: int  # the recovered token (on rejection) or the bonus token (all accepted)
 
     aux_logits: torch.Tensor | None = None  # (A, V) logits of the draft's auxiliary branch, when it had one
+    hidden: torch.Tensor | None = None  # (F, D) target features of the F tokens committed and fed this step
 
     @property
     def bonus(self) -> bool:

@@ -6,6 +6,10 @@
 tokens, or a token tree no deeper than that, to follow ``context``; ``observe(result)`` tells an adaptive drafter
 how verification went. The decoding loop knows nothing else about a drafter, so a new drafting method is a new
 file behind this interface.
+
+A drafter that reads the target's features (Medusa, EAGLE) sets ``needs_hidden = True``: the loop then asks the
+target for its final-normed hidden states and passes, in ``result.hidden`` (F, D), those of the F tokens that were
+fed this step and committed (the uncached context tail, then the accepted draft tokens), in order.
 """
 
 from __future__ import annotations

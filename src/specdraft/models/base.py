@@ -59,7 +59,8 @@ class CausalLM(Protocol):
         cache: KVCache,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids``.
 
         Args:
@@ -67,6 +68,7 @@ class CausalLM(Protocol):
             cache: extended in place by T slots.
             positions: (T,) absolute positions, default the slots (a token tree gives its depths).
             attention_mask: (T, T) bool among the new tokens, default causal; cached slots are visible to all.
+            return_hidden: also return the final-normed hidden states (B, T, D), the LM head's input.
 
         Returns:
             (B, T, V) logits in float32.

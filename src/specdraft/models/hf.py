@@ -62,7 +62,8 @@ class HFCausalLM:
         cache: HFCache,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`NativeLlama.forward`: a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool
         among the new tokens, or (T, S) over every slot; it reaches the model as a 4D additive mask (models that
         ignore 4D masks cannot verify trees)."""
@@ -84,6 +85,7 @@ class HFCausalLM:
         out = self.model(
             input_ids=input_ids, past_key_values=cache.cache, use_cache=True,
             position_ids=(slots if positions is None else positions).unsqueeze(0), cache_position=slots,
-            attention_mask=mask,
+            attention_mask=mask, output_hidden_states=return_hidden,
         )
-        return out.logits.float()  # (B, T, V)
+        logits = out.logits.float()  # (B, T, V)
+        return (logits, out.hidden_states[-1]) if return_hidden else logits  # hidden: (B, T, D), final-normed

@@ -415,7 +415,8 @@ class NativeLlama(nn.Module):
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids`` (B, T) written to cache slots ``cache.length ..``; returns (B, T, V) float32.
 
         By default token t sits at position ``cache.length + t`` and attends causally. For a token tree give
@@ -423,7 +424,8 @@ class NativeLlama(nn.Module):
         slot stays visible to all of them), or (T, cache.length + T) over every slot; slots then differ from
         positions until :meth:`StaticKVCache.compact`. ``layers`` (increasing indices) runs only those decoder
         layers; the skipped layers' slots for the new positions are left unwritten (layer-skip self-speculative
-        drafting crops them afterwards).
+        drafting crops them afterwards). ``return_hidden`` also returns the final-normed hidden states (B, T, D),
+        the LM head's input (the features Medusa and EAGLE heads read).
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] != cache.batch_size:
             raise SpecdraftError(
@@ -442,7 +444,8 @@ class NativeLlama(nn.Module):
             hidden = self._run_layer_subset(hidden, cache, step, self._check_layers(layers))
         cache.advance(steps)
         hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
-        return F.linear(hidden, self.lm_head_weight).float()  # (B, T, V)
+        logits = F.linear(hidden, self.lm_head_weight).float()  # (B, T, V)
+        return (logits, hidden) if return_hidden else logits
 
     def _step(self, start: int, steps: int) -> _Step:
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
