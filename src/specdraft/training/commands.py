@@ -77,12 +77,19 @@ def _run_finetune(args: argparse.Namespace) -> None:
     print(finetune(config_from_args(FinetuneConfig, args), command=command_line(args)), flush=True)
 
 
+def _run_train_heads(args: argparse.Namespace) -> None:
+    from specdraft.heads.train import HeadsConfig, train_heads
+
+    print(train_heads(config_from_args(HeadsConfig, args), command=command_line(args)), flush=True)
+
+
 def _run_train_drafter(args: argparse.Namespace) -> None:
     print(train_drafter(load_pipeline_file(args.config), command=command_line(args)), flush=True)
 
 
 def add_training_commands(sub) -> None:
-    """Add ``pretrain``, ``distill-data``, ``finetune`` and ``train-drafter`` to an argparse subparsers object."""
+    """Add ``pretrain``, ``distill-data``, ``distill-topk``, ``finetune``, ``train-heads`` and ``train-drafter`` to an
+    argparse subparsers object."""
     p = sub.add_parser("pretrain", help="stage 1: pretrain a small drafter on text with the target's tokenizer")
     add_config_arguments(p, PretrainConfig)
     p.set_defaults(run=_run_pretrain, subcommand="pretrain")
@@ -96,9 +103,19 @@ def add_training_commands(sub) -> None:
     p = sub.add_parser("finetune", help="stage 2: align a pretrained drafter with the target by distillation")
     add_config_arguments(p, FinetuneConfig)
     p.set_defaults(run=_run_finetune, subcommand="finetune")
+    _add_train_heads(sub)
     p = sub.add_parser("train-drafter", help="pretrain, distill-data and finetune from one JSON or TOML file")
     p.add_argument("--config", required=True, help="file with sections pretrain, distill_data, finetune")
     p.set_defaults(run=_run_train_drafter, subcommand="train-drafter")
+
+
+def _add_train_heads(sub) -> None:
+    """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.heads.train`)."""
+    from specdraft.heads.train import HeadsConfig
+
+    p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle) on a frozen target")
+    add_config_arguments(p, HeadsConfig)
+    p.set_defaults(run=_run_train_heads, subcommand="train-heads")
 
 
 # --- the whole pipeline ----------------------------------------------------------------------------------------------

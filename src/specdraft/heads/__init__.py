@@ -1,0 +1,132 @@
+"""Self-drafting heads on a frozen target's features (issue #7): Medusa (Cai et al. 2024, arXiv 2401.10774) and
+EAGLE (Li et al. 2024, arXiv 2401.15077).
+
+A kind of heads is a :class:`HeadKind` in :data:`specdraft.heads.train.HEAD_KINDS`: how to describe its
+architecture as JSON (``spec``), build and initialise the module, its training loss and held-out metrics, and a
+drafter for block-efficiency evaluation. Training (``specdraft train-heads --kind NAME``) lives in
+:mod:`specdraft.heads.train`; this module holds the interface and the exported file format:
+
+``<out>/heads/`` holds ``heads.safetensors`` (the trainable weights only; the frozen target is never copied),
+``heads.json`` (``{"format": 1, "kind": NAME, "spec": {...}, "target": NAME_OR_PATH}``) and a model card
+``README.md``. :func:`save_heads` writes the folder atomically; :func:`load_heads` checks it and rebuilds the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+
+WEIGHTS_FILE = "heads.safetensors"
+CONFIG_FILE = "heads.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """One kind of heads, as the generic trainer and loader see it.
+
+    spec(target_config, config, options) -> dict: the JSON architecture (and loss settings) from the frozen
+        target's transformers config, the run's :class:`~specdraft.heads.train.HeadsConfig` and its ``options``
+        (``KEY=VALUE`` strings already split into a dict); it must hold ``vocab_size`` and ``hidden_size``.
+    build(spec) -> nn.Module: a fresh module (deterministic under ``torch.manual_seed``).
+    init(module, target_model): copy what starts from the frozen transformers target (e.g. its LM head).
+    loss(module, target_model, batch) -> (scalar loss, counted positions): ``batch`` as
+        :func:`specdraft.training.finetune.collate_distill` makes it; teacher features come from
+        :func:`specdraft.heads.train.teacher_hidden` (no gradient).
+    metrics(module, target_model, batch) -> {name: (sum, count)}: held-out statistics, pooled over batches as
+        sum / count by the evaluator.
+    drafter(module) -> Drafter or None: a drafter over an in-memory module, for block-efficiency evaluation.
+    """
+
+    spec: Callable[[Any, Any, dict[str, str]], dict]
+    build: Callable[[dict], nn.Module]
+    init: Callable[[nn.Module, nn.Module], None]
+    loss: Callable[[nn.Module, nn.Module, dict], tuple[torch.Tensor, int]]
+    metrics: Callable[[nn.Module, nn.Module, dict], dict[str, tuple[float, int]]]
+    drafter: Callable[[nn.Module], Any] | None = None
+
+
+def get_kind(name: str) -> HeadKind:
+    """The registered kind ``name`` (a clear error naming the known kinds otherwise)."""
+    from specdraft.heads.train import HEAD_KINDS
+
+    if name not in HEAD_KINDS:
+        raise SpecdraftError(f"unknown heads kind {name!r}; known: {', '.join(sorted(HEAD_KINDS))}")
+    return HEAD_KINDS[name]
+
+
+def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "") -> Path:
+    """Write ``module``'s weights (fp32, contiguous), ``heads.json`` and ``README.md`` (``card``) to ``out``,
+    replacing an old folder only once the new one is complete."""
+    from safetensors.torch import save_file
+
+    from specdraft.training.checkpoint import _replace_folder
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        weights = {k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}
+        save_file(weights, str(tmp / WEIGHTS_FILE))
+        meta = {"format": FORMAT, "kind": kind, "spec": spec, "target": target}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        (tmp / "README.md").write_text(card or f"# specdraft {kind} heads\n\nTarget: `{target}`.\n")
+        os.chmod(tmp, 0o755)
+        _replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_heads_config(path: str | Path) -> dict:
+    """``heads.json`` of a heads folder, checked (format, kind, spec with vocab_size and hidden_size)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text())
+    except OSError:
+        raise SpecdraftError(f"{path} is not a heads folder (no {CONFIG_FILE}); train one with "
+                             "`specdraft train-heads`") from None
+    except ValueError as exc:
+        raise SpecdraftError(f"corrupt {path / CONFIG_FILE}: {exc}") from None
+    spec = meta.get("spec") if isinstance(meta, dict) else None
+    if (not isinstance(spec, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("kind"), str)
+            or not all(isinstance(spec.get(k), int) for k in ("vocab_size", "hidden_size"))):
+        raise SpecdraftError(f"{path / CONFIG_FILE} is not a format-{FORMAT} heads config (kind, spec)")
+    return meta
+
+
+def load_heads(path: str | Path, kind: str | None = None) -> tuple[dict, nn.Module]:
+    """(``heads.json`` contents, the rebuilt module in eval mode on the CPU, fp32) from a folder written by
+    :func:`save_heads`; a missing, truncated or foreign file, or another ``kind`` than asked, is a SpecdraftError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = read_heads_config(path)
+    if kind is not None and meta["kind"] != kind:
+        raise SpecdraftError(f"{path} holds {meta['kind']} heads, not {kind} heads")
+    module = get_kind(meta["kind"]).build(meta["spec"])
+    try:
+        weights = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, SafetensorError, ValueError) as exc:
+        raise SpecdraftError(f"corrupt heads weights {path / WEIGHTS_FILE}: {str(exc).splitlines()[0][:200]}") from None
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise SpecdraftError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: "
+                             f"{str(exc).splitlines()[0][:200]}") from None
+    return meta, module.float().eval()
+
+
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "HeadKind", "get_kind", "load_heads", "read_heads_config", "save_heads"]

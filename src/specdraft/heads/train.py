@@ -1,0 +1,197 @@
+"""``specdraft train-heads``: train self-drafting heads (Medusa-1, Cai et al. 2024, arXiv 2401.10774; EAGLE, Li et
+al. 2024, arXiv 2401.15077) on a frozen target's features.
+
+The data is a distill-data folder (the target's own responses to prompts, :mod:`specdraft.training.generation`),
+so the heads learn the target's continuations. Teacher features (the target's final-normed hidden states, the LM
+head's input) are computed on the fly by the frozen transformers target under ``torch.no_grad()``; only the heads
+get gradients. The generic trainer (:func:`specdraft.training.trainer.train`) gives the schedule, bf16 autocast,
+progress, checkpoints and exact resume. Evaluation reports each kind's held-out metrics and, when the kind has a
+drafter, the block efficiency τ of greedy speculative decoding on held-out prompts.
+
+A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.heads.HeadKind`). The trained heads are
+exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.options import parse_options
+from specdraft.errors import SpecdraftError
+from specdraft.heads import HeadKind, get_kind, save_heads
+from specdraft.heads.medusa import MEDUSA
+from specdraft.training.checkpoint import hardware, model_card
+from specdraft.training.pretrain import EXPORT_DTYPES
+from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed, train
+
+HEAD_KINDS: dict[str, HeadKind] = {
+    "medusa": MEDUSA,
+}
+
+HEADS_FOLDER = "heads"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsConfig(TrainerConfig):
+    """Settings of ``specdraft train-heads``."""
+
+    kind: str = field(metadata={"help": "heads kind: medusa or eagle"})
+    target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id), kept frozen"})
+    data: str = field(metadata={"help": "distill-data output folder (the target's responses)"})
+    num_heads: int = field(default=4, metadata={"help": "number of heads (medusa: draft depth)"})
+    share_lm_head: bool = field(default=True, metadata={"help": "heads reuse the frozen target LM head instead of "
+                                                                "their own vocabulary projection (D*D params a head)"})
+    options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
+    max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
+    heldout_every: int = field(default=20, metadata={"help": "hold out every N-th prompt for evaluation"})
+    eval_prompts: int = field(default=4, metadata={"help": "held-out prompts decoded for block efficiency"})
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "tokens generated per evaluation prompt"})
+    eval_num_draft_tokens: int = field(default=4, metadata={"help": "γ (tree depth) of the τ evaluation"})
+    target_dtype: str = field(default="float32", metadata={"help": "frozen target weights: float32 or bfloat16"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in HEAD_KINDS:
+            raise SpecdraftError(f"kind must be one of {', '.join(sorted(HEAD_KINDS))}, got {self.kind!r}")
+        for name in ("num_heads", "max_seq_len", "eval_max_new_tokens", "eval_num_draft_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.eval_prompts < 0 or self.heldout_every < 2:
+            raise SpecdraftError(f"eval_prompts must be >= 0 and heldout_every >= 2, got {self.eval_prompts}, "
+                                 f"{self.heldout_every}")
+        if self.target_dtype not in EXPORT_DTYPES:
+            raise SpecdraftError(f"target_dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.target_dtype!r}")
+        parse_options(self.options)
+
+    def kind_options(self) -> dict[str, str]:
+        """``options`` as a dict."""
+        return parse_options(self.options)
+
+
+@torch.no_grad()
+def teacher_hidden(target_model, batch: dict) -> torch.Tensor:
+    """The frozen target's final-normed hidden states (B, T, D) (its LM head's input) for a right-padded batch."""
+    out = target_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  use_cache=False)
+    return out.last_hidden_state  # (B, T, D)
+
+
+def lm_head_weight(target_model) -> torch.Tensor:
+    """The frozen target's LM head weight (V, D)."""
+    return target_model.get_output_embeddings().weight
+
+
+# --- evaluation ------------------------------------------------------------------------------------------------------
+
+
+def heads_block_efficiency(kind: HeadKind, module, target, prompts, config: HeadsConfig, eos: tuple) -> float:
+    """τ = new tokens / target forwards of greedy decoding with the kind's drafter over ``prompts``, pooled."""
+    from specdraft.decoding import GenerationConfig, generate
+
+    drafter = kind.drafter(copy.deepcopy(module).float().cpu().eval())
+    gen = GenerationConfig(max_new_tokens=config.eval_max_new_tokens, num_draft_tokens=config.eval_num_draft_tokens,
+                           eos_token_ids=tuple(eos))
+    new_tokens, forwards = 0, 0
+    for prompt in prompts:
+        stats = generate(target, list(prompt), drafter, gen).stats
+        new_tokens, forwards = new_tokens + stats.new_tokens, forwards + stats.target_forward_calls
+    return new_tokens / max(forwards, 1)
+
+
+def make_evaluate(config: HeadsConfig, kind: HeadKind, target_model, target, heldout: list[dict], pad_id: int,
+                  eos: tuple):
+    """evaluate(module) for the trainer: the kind's pooled held-out metrics and, if it drafts, τ."""
+    from specdraft.training.finetune import DistillDataset, collate_distill
+
+    dataset = DistillDataset(heldout, config.max_seq_len)
+    batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
+               for s in range(0, len(dataset), config.batch_size)]
+    prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]
+
+    def evaluate(module) -> dict[str, float]:
+        device = next(module.parameters()).device
+        sums: dict[str, list[float]] = {}
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                for name, (total, count) in kind.metrics(module, target_model, batch).items():
+                    pooled = sums.setdefault(name, [0.0, 0])
+                    pooled[0], pooled[1] = pooled[0] + total, pooled[1] + count
+        metrics = {name: total / max(count, 1) for name, (total, count) in sums.items()}
+        if prompts and kind.drafter is not None:
+            metrics[f"block_efficiency@{config.eval_num_draft_tokens}"] = heads_block_efficiency(
+                kind, module, target, prompts, config, eos)
+        return metrics
+
+    return evaluate
+
+
+# --- the command -----------------------------------------------------------------------------------------------------
+
+
+def load_target(config: HeadsConfig):
+    """(frozen transformers target, target for decoding, tokenizer)."""
+    from specdraft.models.registry import load_model, load_tokenizer
+
+    dtype = EXPORT_DTYPES[config.target_dtype]
+    target_model = load_model(config.target, dtype, backend="hf").model.eval().requires_grad_(False)
+    return target_model, load_model(config.target, torch.float32), load_tokenizer(config.target)
+
+
+def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
+    """Train heads of ``config.kind`` on the frozen target and export them; returns ``<out>/heads``."""
+    from specdraft.api import eos_token_ids
+    from specdraft.training.finetune import (
+        DistillDataset,
+        _check_token_ids,
+        collate_distill,
+        load_distill_records,
+        split_by_prompt,
+    )
+
+    kind = get_kind(config.kind)
+    records = load_distill_records(config.data, config.allow_incomplete)
+    train_records, heldout = split_by_prompt(records, config.heldout_every)
+    target_model, target, tokenizer = load_target(config)
+    _check_token_ids(records, target.vocab_size, config.data)
+    spec = kind.spec(target_model.config, config, config.kind_options())
+    torch.manual_seed(config.seed)
+    module = kind.build(spec)
+    kind.init(module, target_model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rank, world, device = init_distributed()
+    target_model.to(device)
+    evaluate = make_evaluate(config, kind, target_model, target, heldout, pad_id,
+                             eos_token_ids(tokenizer, config.target))
+    result = train(module, DistillDataset(train_records, config.max_seq_len),
+                   lambda model, batch, generator: kind.loss(model, target_model, batch), config,
+                   lambda items: collate_distill(items, pad_id), evaluate)
+    out = Path(config.out) / HEADS_FOLDER
+    if rank == 0 and (config.stop_after is None or result.steps == config.steps):
+        card = _card(config, result, command, spec, len(train_records), len(heldout))
+        save_heads(module.cpu(), config.kind, spec, out, config.target, card)
+    barrier(world)
+    return out
+
+
+def _card(config: HeadsConfig, result: TrainResult, command: str | None, spec: dict, n_train: int,
+          n_heldout: int) -> str:
+    """The heads' README.md: the command, data, budget and final metrics (checkpoint.model_card's layout)."""
+    card = {"title": f"specdraft {config.kind} heads", "target": config.target, "dtype": "torch.float32",
+            "command": command or shlex.join(sys.argv),
+            "data": f"`{config.data}`: {n_train} target responses for training, {n_heldout} held out",
+            "budget": {"Budget": f"{result.steps} steps, {result.tokens:,} response tokens, "
+                                 f"{result.wall_seconds:.0f} s wall time ({result.tokens_per_second:.0f} tokens/s)",
+                       "Hardware": f"{hardware()}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)"},
+            "metrics": {"train_loss": result.train_loss} | result.eval, "config": asdict(config) | {"spec": spec}}
+    text = model_card(card)
+    return text.replace("A draft model for speculative decoding", f"{config.kind} heads for speculative decoding", 1)
