@@ -41,11 +41,21 @@ def _rest(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(RESTDrafter, options, tokenizer=tokenizer, store=None)
 
 
+def _medusa(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.medusa import MedusaDrafter
+    from specdraft.errors import SpecdraftError
+
+    if "heads" not in options:
+        raise SpecdraftError("medusa needs --drafter-option heads=PATH (a folder made by `specdraft train-heads`)")
+    return build(MedusaDrafter, options)
+
+
 TRAINING_FREE: dict[str, DrafterFactory] = {
     "prompt-lookup": _prompt_lookup,
     "layer-skip": _layer_skip,
     "lookahead": _lookahead,
     "rest": _rest,
+    "medusa": _medusa,
 }
 
 __all__ = [
