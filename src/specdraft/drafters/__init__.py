@@ -50,11 +50,22 @@ def _medusa(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(MedusaDrafter, options)
 
 
+def _eagle(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.eagle import EagleDrafter
+    from specdraft.errors import SpecdraftError
+
+    if "heads" not in options:
+        raise SpecdraftError("eagle needs --drafter-option heads=PATH (a folder made by `specdraft train-heads "
+                             "--kind eagle`)")
+    return build(EagleDrafter, options)
+
+
 TRAINING_FREE: dict[str, DrafterFactory] = {
     "prompt-lookup": _prompt_lookup,
     "layer-skip": _layer_skip,
     "lookahead": _lookahead,
     "rest": _rest,
+    "eagle": _eagle,
     "medusa": _medusa,
 }
 

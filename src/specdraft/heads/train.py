@@ -26,6 +26,7 @@ import torch
 from specdraft.drafters.options import parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.heads import HeadKind, get_kind, save_heads
+from specdraft.heads.eagle import EAGLE
 from specdraft.heads.medusa import MEDUSA
 from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.pretrain import EXPORT_DTYPES
@@ -33,6 +34,7 @@ from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init
 
 HEAD_KINDS: dict[str, HeadKind] = {
     "medusa": MEDUSA,
+    "eagle": EAGLE,
 }
 
 HEADS_FOLDER = "heads"
