@@ -9,15 +9,17 @@ Pair t of the feature stream is ``(f_t, x_{t+1})``: the target's feature of toke
 
 with E the target's embeddings and W_lm the target's LM head, both frozen and never stored in the head. The
 decoder layer is a Llama block (the native model's code: fused q/k/v and gate/up, rotary positions, a static KV
-cache and tree masks). As in EAGLE's reference layer, the block's input RMSNorm is dropped (fc feeds attention
-directly); its MLP norm is kept.
+cache and tree masks). As in EAGLE-1 implementations (vLLM's ``llama_eagle`` port replaces the first draft layer's
+input norm with the identity), the block's input RMSNorm is dropped (fc feeds attention directly); its MLP norm is
+kept.
 
 Features: EAGLE regresses the LM head's input. In specdraft the target's features (``return_hidden=True``,
 transformers' ``hidden_states[-1]``) are final-normed, i.e. already the LM head's input, so the head's output goes
 straight into W_lm; applying the target's final norm again would be inconsistent with the regression target.
 
-Loss (EAGLE eq. for L = L_reg + w_cls L_cls): smooth L1 between g_t and the true f_{t+1}, plus ``cls_weight``
-(EAGLE: 0.1) times the cross-entropy of the head's token distribution against the target's softmax(W_lm f_{t+1}).
+Loss (EAGLE's L = L_reg + w_cls L_cls; equation number not checked): smooth L1 between g_t and the true f_{t+1},
+plus ``cls_weight`` (EAGLE: 0.1) times the cross-entropy of the head's token distribution against the target's
+softmax(W_lm f_{t+1}).
 EAGLE's optional feature noise (uniform, added to the input features during training) is ``noise`` here.
 
 Registered as the ``eagle`` kind of ``specdraft train-heads`` (:data:`EAGLE`); the exported folder (see
