@@ -154,7 +154,8 @@ def test_sweep_sampling_and_repeats(files, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--methods", "ar,medusa"], "unknown method 'medusa'"),
+    (["--methods", "ar,medusa-2"], "unknown method 'medusa-2'"),
+    (["--methods", "ar,medusa"], "medusa needs --drafter-option heads=PATH"),
     (["--methods", "draft"], "needs a draft model"),
     (["--methods", "hf:x"], "takes no argument"),
     (["--questions", "/nonexistent/q.jsonl"], "question file not found"),
