@@ -164,7 +164,7 @@ def test_verify_tree_greedy_follows_argmax():
     assert result.num_draft_tokens == 6 and result.depth == 3
 
 
-def _sampled_tree_distribution(deterministic: bool, trials: int = 12000):
+def _sampled_tree_distribution(deterministic: bool, trials: int = 6000):
     """First two emitted tokens of one tree step, completed from p when only one is emitted; and the exact p."""
     vocab = 4
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The recipe behind the shipped smollm2-135m-instruct-drafter and docs/results.md, exactly as run on the 2-core CPU
+# (each step resumes when rerun; the whole recipe took about 2.5 hours of wall time there, steps sharing the cores).
+# Usage: benchmarks/smollm2_drafter.sh RUNS_DIR
+set -euo pipefail
+runs=${1:?usage: $0 RUNS_DIR}
+sd=${SPECDRAFT:-.venv/bin/specdraft}
+T=smollm2-135m-instruct
+mkdir -p "$runs" && cd "$runs"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# (a) pretrain two sizes on the ShareGPT assistant turns (train split), embeddings initialised from the target's
+$sd pretrain --target $T --out pt-tiny --preset tiny --init-from-target --tokens 3000000 --seq-len 256 \
+    --batch-size 16 --lr 2e-3 --warmup-steps 30 --checkpoint-every 50 --eval-every 200 --export-dtype bfloat16
+$sd pretrain --target $T --out pt-small --preset small --init-from-target --tokens 1500000 --seq-len 256 \
+    --batch-size 16 --lr 2e-3 --warmup-steps 20 --checkpoint-every 50 --export-dtype bfloat16
+
+# (b) the target's own responses to ShareGPT train-split instructions (temperature 1, 128 tokens); this run was
+#     stopped after 26 of 92 shards (1,664 responses) for time, then the manifest was written for what exists
+$sd distill-data --target $T --out dd-sharegpt-train-t1 --prompts sharegpt --split train --max-new-tokens 128 \
+    --temperature 1.0 --batch-size 16 --shard-size 64 --dtype bfloat16 || true
+# one teacher pass: the target's top-32 log-probs for every response token (shared by every fine-tuning run)
+$sd distill-topk --data dd-sharegpt-train-t1 --out dd-topk32 --target $T --k 32 --batch-size 8 --dtype bfloat16 \
+    --allow-incomplete
+
+# (c) KD fine-tuning, same data and budget for every loss
+for loss in fkl rkl tvd tvdpp; do
+  $sd finetune --drafter pt-tiny/model --target $T --data dd-topk32 --allow-incomplete --use-stored-topk \
+      --loss $loss --out ft-tiny-$loss --steps 200 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
+      --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 6 --eval-max-new-tokens 64 --export-dtype bfloat16
+done
+$sd finetune --drafter pt-small/model --target $T --data dd-topk32 --allow-incomplete --use-stored-topk \
+    --loss tvdpp --out ft-small-tvdpp --steps 200 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
+    --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 6 --eval-max-new-tokens 64 --export-dtype bfloat16
