@@ -26,9 +26,9 @@ $sd distill-topk --data dd-sharegpt-train-t1 --out dd-topk32 --target $T --k 32 
 # (c) KD fine-tuning, same data and budget for every loss
 for loss in fkl rkl tvd tvdpp; do
   $sd finetune --drafter pt-tiny/model --target $T --data dd-topk32 --allow-incomplete --use-stored-topk \
-      --loss $loss --out ft-tiny-$loss --steps 200 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
-      --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 6 --eval-max-new-tokens 64 --export-dtype bfloat16
+      --loss $loss --out ft-tiny-$loss --steps 100 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
+      --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16
 done
 $sd finetune --drafter pt-small/model --target $T --data dd-topk32 --allow-incomplete --use-stored-topk \
-    --loss tvdpp --out ft-small-tvdpp --steps 200 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
-    --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 6 --eval-max-new-tokens 64 --export-dtype bfloat16
+    --loss tvdpp --out ft-small-tvdpp --steps 100 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
+    --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16

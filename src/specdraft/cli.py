@@ -81,8 +81,12 @@ def _run_generate(args: argparse.Namespace) -> None:
 
 
 def _add_demo(sub) -> None:
+    from specdraft.demo import DEMO_DRAFTERS
+
     p = sub.add_parser("demo", help="SmolLM2-135M-Instruct on built-in chat prompts, plain vs each drafter")
     p.add_argument("--draft", help="draft model to run (default: the shipped smollm2-135m-instruct-drafter)")
+    p.add_argument("--drafters", default=",".join(DEMO_DRAFTERS),
+                   help=f"comma-separated training-free drafters to show (default: {','.join(DEMO_DRAFTERS)})")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
@@ -97,8 +101,9 @@ def _run_demo(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise SpecdraftError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     GenerationConfig(args.max_new_tokens, args.num_draft_tokens)  # validates both
+    drafters = tuple(name.strip() for name in args.drafters.split(",") if name.strip())
     run_demo(DemoConfig(draft=args.draft, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                        num_draft_tokens=args.num_draft_tokens, dtype=parse_dtype(args.dtype)))
+                        num_draft_tokens=args.num_draft_tokens, dtype=parse_dtype(args.dtype), drafters=drafters))
 
 
 def _add_bench(sub) -> None:
