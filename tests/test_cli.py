@@ -40,7 +40,8 @@ def test_generate_json_plain_and_speculative_agree(ckpts, capsys):
     assert set(plain["stats"]) >= {"new_tokens", "target_forward_calls", "block_efficiency", "acceptance_rate",
                                    "decode_seconds", "tokens_per_second"}
     assert plain["stats"]["block_efficiency"] == 1.0
-    for extra in (["--draft", ckpts["draft"]], ["--drafter", "prompt-lookup"]):
+    tree = ["--draft", ckpts["draft"], "--drafter-option", "tree_branching=2", "--drafter-option", "tree_nodes=5"]
+    for extra in (["--draft", ckpts["draft"]], ["--drafter", "prompt-lookup"], tree):
         code, out, _ = _run(capsys, *base, *extra, "--num-draft-tokens", "3")
         assert code == 0
         (spec,) = _records(out)
@@ -80,6 +81,8 @@ def test_chat_prompt_uses_template(ckpts, capsys):
         (["--prompt-ids", "1,2", "--num-draft-tokens", "0"], "num_draft_tokens"),
         (["--prompt-ids", "1,2", "--draft", "no/such-model-xyz"], "no/such-model-xyz"),
         (["--prompt-ids", "1,2", "--draft", "/nonexistent/folder"], "unknown model"),
+        (["--prompt-ids", "1,2", "--drafter-option", "tree_nodes=4"], "drafter options need a drafter"),
+        (["--prompt-ids", "1,2", "--drafter", "prompt-lookup", "--drafter-option", "x"], "must be KEY=VALUE"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(ckpts, capsys, extra, message):

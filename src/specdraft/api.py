@@ -12,6 +12,7 @@ import torch
 
 from specdraft.compat import check_compatible
 from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
 from specdraft.models import CausalLM, load_model, load_tokenizer
 
@@ -38,19 +39,21 @@ def load_drafter(
     backend: str = "auto",
     options: dict[str, str] | None = None,
 ) -> Drafter | None:
-    """A drafter from a draft model name/path (checked for compatibility) or a training-free drafter name with
-    its ``options`` (``{KEY: VALUE}`` strings)."""
+    """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
+    ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
+    strings)."""
     if draft and drafter:
         raise SpecdraftError("give either a draft model or a training-free drafter, not both")
-    if options and not drafter:
-        raise SpecdraftError("drafter options need a training-free drafter (--drafter)")
     if drafter:
         if drafter not in TRAINING_FREE:
             raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(TRAINING_FREE))}")
         return TRAINING_FREE[drafter](target, target_tokenizer, dict(options or {}))
     if not draft:
+        if options:
+            raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
         return None
-    return DraftModelDrafter(load_draft_model(target, target_tokenizer, draft, dtype, backend), name=f"draft:{draft}")
+    model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
+    return build(DraftModelDrafter, dict(options or {}), model=model, name=f"draft:{draft}")
 
 
 def load_draft_model(

@@ -36,7 +36,8 @@ def _add_generate(sub) -> None:
     how.add_argument("--draft", help="draft model: built-in name, checkpoint folder or cached hub id")
     how.add_argument("--drafter", choices=sorted(TRAINING_FREE), help="training-free drafter")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="option of the training-free drafter (repeatable), e.g. max_ngram_size=4")
+                   help="drafter option (repeatable), e.g. max_ngram_size=4 for prompt-lookup, or "
+                        "tree_branching=2 and tree_nodes=12 for a draft model's token tree")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text")
     what.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")

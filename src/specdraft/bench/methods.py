@@ -4,7 +4,8 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
 :data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.TRAINING_FREE``); the runner never branches on a name.
 
 - ``ar``: plain decoding through specdraft's loop (the baseline; always run).
-- ``draft:PATH``: a draft model (``specdraft.api.load_drafter(..., draft=PATH)``).
+- ``draft:PATH``: a draft model (``specdraft.api.load_drafter(..., draft=PATH)``); ``draft:PATH;tree_branching=2;
+  tree_nodes=12`` drafts a dynamic token tree.
 - a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter, optionally with options
   ``NAME:KEY=VALUE;KEY=VALUE`` (quote the semicolons in a shell).
 - ``hf``: transformers' ``model.generate`` on the same weights and dtype.
@@ -177,7 +178,9 @@ def _build_ar(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> l
 
 
 def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    drafter: DraftModelDrafter = load_drafter(ctx.target, ctx.tokenizer, draft=arg, dtype=ctx.dtype)
+    path, _, options = arg.partition(";")  # draft:PATH;tree_branching=2;tree_nodes=12
+    drafter: DraftModelDrafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype,
+                                              options=parse_options(options))
     ratio = ctx.param_ratio(drafter.model)
     return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec))
 
