@@ -167,3 +167,33 @@ def verify_layout(
         offsets[tail_length + size :] = root + aux.offsets
         mask[tail_length + size :, tail_length + size :] = aux.mask
     return offsets, mask
+
+
+def expansion_mask(nodes: list[int], parents: list[int], slot_of: dict[int, int], visible: int,
+                   start: int) -> torch.Tensor:
+    """Mask of one drafter forward that expands the frontier ``nodes`` of a tree being grown in the drafter's cache
+    (EAGLE-2-style dynamic trees): each node sees the first ``visible`` slots (the context) and its ancestors' slots.
+    The nodes are written at slots ``start ..``, recorded in ``slot_of``.
+
+    Returns (F, start + F) bool, a mask over every slot.
+    """
+    mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (F, S)
+    mask[:, :visible] = True
+    for row, node in enumerate(nodes):
+        slot_of[node] = start + row
+        ancestor = node
+        while ancestor >= 0:
+            mask[row, slot_of[ancestor]] = True
+            ancestor = parents[ancestor]
+    return mask
+
+
+def most_confident(parents: list[int], scores: list[float], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2's re-ranking: the ``limit`` nodes with the highest cumulative draft log-probability, closed under
+    ancestors. Returns (kept node indices (M,), their parents renumbered (M,)), as :func:`keep_nodes`."""
+    keep = torch.zeros(len(parents), dtype=torch.bool)
+    for node in sorted(range(len(parents)), key=lambda n: -scores[n])[:limit]:
+        while node >= 0 and not keep[node]:
+            keep[node] = True
+            node = parents[node]
+    return keep_nodes(torch.tensor(parents, dtype=torch.long), keep)

@@ -18,7 +18,7 @@ from specdraft.drafters.base import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
-from specdraft.trees import keep_nodes
+from specdraft.trees import expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -106,26 +106,14 @@ class DraftModelDrafter:
         """One draft forward over ``nodes`` (all at ``depth``), each attending the context and its ancestors.
         Returns their logits, (F, V)."""
         start = self._cache.length
-        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (F, S)
-        mask[:, :base] = True
-        for row, node in enumerate(nodes):
-            slot_of[node] = start + row
-            ancestor = node
-            while ancestor >= 0:
-                mask[row, slot_of[ancestor]] = True
-                ancestor = parents[ancestor]
+        mask = expansion_mask(nodes, parents, slot_of, base, start)  # (F, S)
         positions = torch.full((len(nodes),), base - 1 + depth, dtype=torch.long)  # (F,)
         ids = torch.tensor([tokens[n] for n in nodes]).unsqueeze(0)  # (1, F)
         return self.model.forward(ids, self._cache, positions=positions, attention_mask=mask)[0]  # (F, V)
 
     def _best_nodes(self, tokens, parents, q_rows, scores, greedy: bool) -> Draft:
         """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order."""
-        keep = torch.zeros(len(tokens), dtype=torch.bool)
-        for node in sorted(range(len(tokens)), key=lambda n: -scores[n])[: self.tree_nodes]:
-            while node >= 0 and not keep[node]:
-                keep[node] = True
-                node = parents[node]
-        kept, new_parents = keep_nodes(torch.tensor(parents, dtype=torch.long), keep)
+        kept, new_parents = most_confident(parents, scores, self.tree_nodes)
         q = None if greedy else torch.stack(q_rows)[kept]  # (N, V)
         return Draft(torch.tensor(tokens, dtype=torch.long)[kept], q, new_parents)
 

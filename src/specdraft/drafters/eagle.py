@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, check_finite, warp
-from specdraft.trees import keep_nodes
+from specdraft.trees import expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -157,14 +157,7 @@ class EagleDrafter:
         """One head forward over ``nodes`` (all at depth ``level + 1``): pairs (parent's predicted feature, token),
         each attending the committed pairs, its fed ancestors and itself. Returns their predicted features (F, D)."""
         start = self._cache.length
-        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (F, S)
-        mask[:, :base] = True
-        for row, node in enumerate(nodes):
-            slot_of[node] = start + row
-            ancestor = node
-            while ancestor >= 0:
-                mask[row, slot_of[ancestor]] = True
-                ancestor = parents[ancestor]
+        mask = expansion_mask(nodes, parents, slot_of, base, start)  # (F, S)
         positions = torch.full((len(nodes),), base + level, dtype=torch.long)  # (F,): pair L-2+depth
         features = torch.stack([feature_of[n] for n in nodes])[None]  # (1, F, D)
         embeds = F.embedding(torch.tensor([tokens[n] for n in nodes]), self._embed)[None]  # (1, F, D)
@@ -172,11 +165,6 @@ class EagleDrafter:
 
     def _best_nodes(self, tokens, parents, q_rows, scores, greedy: bool) -> Draft:
         """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order (EAGLE-2's re-ranking)."""
-        keep = torch.zeros(len(tokens), dtype=torch.bool)
-        for node in sorted(range(len(tokens)), key=lambda n: -scores[n])[: self.tree_nodes]:
-            while node >= 0 and not keep[node]:
-                keep[node] = True
-                node = parents[node]
-        kept, new_parents = keep_nodes(torch.tensor(parents, dtype=torch.long), keep)
+        kept, new_parents = most_confident(parents, scores, self.tree_nodes)
         q = None if greedy else torch.stack(q_rows)[kept]  # (N, V)
         return Draft(torch.tensor(tokens, dtype=torch.long)[kept], q, new_parents)
