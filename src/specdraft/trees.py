@@ -197,3 +197,21 @@ def most_confident(parents: list[int], scores: list[float], limit: int) -> tuple
             keep[node] = True
             node = parents[node]
     return keep_nodes(torch.tensor(parents, dtype=torch.long), keep)
+
+
+def add_children(node: int, probs: torch.Tensor, count: int, greedy: bool, generator: torch.Generator | None,
+                 tree: tuple[list, list, list, list]) -> list[int]:
+    """Grow ``count`` children under ``node`` of a dynamic tree (EAGLE-2; SpecInfer): the top-``count`` tokens of
+    ``probs`` (V,) when greedy, else ``count`` i.i.d. draws from it. ``tree`` is (tokens, parents, q_rows, scores),
+    appended to in place; a child's score is its parent's plus log q(child). Returns the new node indices."""
+    tokens, parents, q_rows, scores = tree
+    picks = (probs.topk(min(count, probs.shape[0])).indices if greedy else
+             torch.multinomial(probs, count, replacement=True, generator=generator))
+    new = []
+    for token in picks.tolist():
+        new.append(len(tokens))
+        tokens.append(token)
+        parents.append(node)
+        q_rows.append(probs)
+        scores.append((scores[node] if node >= 0 else 0.0) + float(probs[token].clamp_min(1e-30).log()))
+    return new

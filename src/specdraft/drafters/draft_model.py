@@ -18,7 +18,7 @@ from specdraft.drafters.base import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
-from specdraft.trees import expansion_mask, most_confident
+from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -85,14 +85,8 @@ class DraftModelDrafter:
             for node, logits in frontier:
                 check_finite(logits, "draft")
                 probs = torch.softmax(logits.float(), -1) if sampling.greedy else warp(logits, sampling)  # (V,)
-                picks = (probs.topk(self.tree_branching).indices if sampling.greedy else
-                         torch.multinomial(probs, self.tree_branching, replacement=True, generator=generator))
-                for token in picks.tolist():
-                    children.append(len(tokens))
-                    tokens.append(token)
-                    parents.append(node)
-                    q_rows.append(probs)
-                    scores.append((scores[node] if node >= 0 else 0.0) + float(probs[token].clamp_min(1e-30).log()))
+                children += add_children(node, probs, self.tree_branching, sampling.greedy, generator,
+                                         (tokens, parents, q_rows, scores))
             if level + 1 == depth:
                 break
             chosen = sorted(children, key=lambda n: -scores[n])[: self.tree_branching]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, check_finite, warp
-from specdraft.trees import expansion_mask, most_confident
+from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -135,15 +135,10 @@ class EagleDrafter:
             children, feature_of = [], {}
             for node, feature, logits in frontier:
                 probs = torch.softmax(logits, -1) if sampling.greedy else warp(logits, sampling)  # (V,)
-                picks = (probs.topk(min(self.top_k, probs.shape[0])).indices if sampling.greedy else
-                         torch.multinomial(probs, self.top_k, replacement=True, generator=generator))
-                for token in picks.tolist():
-                    children.append(len(tokens))
-                    feature_of[len(tokens)] = feature
-                    tokens.append(token)
-                    parents.append(node)
-                    q_rows.append(probs)
-                    scores.append((scores[node] if node >= 0 else 0.0) + float(probs[token].clamp_min(1e-30).log()))
+                tree = (tokens, parents, q_rows, scores)
+                new = add_children(node, probs, self.top_k, sampling.greedy, generator, tree)
+                children += new
+                feature_of.update(dict.fromkeys(new, feature))
             if level + 1 == depth:
                 break
             chosen = sorted(children, key=lambda n: -scores[n])[: self.top_k]
