@@ -122,3 +122,19 @@ def save_tiny_checkpoint(path, seed: int = 0, tokenizer=None, **kwargs):
     model.save_pretrained(path)
     (tokenizer or tiny_tokenizer()).save_pretrained(path)
     return path
+
+
+def assert_follows(counts, p: torch.Tensor, trials: int) -> None:
+    """Chi-square of sampled token counts against p (V,): cells with an expected count >= 5, plus one bucket for
+    the rest when it is large enough (else the rest must stay rare)."""
+    from scipy.stats import chisquare
+
+    support = (p * trials >= 5).nonzero().flatten().tolist()
+    observed, expected = [counts[t] for t in support], [float(p[t]) * trials for t in support]
+    observed.append(trials - sum(observed))
+    expected.append(trials - sum(expected))
+    if expected[-1] < 5:  # too little mass outside the support for a bucket: it must stay rare
+        assert observed[-1] <= 5 + 4 * expected[-1]
+        observed, expected = observed[:-1], expected[:-1]
+    expected = [e * sum(observed) / sum(expected) for e in expected]
+    assert chisquare(observed, expected).pvalue > 1e-3
