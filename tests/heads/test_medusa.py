@@ -2,6 +2,7 @@
 learn the target's continuation (τ > 1), greedy equality and the sampled marginal on both model paths, and the
 errors for bad heads folders."""
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -118,6 +119,59 @@ def test_greedy_equals_plain_decoding(trained, kind):
         for gamma, tree in ((4, ""), (2, ""), (5, "0/1/0.0/0.0.0/0.0.0.0/0.0.0.0.0")):
             drafter = MedusaDrafter.from_module(heads, tree=tree)
             assert generate(target, prompt, drafter, GenerationConfig(30, gamma)).token_ids == plain
+        for gamma, nodes in ((4, 1), (4, 6), (3, 24)):
+            drafter = MedusaDrafter.from_module(heads, tree_nodes=nodes, top_k=4)
+            assert generate(target, prompt, drafter, GenerationConfig(30, gamma)).token_ids == plain
+
+
+def test_dynamic_tree_keeps_the_most_confident_paths(trained):
+    """tree_nodes=N: at most N nodes, closed under ancestors, depth <= γ; with one node it is head 1's argmax, and
+    every node's path is among the best N by summed head log-probabilities (checked by brute force)."""
+    model, heads = trained
+    target = NativeLlama.from_hf(model)
+    drafter = MedusaDrafter.from_module(heads, tree_nodes=1)
+    drafter.begin(target, None)
+    drafter.hidden = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    logp = torch.log_softmax(heads(drafter.hidden, model.lm_head.weight), -1).detach()  # (K, V)
+    one = drafter.propose(torch.tensor([5]), 4, SamplingConfig(0.0), None)
+    assert one.tokens.tolist() == [int(logp[0].argmax())]
+    for nodes, gamma in ((5, 4), (12, 3), (40, 4)):
+        drafter = MedusaDrafter.from_module(heads, tree_nodes=nodes, top_k=3)
+        drafter.begin(target, None)
+        drafter.hidden = torch.randn(32, generator=torch.Generator().manual_seed(nodes))
+        logp = torch.log_softmax(heads(drafter.hidden, model.lm_head.weight), -1).detach()  # (K, V)
+        draft = drafter.propose(torch.tensor([5]), gamma, SamplingConfig(0.0), None)
+        parents = draft.parents.tolist()
+        assert 1 <= len(draft) <= nodes and all(-1 <= parent < i for i, parent in enumerate(parents))
+        paths = []
+        for i in range(len(draft)):
+            path, node = [], i
+            while node >= 0:
+                path.insert(0, int(draft.tokens[node]))
+                node = parents[node]
+            paths.append(tuple(path))
+        assert len(set(paths)) == len(paths) and max(map(len, paths)) <= gamma
+        score = {path: sum(float(logp[k, t]) for k, t in enumerate(path)) for path in paths}
+        top3 = logp.topk(3, -1).indices  # (K, 3)
+        assert all(t in top3[k].tolist() for path in paths for k, t in enumerate(path))
+        leaves = [path for path in paths if not any(o[:-1] == path for o in paths)]
+        worst_kept = min(score[path] for path in leaves)
+        # every path of depth <= γ over the top-3 candidates that scores above the worst kept leaf by a margin
+        # (the beam may cut ties) is in the tree
+        for depth in range(1, gamma + 1):
+            for ranks in itertools.product(range(3), repeat=depth):
+                path = tuple(int(top3[k, r]) for k, r in enumerate(ranks))
+                total = sum(float(logp[k, t]) for k, t in enumerate(path))
+                if total > worst_kept + 1e-6 and len(draft) == nodes:
+                    assert path in score, (path, total, worst_kept)
+
+
+def test_dynamic_tree_options_are_checked(trained):
+    _, heads = trained
+    with pytest.raises(SpecdraftError, match="tree_nodes must be"):
+        MedusaDrafter.from_module(heads, tree_nodes=-1)
+    with pytest.raises(SpecdraftError, match="not both"):
+        MedusaDrafter.from_module(heads, tree="0/1", tree_nodes=4)
 
 
 def test_sampled_marginal_matches_the_target(trained):
@@ -131,15 +185,16 @@ def test_sampled_marginal_matches_the_target(trained):
         rows = torch.tensor([prompt + [t] for t in range(64)])  # (V, P + 1)
         p2 = warp(model(rows).logits[:, -1], sampling)  # (V, V)
     marginal = p1 @ p2  # (V,)
-    drafter = MedusaDrafter.from_module(heads, tree="/".join(str(i) for i in range(8)) + "/0.0/0.1/1.0")
-    counts, accepted, trials = Counter(), 0, 1000
-    for seed in range(trials):
-        generator = torch.Generator().manual_seed(seed)
-        result = generate(target, prompt, drafter, GenerationConfig(3, 3, sampling), generator)
-        counts[result.token_ids[1]] += 1
-        accepted += sum(result.stats.accept_lengths[1:2])
-    assert_follows(counts, marginal, trials)
-    assert accepted > trials // 10
+    for drafter in (MedusaDrafter.from_module(heads, tree="/".join(str(i) for i in range(8)) + "/0.0/0.1/1.0"),
+                    MedusaDrafter.from_module(heads, tree_nodes=10, top_k=4)):
+        counts, accepted, trials = Counter(), 0, 1000
+        for seed in range(trials):
+            generator = torch.Generator().manual_seed(seed)
+            result = generate(target, prompt, drafter, GenerationConfig(3, 3, sampling), generator)
+            counts[result.token_ids[1]] += 1
+            accepted += sum(result.stats.accept_lengths[1:2])
+        assert_follows(counts, marginal, trials)
+        assert accepted > trials // 10
 
 
 def test_first_step_is_empty_and_begin_resets():

@@ -8,6 +8,13 @@ which is the last token of ``context`` at the next ``propose`` and the root of t
 at P+1+k, so its top candidates fill depth k of the tree (Medusa's sparse trees, paper Sec. 2.1.2 and
 ``medusa_choices``: path (i, j) is head 2's j-th candidate under head 1's i-th).
 
+Dynamic trees. With ``tree_nodes=N`` the tree is instead chosen at every step from the heads' own confidence, as
+EAGLE-2 does for its head (Li et al. 2024, arXiv 2406.16858): a node at depth k scores the sum of log-softmax
+probabilities of its path's candidates under heads 1..k (heads are independent, so this is Medusa's estimate of the
+path's acceptance, paper Sec. 2.1.2, with the heads' probabilities standing in for measured top-i accuracies); each
+depth keeps the N best-scoring nodes (a beam, each expanded into the head's ``top_k`` candidates), and the N best
+nodes overall, closed under ancestors, are the draft. It lets a benchmark sweep the tree size with one option.
+
 Lossless: candidates are deterministic (q = None, point masses), which greedy and SpecInfer tree verification both
 accept exactly. Medusa's lossy "typical acceptance" is not implemented.
 """
@@ -22,7 +29,7 @@ import torch
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
-from specdraft.trees import parents_from_paths
+from specdraft.trees import most_confident, parents_from_paths
 from specdraft.verification import VerifyResult
 
 # A 16-node sparse tree of depth 4 in the spirit of Medusa's (``mc_sim_7b_63`` scaled down): more candidates
@@ -63,7 +70,9 @@ class MedusaDrafter:
     Args:
         heads: the heads folder (``<out>/heads``).
         tree: the static tree as choice paths (see :func:`parse_tree`); empty = :data:`DEFAULT_TREE` (16 nodes).
-        top_k: paths that use a candidate rank >= top_k are dropped (top_k = 1: a chain of each head's argmax).
+        top_k: paths that use a candidate rank >= top_k are dropped (top_k = 1: a chain of each head's argmax);
+            in a dynamic tree, the candidates each node is expanded into.
+        tree_nodes: 0 for the static ``tree``; N >= 1 for a dynamic tree of N nodes (module docstring).
     The tree is also cut to depth min(γ, number of heads) at each step.
     """
 
@@ -71,24 +80,29 @@ class MedusaDrafter:
     max_context = None
     needs_hidden = True
 
-    def __init__(self, heads: str, tree: str = "", top_k: int = 10) -> None:
+    def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0) -> None:
         from specdraft.heads import load_heads
 
         if not str(heads).strip():
             raise SpecdraftError("medusa needs heads=PATH: a heads folder made by `specdraft train-heads`")
         _, module = load_heads(heads, kind="medusa")
-        self._setup(module, tree, top_k)
+        self._setup(module, tree, top_k, tree_nodes)
 
     @classmethod
-    def from_module(cls, module, tree: str = "", top_k: int = 10) -> MedusaDrafter:
+    def from_module(cls, module, tree: str = "", top_k: int = 10, tree_nodes: int = 0) -> MedusaDrafter:
         """A drafter over in-memory :class:`~specdraft.heads.medusa.MedusaHeads` (CPU, fp32)."""
         drafter = cls.__new__(cls)
-        drafter._setup(module, tree, top_k)
+        drafter._setup(module, tree, top_k, tree_nodes)
         return drafter
 
-    def _setup(self, module, tree: str, top_k: int) -> None:
+    def _setup(self, module, tree: str, top_k: int, tree_nodes: int = 0) -> None:
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecdraftError(f"top_k must be an integer >= 1, got {top_k!r}")
+        if not isinstance(tree_nodes, int) or tree_nodes < 0:
+            raise SpecdraftError(f"tree_nodes must be an integer >= 0 (0 = the static tree), got {tree_nodes!r}")
+        if tree_nodes and str(tree).strip():
+            raise SpecdraftError("give either tree (a static tree) or tree_nodes (a dynamic one), not both")
+        self.tree_nodes, self.top_k = tree_nodes, top_k
         self.heads = module.float().eval()
         self.vocab_size = module.vocab_size
         paths = [p for p in parse_tree(tree) if max(p, default=0) < min(top_k, module.vocab_size)]
@@ -129,6 +143,8 @@ class MedusaDrafter:
         """Head k's ranked candidates fill depth k of the static tree under the root ``context[-1]``."""
         if self.hidden is None or num_draft_tokens < 1:
             return EMPTY_DRAFT  # the first step: no features yet
+        if self.tree_nodes:
+            return self._dynamic(min(num_draft_tokens, self.heads.num_heads))
         parents, paths = self._tree(min(num_draft_tokens, self.heads.num_heads))
         if not paths:
             return EMPTY_DRAFT
@@ -138,6 +154,26 @@ class MedusaDrafter:
         top = logits.topk(ranks, dim=-1).indices  # (depth, ranks)
         tokens = torch.tensor([int(top[len(p) - 1, p[-1]]) for p in paths], dtype=torch.long)  # (N,)
         return Draft(tokens, parents=parents)
+
+    def _dynamic(self, depth: int) -> Draft:
+        """A tree of at most ``tree_nodes`` nodes scored by the heads' cumulative log-probabilities (docstring)."""
+        logits = self.heads(self.hidden.float(), self.lm_head)[:depth]  # (depth, V)
+        width = min(self.top_k, self.tree_nodes, self.vocab_size)
+        logp, top = torch.log_softmax(logits, -1).topk(width, dim=-1)  # (depth, width) each
+        logp, top = logp.tolist(), top.tolist()
+        tokens, parents, scores, frontier = [], [], [], [-1]
+        for k in range(depth):
+            level = []
+            for node in frontier:
+                base = scores[node] if node >= 0 else 0.0
+                for rank in range(width):
+                    level.append(len(tokens))
+                    tokens.append(top[k][rank])
+                    parents.append(node)
+                    scores.append(base + logp[k][rank])
+            frontier = sorted(level, key=lambda n: -scores[n])[: self.tree_nodes]
+        kept, new_parents = most_confident(parents, scores, self.tree_nodes)
+        return Draft(torch.tensor(tokens, dtype=torch.long)[kept], parents=new_parents)
 
     def observe(self, result: VerifyResult) -> None:
         """Keep the hidden state of the last committed token the target was fed."""
