@@ -47,11 +47,12 @@ def config_from_args(cls: type, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The run as one canonical command line (for model cards): every flag with its parsed value."""
+def command_line(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> str:
+    """The run as one canonical command line (for model cards): every flag with its parsed value, except the
+    fields in ``skip`` (e.g. a default that another flag overrides)."""
     words = ["specdraft", args.subcommand]
     for key, value in vars(args).items():
-        if key in ("command", "subcommand", "run") or value is None:
+        if key in ("command", "subcommand", "run", *skip) or value is None:
             continue
         flag = "--" + key.replace("_", "-")
         words += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
@@ -64,7 +65,8 @@ def _run_distill_topk(args: argparse.Namespace) -> None:
 
 
 def _run_pretrain(args: argparse.Namespace) -> None:
-    print(pretrain(config_from_args(PretrainConfig, args), command=command_line(args)), flush=True)
+    skip = ("steps",) if args.tokens is not None else ()  # --tokens sets the steps; the default would mislead
+    print(pretrain(config_from_args(PretrainConfig, args), command=command_line(args, skip)), flush=True)
 
 
 def _run_distill_data(args: argparse.Namespace) -> None:
