@@ -37,7 +37,8 @@ def _add_generate(sub) -> None:
     how.add_argument("--drafter", choices=sorted(TRAINING_FREE), help="training-free drafter")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option (repeatable), e.g. max_ngram_size=4 for prompt-lookup, or "
-                        "tree_branching=2 and tree_nodes=12 for a draft model's token tree")
+                        "tree_branching=2 and tree_nodes=12 for a draft model's token tree, confidence_threshold=0.4 "
+                        "to stop its chain at an unsure token")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text")
     what.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")

@@ -43,3 +43,56 @@ def test_cache_grows_for_long_contexts():
     tokens = drafter.propose(long_context, 3, SamplingConfig(), None).tokens
     assert torch.equal(tokens, DraftModelDrafter(drafter.model).propose(long_context, 3, SamplingConfig(), None).tokens)
     assert short.shape == (2,)
+
+
+def test_confidence_threshold_cuts_the_chain_after_the_first_unsure_token():
+    """confidence_threshold=t: the draft is the full chain's prefix up to and including the first token with
+    q(token) < t (greedy: q = softmax of the draft logits), and never longer than γ."""
+    model = hf_target(1)
+    context = torch.tensor([3, 4, 5, 6])
+    full = DraftModelDrafter(model).propose(context, 6, SamplingConfig(), None).tokens  # (6,)
+    with torch.no_grad():
+        logits = model.model(torch.cat([context, full]).unsqueeze(0)).logits[0, len(context) - 1 : -1]  # (6, V)
+    q = torch.softmax(logits.float(), -1)[torch.arange(6), full]  # (6,)
+    lengths = set()
+    for threshold in sorted(set(q.tolist())) + [0.999]:
+        unsure = (q < threshold).nonzero()
+        expected = int(unsure[0]) + 1 if unsure.numel() else 6
+        draft = DraftModelDrafter(model, confidence_threshold=threshold).propose(context, 6, SamplingConfig(), None)
+        assert torch.equal(draft.tokens, full[:expected]), threshold
+        lengths.add(expected)
+    assert len(lengths) > 1  # the thresholds did cut at different places
+
+
+def test_confidence_threshold_is_lossless():
+    """Greedy: same output as plain decoding; sampling: the first drafted position follows the target's p."""
+    from collections import Counter
+
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.sampling import warp
+    from toys import assert_follows
+
+    target, prompt = hf_target(0), [3, 4, 5, 6]
+    drafter = DraftModelDrafter(hf_target(1), confidence_threshold=0.3)
+    plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+    assert generate(target, prompt, drafter, GenerationConfig(24, 5)).token_ids == plain
+    sampling = SamplingConfig(1.0)
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], sampling)  # (V,)
+    counts, trials = Counter(), 600
+    for seed in range(trials):
+        generator = torch.Generator().manual_seed(seed)
+        result = generate(target, prompt, drafter, GenerationConfig(2, 4, sampling), generator)
+        counts[result.token_ids[0]] += 1
+    assert_follows(counts, p1, trials)
+
+
+def test_confidence_threshold_options_are_checked():
+    import pytest
+
+    from specdraft.errors import SpecdraftError
+
+    with pytest.raises(SpecdraftError, match="confidence_threshold must be in"):
+        DraftModelDrafter(hf_target(1), confidence_threshold=1.5)
+    with pytest.raises(SpecdraftError, match="chain drafts"):
+        DraftModelDrafter(hf_target(1), tree_branching=2, confidence_threshold=0.3)

@@ -8,6 +8,12 @@ rule keeps that lossless). The ``tree_branching`` children with the highest cumu
 (EAGLE-2's confidence) become the next frontier, expanded in one draft forward with a tree mask; finally the
 ``tree_nodes`` most confident nodes are kept. Depth = num_draft_tokens, so one tree costs as many draft forwards
 as a chain.
+
+Early stopping (``confidence_threshold`` > 0, chain mode): drafting stops after the first token whose draft
+probability q(token) is below the threshold, as transformers' assisted generation does with
+``assistant_confidence_threshold`` (a static form of the adaptive draft lengths of SpecDec++, Huang et al. 2024,
+arXiv 2405.19715). The draft length then depends only on the drafter's own distributions and draws, so the output
+distribution is unchanged; a weak drafter stops paying for tokens the target will likely reject.
 """
 
 from __future__ import annotations
@@ -26,9 +32,16 @@ class DraftModelDrafter:
     """Draft with a small model. Its cache is synchronised to the context by longest common prefix, so rejected
     draft tokens are rolled back by a crop and the tokens the target added are fed in one forward."""
 
-    def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16) -> None:
+    def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
+                 confidence_threshold: float = 0.0) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise SpecdraftError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
+        if confidence_threshold and tree_branching:
+            raise SpecdraftError("confidence_threshold applies to chain drafts; tree mode ranks nodes by confidence "
+                                 "already (tree_nodes)")
+        self.confidence_threshold = float(confidence_threshold)
         self.model = model
         self.tree_branching, self.tree_nodes = tree_branching, tree_nodes
         self.name = name or f"draft:{model.name}"
@@ -67,11 +80,19 @@ class DraftModelDrafter:
                 probs.append(warp(logits, sampling))  # (V,)
                 token = sample(probs[-1], generator)
             tokens.append(token)
+            if self.confidence_threshold and self._unsure(logits, token, probs, sampling):
+                break
             if i + 1 < num_draft_tokens:  # the last draft token is fed next step, only if accepted
                 logits = self.model.forward(token.view(1, 1), self._cache)[0, -1]  # (V,)
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
         self._cached = torch.cat([context, draft[:-1]])
         return Draft(draft, torch.stack(probs) if probs else None)
+
+    def _unsure(self, logits: torch.Tensor, token: torch.Tensor, probs: list[torch.Tensor],
+                sampling: SamplingConfig) -> bool:
+        """Whether q(token) is below ``confidence_threshold`` (greedy: q = softmax of the raw logits)."""
+        q = torch.softmax(logits.float(), -1)[token] if sampling.greedy else probs[-1][token]
+        return float(q) < self.confidence_threshold
 
     def _propose_tree(
         self, context: torch.Tensor, depth: int, sampling: SamplingConfig, generator: torch.Generator | None
