@@ -260,3 +260,26 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
     drafter = MedusaDrafter.from_module(build_medusa(_spec(hidden=16)))
     with pytest.raises(SpecdraftError, match="hidden size 16"):
         drafter.begin(target, None)
+
+
+def test_heads_saved_in_bfloat16_load_as_float32(trained, tmp_path):
+    """save_heads(dtype=bfloat16) halves the file; load_heads gives fp32 modules equal to the rounded weights."""
+    from safetensors.torch import load_file
+
+    _, heads = trained
+    path = save_heads(heads, "medusa", _spec(), tmp_path / "bf16", "tiny", dtype=torch.bfloat16)
+    assert {t.dtype for t in load_file(str(path / WEIGHTS_FILE)).values()} == {torch.bfloat16}
+    _, loaded = load_heads(path)
+    for a, b in zip(heads.state_dict().values(), loaded.state_dict().values(), strict=True):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b)
+
+
+def test_shipped_heads_names_resolve_and_unknown_paths_fail(tmp_path, monkeypatch):
+    from specdraft.models import registry
+
+    monkeypatch.setitem(registry.SHIPPED_HEADS, "toy-heads", tmp_path / "absent")
+    with pytest.raises(SpecdraftError, match="shipped heads 'toy-heads' are missing"):
+        load_heads("toy-heads")
+    with pytest.raises(SpecdraftError, match="not a heads folder"):
+        load_heads(tmp_path / "nowhere")

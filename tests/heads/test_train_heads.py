@@ -80,11 +80,11 @@ def test_resume_continues_to_the_uninterrupted_weights(setup, tmp_path):
     _train(root, tmp_path / "full", *common)
     _train(root, tmp_path / "cut", *common, "--stop-after", 10, "--checkpoint-every", 10)
     assert not (tmp_path / "cut" / "heads").exists()  # no export from a stopped run
-    _train(root, tmp_path / "cut", *common, "--resume")
+    _train(root, tmp_path / "cut", *common, "--resume", "--export-dtype", "bfloat16")
     (_, full), (meta, resumed) = load_heads(tmp_path / "full" / "heads"), load_heads(tmp_path / "cut" / "heads")
     assert meta["spec"]["decay"] == 0.7
     for a, b in zip(full.state_dict().values(), resumed.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b)  # exported in bf16 (--export-dtype)
 
 
 def test_bad_inputs_are_refused(setup, tmp_path):
@@ -95,6 +95,8 @@ def test_bad_inputs_are_refused(setup, tmp_path):
         _train(root, tmp_path / "a", "--steps", 2, "--options", "depth=3")
     with pytest.raises(SpecdraftError, match="decay must be in"):
         _train(root, tmp_path / "b", "--steps", 2, "--options", "decay=2")
+    with pytest.raises(SpecdraftError, match="export_dtype must be one of"):
+        _train(root, tmp_path / "b", "--steps", 2, "--export-dtype", "int8")
     with pytest.raises(SpecdraftError, match="no training checkpoint"):
         _train(root, tmp_path / "c", "--steps", 2, "--resume")
     foreign = [r | {"response_token_ids": r["response_token_ids"] + [100]} for r in records]

@@ -66,8 +66,9 @@ def get_kind(name: str) -> HeadKind:
     return HEAD_KINDS[name]
 
 
-def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "") -> Path:
-    """Write ``module``'s weights (fp32, contiguous), ``heads.json`` and ``README.md`` (``card``) to ``out``,
+def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "",
+               dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``module``'s weights (``dtype``, contiguous), ``heads.json`` and ``README.md`` (``card``) to ``out``,
     replacing an old folder only once the new one is complete."""
     from safetensors.torch import save_file
 
@@ -77,7 +78,7 @@ def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        weights = {k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}
+        weights = {k: v.detach().to(dtype).cpu().contiguous() for k, v in module.state_dict().items()}
         save_file(weights, str(tmp / WEIGHTS_FILE))
         meta = {"format": FORMAT, "kind": kind, "spec": spec, "target": target}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
@@ -90,8 +91,11 @@ def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target
 
 
 def read_heads_config(path: str | Path) -> dict:
-    """``heads.json`` of a heads folder, checked (format, kind, spec with vocab_size and hidden_size)."""
-    path = Path(path)
+    """``heads.json`` of a heads folder (or shipped heads by name), checked (format, kind, spec with vocab_size and
+    hidden_size)."""
+    from specdraft.models.registry import resolve_heads
+
+    path = resolve_heads(str(path))
     try:
         meta = json.loads((path / CONFIG_FILE).read_text())
     except OSError:
@@ -112,7 +116,9 @@ def load_heads(path: str | Path, kind: str | None = None) -> tuple[dict, nn.Modu
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(path)
+    from specdraft.models.registry import resolve_heads
+
+    path = resolve_heads(str(path))
     meta = read_heads_config(path)
     if kind is not None and meta["kind"] != kind:
         raise SpecdraftError(f"{path} holds {meta['kind']} heads, not {kind} heads")

