@@ -18,6 +18,10 @@ level over the frontier (each node sees the committed pairs and its ancestors: a
 q = None (point masses). Sampling: children are ``top_k`` i.i.d. draws from the warped q of their parent, returned
 as q rows, which SpecInfer's multi-draft verification (``verify_tree_sampling``) accepts losslessly.
 
+Draft vocabulary (``draft_vocab=N``): the LM head multiplications of the tree use only the N tokens most frequent in
+the heads' training data (FR-Spec, :mod:`specdraft.heads.vocab`); lossless, and far cheaper when the vocabulary is
+large next to the model.
+
 The first step of a generation has no features yet and proposes nothing (plain decoding).
 """
 
@@ -28,7 +32,8 @@ import torch.nn.functional as F
 
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig, check_finite, warp
+from specdraft.heads.vocab import DraftVocab
+from specdraft.sampling import SamplingConfig, warp
 from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
@@ -40,29 +45,34 @@ class EagleDrafter:
         heads: the heads folder (``<out>/heads``).
         top_k: children per expanded node and frontier nodes per level (EAGLE-2's k).
         tree_nodes: nodes kept in the final tree (EAGLE-2's re-ranking).
+        draft_vocab: draft only the N most frequent tokens of the training data (0: the whole vocabulary).
     """
 
     name = "eagle"
     needs_hidden = True
 
-    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16) -> None:
+    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16, draft_vocab: int = 0) -> None:
         from specdraft.heads import load_heads
+        from specdraft.heads.vocab import draft_subset
 
         if not str(heads).strip():
             raise SpecdraftError("eagle needs heads=PATH: a heads folder made by `specdraft train-heads --kind eagle`")
         _, head = load_heads(heads, kind="eagle")
-        self._setup(head, top_k, tree_nodes)
+        self._setup(head, top_k, tree_nodes, draft_subset(heads, int(head.sizes["vocab_size"]), draft_vocab))
 
     @classmethod
-    def from_module(cls, head, top_k: int = 4, tree_nodes: int = 16) -> EagleDrafter:
-        """A drafter over an in-memory :class:`~specdraft.heads.eagle.EagleHead`."""
+    def from_module(cls, head, top_k: int = 4, tree_nodes: int = 16, keep: torch.Tensor | None = None
+                    ) -> EagleDrafter:
+        """A drafter over an in-memory :class:`~specdraft.heads.eagle.EagleHead`; ``keep`` (N,): the token ids it
+        may draft (None: all)."""
         drafter = cls.__new__(cls)
-        drafter._setup(head, top_k, tree_nodes)
+        drafter._setup(head, top_k, tree_nodes, keep)
         return drafter
 
-    def _setup(self, head, top_k: int, tree_nodes: int) -> None:
+    def _setup(self, head, top_k: int, tree_nodes: int, keep: torch.Tensor | None = None) -> None:
         if not isinstance(top_k, int) or not isinstance(tree_nodes, int) or top_k < 1 or tree_nodes < 1:
             raise SpecdraftError(f"top_k and tree_nodes must be integers >= 1, got {top_k!r}, {tree_nodes!r}")
+        self.keep, self._vocab = keep, None
         self.head = head.eval()
         self.top_k, self.tree_nodes = top_k, tree_nodes
         self.vocab_size = int(head.sizes["vocab_size"])
@@ -83,6 +93,7 @@ class EagleDrafter:
         if self.head.dtype != lm_head.dtype:
             self.head.to(lm_head.dtype)
         self._embed, self._lm_head = embed.detach(), lm_head.detach()
+        self._vocab = DraftVocab(self._lm_head, self.keep)  # (N, D) rows copied once a generation
         self._cache = self._root = None
         self._features, self._received, self._fed = [], 0, 0
 
@@ -121,10 +132,9 @@ class EagleDrafter:
         return self._root
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Token logits of predicted features through the target's LM head. (..., D) -> (..., V) float32."""
-        logits = F.linear(features, self._lm_head).float()
-        check_finite(logits, "draft")
-        return logits
+        """Token logits of predicted features through the target's LM head (or its draft-vocabulary rows).
+        (..., D) -> (..., V) float32."""
+        return self._vocab.logits(features)
 
     def _tree(self, root: torch.Tensor, depth: int, sampling: SamplingConfig, generator) -> Draft:
         """An EAGLE-2 tree of at most ``tree_nodes`` nodes and ``depth`` levels (see the module docstring)."""

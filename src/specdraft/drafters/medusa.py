@@ -15,6 +15,10 @@ path's acceptance, paper Sec. 2.1.2, with the heads' probabilities standing in f
 depth keeps the N best-scoring nodes (a beam, each expanded into the head's ``top_k`` candidates), and the N best
 nodes overall, closed under ancestors, are the draft. It lets a benchmark sweep the tree size with one option.
 
+Draft vocabulary (``draft_vocab=N``, heads sharing the target's LM head): candidates come only from the N tokens most
+frequent in the heads' training data (FR-Spec, :mod:`specdraft.heads.vocab`), which cuts the LM head product to N
+rows.
+
 Lossless: candidates are deterministic (q = None, point masses), which greedy and SpecInfer tree verification both
 accept exactly. Medusa's lossy "typical acceptance" is not implemented.
 """
@@ -28,6 +32,7 @@ import torch
 
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
+from specdraft.heads.vocab import DraftVocab
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import most_confident, parents_from_paths
 from specdraft.verification import VerifyResult
@@ -73,6 +78,7 @@ class MedusaDrafter:
         top_k: paths that use a candidate rank >= top_k are dropped (top_k = 1: a chain of each head's argmax);
             in a dynamic tree, the candidates each node is expanded into.
         tree_nodes: 0 for the static ``tree``; N >= 1 for a dynamic tree of N nodes (module docstring).
+        draft_vocab: candidates only from the N most frequent training tokens (0: the whole vocabulary).
     The tree is also cut to depth min(γ, number of heads) at each step.
     """
 
@@ -80,22 +86,28 @@ class MedusaDrafter:
     max_context = None
     needs_hidden = True
 
-    def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0) -> None:
+    def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0, draft_vocab: int = 0) -> None:
         from specdraft.heads import load_heads
+        from specdraft.heads.vocab import draft_subset
 
         if not str(heads).strip():
             raise SpecdraftError("medusa needs heads=PATH: a heads folder made by `specdraft train-heads`")
         _, module = load_heads(heads, kind="medusa")
-        self._setup(module, tree, top_k, tree_nodes)
+        self._setup(module, tree, top_k, tree_nodes, draft_subset(heads, module.vocab_size, draft_vocab))
 
     @classmethod
-    def from_module(cls, module, tree: str = "", top_k: int = 10, tree_nodes: int = 0) -> MedusaDrafter:
-        """A drafter over in-memory :class:`~specdraft.heads.medusa.MedusaHeads` (CPU, fp32)."""
+    def from_module(cls, module, tree: str = "", top_k: int = 10, tree_nodes: int = 0,
+                    keep: torch.Tensor | None = None) -> MedusaDrafter:
+        """A drafter over in-memory :class:`~specdraft.heads.medusa.MedusaHeads` (CPU, fp32); ``keep`` (N,): the
+        token ids it may draft (None: all)."""
         drafter = cls.__new__(cls)
-        drafter._setup(module, tree, top_k, tree_nodes)
+        drafter._setup(module, tree, top_k, tree_nodes, keep)
         return drafter
 
-    def _setup(self, module, tree: str, top_k: int, tree_nodes: int = 0) -> None:
+    def _setup(self, module, tree: str, top_k: int, tree_nodes: int = 0, keep: torch.Tensor | None = None) -> None:
+        if keep is not None and not module.share_lm_head:
+            raise SpecdraftError("draft_vocab needs heads that share the target's LM head (--share-lm-head)")
+        self.keep, self._vocab = keep, None
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecdraftError(f"top_k must be an integer >= 1, got {top_k!r}")
         if not isinstance(tree_nodes, int) or tree_nodes < 0:
@@ -134,7 +146,9 @@ class MedusaDrafter:
             if weight is None:
                 raise SpecdraftError(f"target {target.name!r} exposes no LM head weight for shared Medusa heads")
             if self.lm_head is None or self.lm_head.data_ptr() != weight.data_ptr():
-                self.lm_head = weight.detach() if weight.dtype == torch.float32 else weight.detach().float()
+                self.heads.to(weight.dtype)  # heads run in the target's dtype, on its LM head (no copy)
+                self.lm_head = weight.detach()
+                self._vocab = DraftVocab(self.lm_head, self.keep)  # (N, D) rows when keep is given
 
     @torch.no_grad()
     def propose(
@@ -150,14 +164,21 @@ class MedusaDrafter:
             return EMPTY_DRAFT
         depth = max(len(p) for p in paths)
         ranks = 1 + max(max(p) for p in paths)
-        logits = self.heads(self.hidden.float(), self.lm_head)[:depth]  # (depth, V)
+        logits = self._head_logits(depth)  # (depth, V)
         top = logits.topk(ranks, dim=-1).indices  # (depth, ranks)
         tokens = torch.tensor([int(top[len(p) - 1, p[-1]]) for p in paths], dtype=torch.long)  # (N,)
         return Draft(tokens, parents=parents)
 
+    def _head_logits(self, depth: int) -> torch.Tensor:
+        """Logits (depth, V) of heads 1..depth at the last feature (-inf outside a draft vocabulary)."""
+        hidden = self.hidden.to(self.heads.blocks[0].weight.dtype)  # (D,)
+        if self._vocab is None:  # heads with their own projections
+            return self.heads(hidden)[:depth].float()
+        return self._vocab.logits(self.heads.features(hidden)[:depth])  # (depth, V)
+
     def _dynamic(self, depth: int) -> Draft:
         """A tree of at most ``tree_nodes`` nodes scored by the heads' cumulative log-probabilities (docstring)."""
-        logits = self.heads(self.hidden.float(), self.lm_head)[:depth]  # (depth, V)
+        logits = self._head_logits(depth)  # (depth, V)
         width = min(self.top_k, self.tree_nodes, self.vocab_size)
         logp, top = torch.log_softmax(logits, -1).topk(width, dim=-1)  # (depth, width) each
         logp, top = logp.tolist(), top.tolist()

@@ -67,9 +67,10 @@ def get_kind(name: str) -> HeadKind:
 
 
 def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "",
-               dtype: torch.dtype = torch.float32) -> Path:
-    """Write ``module``'s weights (``dtype``, contiguous), ``heads.json`` and ``README.md`` (``card``) to ``out``,
-    replacing an old folder only once the new one is complete."""
+               dtype: torch.dtype = torch.float32, ranking: torch.Tensor | None = None) -> Path:
+    """Write ``module``'s weights (``dtype``, contiguous), ``heads.json``, ``README.md`` (``card``) and, if given,
+    the training data's token ``ranking`` (:mod:`specdraft.heads.vocab`) to ``out``, replacing an old folder only
+    once the new one is complete."""
     from safetensors.torch import save_file
 
     from specdraft.training.checkpoint import _replace_folder
@@ -83,6 +84,10 @@ def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target
         meta = {"format": FORMAT, "kind": kind, "spec": spec, "target": target}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
         (tmp / "README.md").write_text(card or f"# specdraft {kind} heads\n\nTarget: `{target}`.\n")
+        if ranking is not None:
+            from specdraft.heads.vocab import save_token_ranking
+
+            save_token_ranking(tmp, ranking)
         os.chmod(tmp, 0o755)
         _replace_folder(tmp, out)
     finally:

@@ -9,7 +9,8 @@ progress, checkpoints and exact resume. Evaluation reports each kind's held-out 
 drafter, the block efficiency τ of greedy speculative decoding on held-out prompts.
 
 A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.heads.HeadKind`). The trained heads are
-exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`).
+exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`) with the token ranking of the training responses
+(:mod:`specdraft.heads.vocab`, for drafting with a reduced vocabulary).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.heads import HeadKind, get_kind, save_heads
 from specdraft.heads.eagle import EAGLE
 from specdraft.heads.medusa import MEDUSA
+from specdraft.heads.vocab import rank_tokens
 from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.pretrain import EXPORT_DTYPES
 from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed, train
@@ -182,7 +184,9 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     out = Path(config.out) / HEADS_FOLDER
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
         card = _card(config, result, command, spec, len(train_records), len(heldout))
-        save_heads(module.cpu(), config.kind, spec, out, config.target, card, EXPORT_DTYPES[config.export_dtype])
+        ranking = rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size)  # FR-Spec
+        save_heads(module.cpu(), config.kind, spec, out, config.target, card, EXPORT_DTYPES[config.export_dtype],
+                   ranking)
     barrier(world)
     return out
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Medusa and EAGLE heads for SmolLM2-135M-Instruct (issue #7), exactly as run on the 2-core CPU, and the benchmark
+# behind docs/results.md's heads section. Needs the distillation data of benchmarks/smollm2_drafter.sh step (b).
+# Each training step resumes when rerun with --resume. Usage: benchmarks/heads_smollm2.sh RUNS_DIR
+set -euo pipefail
+runs=${1:?usage: $0 RUNS_DIR}
+sd=${SPECDRAFT:-.venv/bin/specdraft}
+T=smollm2-135m-instruct
+mkdir -p "$runs" && cd "$runs"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+
+# EAGLE head (one Llama block + fc; the target's embeddings and LM head are used frozen, never stored)
+$sd train-heads --kind eagle --target $T --data dd-sharegpt-train-t1 --allow-incomplete --out heads-eagle \
+    --steps 700 --batch-size 8 --warmup-steps 30 --target-dtype bfloat16 --eval-every 350 --checkpoint-every 50 \
+    --eval-prompts 4 --no-progress
+# Medusa-1: 4 heads sharing the frozen LM head
+$sd train-heads --kind medusa --num-heads 4 --target $T --data dd-sharegpt-train-t1 --allow-incomplete \
+    --out heads-medusa --steps 200 --batch-size 8 --warmup-steps 20 --target-dtype bfloat16 --eval-every 100 \
+    --checkpoint-every 25 --eval-prompts 4 --no-progress
