@@ -17,3 +17,15 @@ $sd train-heads --kind eagle --target $T --data dd-sharegpt-train-t1 --allow-inc
 $sd train-heads --kind medusa --num-heads 4 --target $T --data dd-sharegpt-train-t1 --allow-incomplete \
     --out heads-medusa --steps 200 --batch-size 8 --warmup-steps 20 --target-dtype bfloat16 --eval-every 100 \
     --checkpoint-every 25 --eval-prompts 4 --no-progress
+
+# The token ranking for draft_vocab (FR-Spec). train-heads now stores it at export; these heads were exported by the
+# version before that, so it is written here from the same training split (every 20th prompt held out).
+for h in heads-eagle heads-medusa; do
+  "$(dirname "$sd")/python" - "$h" <<'PY'
+import sys
+from specdraft.heads.vocab import rank_tokens, save_token_ranking
+from specdraft.training.finetune import load_distill_records, split_by_prompt
+train, _ = split_by_prompt(load_distill_records("dd-sharegpt-train-t1", allow_incomplete=True), 20)
+save_token_ranking(sys.argv[1] + "/heads", rank_tokens((r["response_token_ids"] for r in train), 49152))
+PY
+done
