@@ -1,7 +1,7 @@
 """Markdown tables for docs/results.md from one or more ``specdraft bench`` output folders.
 
     .venv/bin/python benchmarks/results_tables.py RUN_DIR [RUN_DIR ...] [--metric block_efficiency|mbsu|speedup]
-        [--rename OLD=NEW ...]
+        [--rename 'OLD=>NEW' ...]
 
 For each run: a table with one row per method and one column per subtask plus overall, holding the chosen metric
 (τ by default), and the run's setup line. Numbers come from each run's summary.json only.
@@ -45,9 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--metric", default="block_efficiency", choices=sorted(METRICS))
-    parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method display name")
+    parser.add_argument("--rename", action="append", default=[], help="OLD=>NEW method display name (method names may hold '=')")
     args = parser.parse_args()
-    rename = dict(item.split("=", 1) for item in args.rename)
+    rename = dict(item.split("=>", 1) for item in args.rename)
     for run in args.runs:
         print(table(json.loads((Path(run) / "summary.json").read_text()), args.metric, rename), end="\n\n")
 
