@@ -53,7 +53,19 @@ def load_drafter(
             raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
         return None
     model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
-    return build(DraftModelDrafter, dict(options or {}), model=model, name=f"draft:{draft}")
+    options = dict(options or {})
+    keep = None
+    if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
+        from specdraft.draft_vocab import draft_subset
+        from specdraft.models.registry import resolve
+
+        text = options.pop("draft_vocab")
+        try:
+            size = int(text)
+        except ValueError:
+            raise SpecdraftError(f"draft_vocab must be an integer, got {text!r}") from None
+        keep = draft_subset(str(resolve(draft)), model.vocab_size, size)
+    return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
 
 
 def load_draft_model(

@@ -96,3 +96,81 @@ def test_confidence_threshold_options_are_checked():
         DraftModelDrafter(hf_target(1), confidence_threshold=1.5)
     with pytest.raises(SpecdraftError, match="chain drafts"):
         DraftModelDrafter(hf_target(1), tree_branching=2, confidence_threshold=0.3)
+
+
+def _vocab_keep(target, prompt: list[int], size: int) -> torch.Tensor:
+    """``size`` token ids holding the target's greedy continuation of ``prompt`` (drafts can be accepted)."""
+    from specdraft.decoding import GenerationConfig, generate
+
+    used = sorted(set(generate(target, prompt, None, GenerationConfig(30)).token_ids))
+    rest = [t for t in range(64) if t not in used]
+    return torch.tensor(used + rest[: max(size - len(used), 0)])
+
+
+def test_draft_vocab_native_rows_equal_masked_full_logits_and_stay_inside():
+    """keep: a native drafter multiplies by the kept LM-head rows only; its drafts (chain, tree, sampled q) equal
+    a transformers drafter's that masks full logits, and never leave the subset."""
+    from specdraft.models.native_llama import NativeLlama
+    from toys import tiny_llama
+
+    keep = torch.tensor([3, 9, 17, 21, 40, 41, 42, 60])
+    native = NativeLlama.from_hf(tiny_llama(1))
+    masked = hf_target(1)
+    context = torch.tensor([3, 4, 5, 6])
+    for options in ({}, {"tree_branching": 2, "tree_nodes": 6}):
+        a = DraftModelDrafter(native, keep=keep, **options).propose(context, 4, SamplingConfig(), None)
+        b = DraftModelDrafter(masked, keep=keep, **options).propose(context, 4, SamplingConfig(), None)
+        assert torch.equal(a.tokens, b.tokens) and torch.isin(a.tokens, keep).all()
+    sampling = SamplingConfig(1.0)
+    a = DraftModelDrafter(native, keep=keep).propose(context, 4, sampling, torch.Generator().manual_seed(1))
+    b = DraftModelDrafter(masked, keep=keep).propose(context, 4, sampling, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(a.q, b.q)
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[keep] = False
+    assert (a.q[:, outside] == 0).all() and torch.isin(a.tokens, keep).all()
+
+
+def test_draft_vocab_is_lossless():
+    """Greedy output equals plain decoding (chain and tree); sampling keeps the target's first-token p."""
+    from collections import Counter
+
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.models.native_llama import NativeLlama
+    from specdraft.sampling import warp
+    from toys import assert_follows, tiny_llama
+
+    target, prompt = hf_target(0), [3, 4, 5, 6]
+    draft = NativeLlama.from_hf(tiny_llama(1))
+    keep = _vocab_keep(target, prompt, 24)
+    plain = generate(target, prompt, None, GenerationConfig(30)).token_ids
+    for options in ({}, {"tree_branching": 2, "tree_nodes": 6}, {"confidence_threshold": 0.2}):
+        result = generate(target, prompt, DraftModelDrafter(draft, keep=keep, **options), GenerationConfig(30, 4))
+        assert result.token_ids == plain
+    sampling = SamplingConfig(1.0)
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], sampling)  # (V,)
+    drafter, counts, trials = DraftModelDrafter(draft, keep=keep), Counter(), 600
+    for seed in range(trials):
+        generator = torch.Generator().manual_seed(seed)
+        counts[generate(target, prompt, drafter, GenerationConfig(2, 4, sampling), generator).token_ids[0]] += 1
+    assert_follows(counts, p1, trials)
+
+
+def test_load_drafter_reads_the_ranking_next_to_the_weights(tmp_path):
+    import pytest
+
+    from specdraft.api import load_drafter
+    from specdraft.draft_vocab import save_token_ranking
+    from specdraft.errors import SpecdraftError
+    from toys import save_tiny_checkpoint, tiny_tokenizer
+
+    folder = save_tiny_checkpoint(tmp_path / "draft", seed=1)
+    target, tokenizer = hf_target(0), tiny_tokenizer()
+    with pytest.raises(SpecdraftError, match="has no token_ranking"):
+        load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "8"})
+    save_token_ranking(folder, torch.arange(64).flip(0))
+    drafter = load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "8", "tree_branching": "2"})
+    assert drafter._vocab.keep.tolist() == list(range(63, 55, -1)) and drafter.tree_branching == 2
+    assert load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "0"})._vocab.keep is None
+    with pytest.raises(SpecdraftError, match="draft_vocab must be an integer"):
+        load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "many"})

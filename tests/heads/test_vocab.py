@@ -1,6 +1,6 @@
-"""FR-Spec draft vocabularies (Zhao et al. 2025, arXiv 2502.14856; ``specdraft.heads.vocab``): the frequency
-ranking, its file, the subset logits, and EAGLE and Medusa drafting from a subset losslessly (greedy equality on
-both model paths, the sampled marginal by chi-square), never proposing a token outside it."""
+"""EAGLE and Medusa drafting from an FR-Spec draft vocabulary (``draft_vocab``, :mod:`specdraft.draft_vocab`):
+lossless (greedy equality on both model paths, the sampled marginal by chi-square), never proposing a token outside
+the subset, and the ranking stored with exported heads."""
 
 from collections import Counter
 
@@ -10,12 +10,12 @@ from test_eagle import PROMPTS, _train_toy_head
 from test_medusa import _train_toy_heads
 
 from specdraft.decoding import GenerationConfig, generate
+from specdraft.draft_vocab import rank_tokens
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.heads import save_heads
 from specdraft.heads.eagle import _spec
-from specdraft.heads.vocab import RANKING_FILE, DraftVocab, draft_subset, load_token_ranking, rank_tokens
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig, warp
@@ -53,44 +53,6 @@ def _keep(model, size: int, seed: int = 0) -> torch.Tensor:
     used = {t for p in PROMPTS for t in generate(target, p, None, GenerationConfig(30)).token_ids}
     rest = [t for t in torch.randperm(64, generator=torch.Generator().manual_seed(seed)).tolist() if t not in used]
     return torch.tensor(sorted(used) + rest[: max(size - len(used), 0)])
-
-
-def test_rank_tokens_orders_by_count_then_id():
-    ranking = rank_tokens([[5, 5, 7], [7, 5, 2], []], 8)
-    assert ranking.tolist() == [5, 7, 2, 0, 1, 3, 4, 6]
-
-
-def test_ranking_file_round_trip_and_errors(tmp_path):
-    from specdraft.heads.vocab import save_token_ranking
-
-    ranking = rank_tokens([[3, 3, 1]], 6)
-    save_token_ranking(tmp_path, ranking)
-    assert torch.equal(load_token_ranking(tmp_path, 6), ranking)
-    with pytest.raises(SpecdraftError, match="not a ranking of the 7-token"):
-        load_token_ranking(tmp_path, 7)
-    save_token_ranking(tmp_path, torch.tensor([0, 0, 1, 2, 3, 4]))
-    with pytest.raises(SpecdraftError, match="not a ranking"):
-        load_token_ranking(tmp_path, 6)
-    (tmp_path / RANKING_FILE).write_bytes(b"garbage")
-    with pytest.raises(SpecdraftError, match="corrupt token ranking"):
-        load_token_ranking(tmp_path, 6)
-    with pytest.raises(SpecdraftError, match="has no token_ranking"):
-        draft_subset(tmp_path / "empty", 6, 3)
-    with pytest.raises(SpecdraftError, match="draft_vocab must be"):
-        draft_subset(tmp_path, 6, -1)
-    assert draft_subset(tmp_path / "empty", 6, 0) is None and draft_subset(tmp_path / "empty", 6, 6) is None
-
-
-def test_subset_logits_equal_the_full_ones_inside_and_are_minus_inf_outside():
-    lm_head, features = torch.randn(50, 8), torch.randn(3, 8)  # (V, D), (B, D)
-    keep = torch.tensor([4, 17, 0, 33])
-    full = DraftVocab(lm_head).logits(features)  # (B, V)
-    sub = DraftVocab(lm_head, keep).logits(features)  # (B, V)
-    torch.testing.assert_close(sub[:, keep], full[:, keep])
-    outside = torch.ones(50, dtype=torch.bool)
-    outside[keep] = False
-    assert torch.isneginf(sub[:, outside]).all()
-    assert DraftVocab(lm_head, torch.arange(50)).keep is None  # the whole vocabulary: no restriction
 
 
 @pytest.mark.parametrize("kind", ["native", "hf"])
@@ -139,7 +101,7 @@ def test_medusa_with_a_draft_vocab_is_greedy_lossless_and_stays_inside(medusa):
 
 
 def test_exported_heads_carry_the_ranking_and_draft_vocab_loads_it(eagle, tmp_path):
-    from specdraft.heads.vocab import save_token_ranking
+    from specdraft.draft_vocab import save_token_ranking
 
     model, head = eagle
     folder = save_heads(head, "eagle", _spec(model.config, None, {}), tmp_path / "h", "tiny", ranking=rank_tokens(

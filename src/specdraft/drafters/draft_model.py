@@ -14,12 +14,18 @@ probability q(token) is below the threshold, as transformers' assisted generatio
 ``assistant_confidence_threshold`` (a static form of the adaptive draft lengths of SpecDec++, Huang et al. 2024,
 arXiv 2405.19715). The draft length then depends only on the drafter's own distributions and draws, so the output
 distribution is unchanged; a weak drafter stops paying for tokens the target will likely reject.
+
+Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.api.load_drafter`): the drafter only
+proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A native
+drafter then multiplies by N rows of its LM head instead of all V (most of a small drafter's step); other models
+compute full logits and are masked (same drafts, no saving).
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdraft.draft_vocab import DraftVocab
 from specdraft.drafters.base import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
@@ -33,7 +39,7 @@ class DraftModelDrafter:
     draft tokens are rolled back by a crop and the tokens the target added are fed in one forward."""
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
-                 confidence_threshold: float = 0.0) -> None:
+                 confidence_threshold: float = 0.0, *, keep: torch.Tensor | None = None) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
         if not 0.0 <= confidence_threshold < 1.0:
@@ -43,6 +49,9 @@ class DraftModelDrafter:
                                  "already (tree_nodes)")
         self.confidence_threshold = float(confidence_threshold)
         self.model = model
+        weight = getattr(model, "lm_head_weight", None)
+        self._vocab = DraftVocab(weight if weight is not None else torch.empty(model.vocab_size, 0), keep)
+        self._rows = self._vocab.weight if self._vocab.keep is not None and weight is not None else None  # (N, D)
         self.tree_branching, self.tree_nodes = tree_branching, tree_nodes
         self.name = name or f"draft:{model.name}"
         self.vocab_size = model.vocab_size
@@ -60,7 +69,7 @@ class DraftModelDrafter:
         mismatch = (self._cached[:shared] != context[:shared]).nonzero()
         keep = int(mismatch[0]) if mismatch.numel() else shared
         self._cache.crop(keep)
-        logits = self.model.forward(context[keep:].unsqueeze(0), self._cache)[0, -1]  # (V,)
+        logits = self._forward(context[keep:].unsqueeze(0))[0, -1]  # (V,)
         self._cached = context
         return logits
 
@@ -73,7 +82,6 @@ class DraftModelDrafter:
         logits = self._sync(context, num_draft_tokens)
         tokens, probs = [], []
         for i in range(num_draft_tokens):
-            check_finite(logits, "draft")
             if sampling.greedy:
                 token = logits.argmax(-1)
             else:
@@ -83,10 +91,21 @@ class DraftModelDrafter:
             if self.confidence_threshold and self._unsure(logits, token, probs, sampling):
                 break
             if i + 1 < num_draft_tokens:  # the last draft token is fed next step, only if accepted
-                logits = self.model.forward(token.view(1, 1), self._cache)[0, -1]  # (V,)
+                logits = self._forward(token.view(1, 1))[0, -1]  # (V,)
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
         self._cached = torch.cat([context, draft[:-1]])
         return Draft(draft, torch.stack(probs) if probs else None)
+
+    def _forward(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Draft logits (1, T, V) float32 of ``ids`` (1, T) on the draft cache, checked finite; -inf outside a draft
+        vocabulary."""
+        if self._vocab.keep is None:
+            logits = self.model.forward(ids, self._cache, **kwargs)  # (1, T, V)
+            check_finite(logits, "draft")
+            return logits
+        if self._rows is not None:  # native: only the kept rows of the LM head
+            return self._vocab.expand(self.model.forward(ids, self._cache, logits_weight=self._rows, **kwargs))
+        return self._vocab.expand(self.model.forward(ids, self._cache, **kwargs)[..., self._vocab.keep])
 
     def _unsure(self, logits: torch.Tensor, token: torch.Tensor, probs: list[torch.Tensor],
                 sampling: SamplingConfig) -> bool:
@@ -104,7 +123,6 @@ class DraftModelDrafter:
         for level in range(depth):
             children = []
             for node, logits in frontier:
-                check_finite(logits, "draft")
                 probs = torch.softmax(logits.float(), -1) if sampling.greedy else warp(logits, sampling)  # (V,)
                 children += add_children(node, probs, self.tree_branching, sampling.greedy, generator,
                                          (tokens, parents, q_rows, scores))
@@ -124,7 +142,7 @@ class DraftModelDrafter:
         mask = expansion_mask(nodes, parents, slot_of, base, start)  # (F, S)
         positions = torch.full((len(nodes),), base - 1 + depth, dtype=torch.long)  # (F,)
         ids = torch.tensor([tokens[n] for n in nodes]).unsqueeze(0)  # (1, F)
-        return self.model.forward(ids, self._cache, positions=positions, attention_mask=mask)[0]  # (F, V)
+        return self._forward(ids, positions=positions, attention_mask=mask)[0]  # (F, V)
 
     def _best_nodes(self, tokens, parents, q_rows, scores, greedy: bool) -> Draft:
         """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order."""

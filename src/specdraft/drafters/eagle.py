@@ -19,7 +19,7 @@ q = None (point masses). Sampling: children are ``top_k`` i.i.d. draws from the 
 as q rows, which SpecInfer's multi-draft verification (``verify_tree_sampling``) accepts losslessly.
 
 Draft vocabulary (``draft_vocab=N``): the LM head multiplications of the tree use only the N tokens most frequent in
-the heads' training data (FR-Spec, :mod:`specdraft.heads.vocab`); lossless, and far cheaper when the vocabulary is
+the heads' training data (FR-Spec, :mod:`specdraft.draft_vocab`); lossless, and far cheaper when the vocabulary is
 large next to the model.
 
 The first step of a generation has no features yet and proposes nothing (plain decoding).
@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdraft.draft_vocab import DraftVocab
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
-from specdraft.heads.vocab import DraftVocab
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
@@ -52,8 +52,8 @@ class EagleDrafter:
     needs_hidden = True
 
     def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16, draft_vocab: int = 0) -> None:
+        from specdraft.draft_vocab import draft_subset
         from specdraft.heads import load_heads
-        from specdraft.heads.vocab import draft_subset
 
         if not str(heads).strip():
             raise SpecdraftError("eagle needs heads=PATH: a heads folder made by `specdraft train-heads --kind eagle`")

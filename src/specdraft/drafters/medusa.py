@@ -16,7 +16,7 @@ depth keeps the N best-scoring nodes (a beam, each expanded into the head's ``to
 nodes overall, closed under ancestors, are the draft. It lets a benchmark sweep the tree size with one option.
 
 Draft vocabulary (``draft_vocab=N``, heads sharing the target's LM head): candidates come only from the N tokens most
-frequent in the heads' training data (FR-Spec, :mod:`specdraft.heads.vocab`), which cuts the LM head product to N
+frequent in the heads' training data (FR-Spec, :mod:`specdraft.draft_vocab`), which cuts the LM head product to N
 rows.
 
 Lossless: candidates are deterministic (q = None, point masses), which greedy and SpecInfer tree verification both
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from specdraft.draft_vocab import DraftVocab
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
-from specdraft.heads.vocab import DraftVocab
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import most_confident, parents_from_paths
 from specdraft.verification import VerifyResult
@@ -87,8 +87,8 @@ class MedusaDrafter:
     needs_hidden = True
 
     def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0, draft_vocab: int = 0) -> None:
+        from specdraft.draft_vocab import draft_subset
         from specdraft.heads import load_heads
-        from specdraft.heads.vocab import draft_subset
 
         if not str(heads).strip():
             raise SpecdraftError("medusa needs heads=PATH: a heads folder made by `specdraft train-heads`")

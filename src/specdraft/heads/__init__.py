@@ -69,7 +69,7 @@ def get_kind(name: str) -> HeadKind:
 def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "",
                dtype: torch.dtype = torch.float32, ranking: torch.Tensor | None = None) -> Path:
     """Write ``module``'s weights (``dtype``, contiguous), ``heads.json``, ``README.md`` (``card``) and, if given,
-    the training data's token ``ranking`` (:mod:`specdraft.heads.vocab`) to ``out``, replacing an old folder only
+    the training data's token ``ranking`` (:mod:`specdraft.draft_vocab`) to ``out``, replacing an old folder only
     once the new one is complete."""
     from safetensors.torch import save_file
 
@@ -85,7 +85,7 @@ def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
         (tmp / "README.md").write_text(card or f"# specdraft {kind} heads\n\nTarget: `{target}`.\n")
         if ranking is not None:
-            from specdraft.heads.vocab import save_token_ranking
+            from specdraft.draft_vocab import save_token_ranking
 
             save_token_ranking(tmp, ranking)
         os.chmod(tmp, 0o755)

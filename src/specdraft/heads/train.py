@@ -10,7 +10,7 @@ drafter, the block efficiency τ of greedy speculative decoding on held-out prom
 
 A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.heads.HeadKind`). The trained heads are
 exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`) with the token ranking of the training responses
-(:mod:`specdraft.heads.vocab`, for drafting with a reduced vocabulary).
+(:mod:`specdraft.draft_vocab`, for drafting with a reduced vocabulary).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from specdraft.draft_vocab import rank_tokens
 from specdraft.drafters.options import parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.heads import HeadKind, get_kind, save_heads
 from specdraft.heads.eagle import EAGLE
 from specdraft.heads.medusa import MEDUSA
-from specdraft.heads.vocab import rank_tokens
 from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.pretrain import EXPORT_DTYPES
 from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed, train

@@ -416,6 +416,7 @@ class NativeLlama(nn.Module):
         attention_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
         return_hidden: bool = False,
+        logits_weight: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids`` (B, T) written to cache slots ``cache.length ..``; returns (B, T, V) float32.
 
@@ -425,7 +426,8 @@ class NativeLlama(nn.Module):
         positions until :meth:`StaticKVCache.compact`. ``layers`` (increasing indices) runs only those decoder
         layers; the skipped layers' slots for the new positions are left unwritten (layer-skip self-speculative
         drafting crops them afterwards). ``return_hidden`` also returns the final-normed hidden states (B, T, D),
-        the LM head's input (the features Medusa and EAGLE heads read).
+        the LM head's input (the features Medusa and EAGLE heads read). ``logits_weight`` (N, D) replaces the LM
+        head, e.g. its rows of a draft vocabulary (:mod:`specdraft.draft_vocab`); logits are then (B, T, N).
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] != cache.batch_size:
             raise SpecdraftError(
@@ -444,7 +446,8 @@ class NativeLlama(nn.Module):
             hidden = self._run_layer_subset(hidden, cache, step, self._check_layers(layers))
         cache.advance(steps)
         hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
-        logits = F.linear(hidden, self.lm_head_weight).float()  # (B, T, V)
+        weight = self.lm_head_weight if logits_weight is None else logits_weight
+        logits = F.linear(hidden, weight).float()  # (B, T, V) or (B, T, N)
         return (logits, hidden) if return_hidden else logits
 
     def _step(self, start: int, steps: int) -> _Step:

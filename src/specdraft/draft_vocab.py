@@ -1,4 +1,4 @@
-"""A frequency-ranked draft vocabulary for heads that draft through the target's LM head (FR-Spec, Zhao et al.
+"""A frequency-ranked draft vocabulary for drafters that end in a large LM head (FR-Spec, Zhao et al.
 2025, "FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling",
 arXiv 2502.14856).
 
@@ -9,8 +9,12 @@ to the N most frequent tokens: the draft logits are W[keep] f (N rows), and ever
 (q = 0), so it is never drafted. Verification still uses the target's full distribution, so the output is unchanged
 (a deterministic draft is verified as a point mass; a sampled one by the usual rule with q = 0 outside the subset).
 
-The ranking is the token frequency of the heads' training data (the target's own responses), stored with the heads
-as ``token_ranking.safetensors`` (``token_ids``: a permutation of the vocabulary, most frequent first, ties by id).
+An independent draft model benefits the same way: a small drafter with a tied 49k-token embedding spends most of
+its draft step in that product (:class:`~specdraft.drafters.draft_model.DraftModelDrafter`, ``draft_vocab``).
+
+The ranking is the token frequency of the heads' (or drafter's) training data (the target's own responses), stored
+next to their weights as ``token_ranking.safetensors`` (``token_ids``: a permutation of the vocabulary, most
+frequent first, ties by id).
 """
 
 from __future__ import annotations
@@ -78,7 +82,11 @@ class DraftVocab:
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., D) features -> (..., V) float32 logits, -inf outside the subset."""
-        logits = F.linear(features.to(self.weight.dtype), self.weight).float()  # (..., N)
+        return self.expand(F.linear(features.to(self.weight.dtype), self.weight))  # (..., V)
+
+    def expand(self, logits: torch.Tensor) -> torch.Tensor:
+        """Subset logits (..., N) -> (..., V) float32 with -inf outside the subset (checked finite first)."""
+        logits = logits.float()
         check_finite(logits, "draft")
         if self.keep is None:
             return logits
@@ -87,7 +95,8 @@ class DraftVocab:
 
 
 def draft_subset(heads: str | Path, vocab_size: int, draft_vocab: int) -> torch.Tensor | None:
-    """The ``draft_vocab`` most frequent token ids (N,) of a heads folder's ranking; None for 0 (no restriction)."""
+    """The ``draft_vocab`` most frequent token ids (N,) of a heads (or draft model) folder's ranking; None for 0 or
+    the whole vocabulary (no restriction)."""
     from specdraft.models.registry import resolve_heads
 
     if not isinstance(draft_vocab, int) or draft_vocab < 0:
