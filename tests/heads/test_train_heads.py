@@ -87,6 +87,20 @@ def test_resume_continues_to_the_uninterrupted_weights(setup, tmp_path):
         torch.testing.assert_close(a.to(torch.bfloat16).float(), b)  # exported in bf16 (--export-dtype)
 
 
+def test_init_heads_warm_starts_from_exported_heads(setup, tmp_path):
+    """--init-heads: the new run starts from the old run's heads (with a ~0 learning rate it exports them
+    unchanged), and a mismatched architecture is refused."""
+    root, _ = setup
+    _train(root, tmp_path / "first", "--steps", 20, "--eval-prompts", 0)
+    _train(root, tmp_path / "again", "--steps", 1, "--lr", "1e-12", "--eval-prompts", 0, "--init-heads",
+           tmp_path / "first" / "heads")
+    (_, first), (_, again) = load_heads(tmp_path / "first" / "heads"), load_heads(tmp_path / "again" / "heads")
+    for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)  # lr ~0: the warm start is what got exported
+    with pytest.raises(SpecdraftError, match="another architecture"):
+        _train(root, tmp_path / "other", "--steps", 1, "--num-heads", 2, "--init-heads", tmp_path / "first" / "heads")
+
+
 def test_bad_inputs_are_refused(setup, tmp_path):
     root, records = setup
     with pytest.raises(SpecdraftError, match="kind must be one of"):

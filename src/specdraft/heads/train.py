@@ -62,6 +62,8 @@ class HeadsConfig(TrainerConfig):
     eval_num_draft_tokens: int = field(default=4, metadata={"help": "γ (tree depth) of the τ evaluation"})
     target_dtype: str = field(default="float32", metadata={"help": "frozen target weights: float32 or bfloat16"})
     export_dtype: str = field(default="float32", metadata={"help": "dtype of the exported heads' weights"})
+    init_heads: str = field(default="", metadata={"help": "start from these heads (a heads folder of the same kind "
+                                                          "and architecture) instead of a fresh initialisation"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -173,6 +175,8 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     torch.manual_seed(config.seed)
     module = kind.build(spec)
     kind.init(module, target_model)
+    if config.init_heads:
+        _warm_start(module, config, spec)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rank, world, device = init_distributed()
     target_model.to(device)
@@ -189,6 +193,18 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
                    ranking)
     barrier(world)
     return out
+
+
+def _warm_start(module, config: HeadsConfig, spec: dict) -> None:
+    """Load ``config.init_heads`` into ``module``: same kind and architecture (the spec's sizes), else a clear error."""
+    from specdraft.heads import load_heads
+
+    meta, start = load_heads(config.init_heads, kind=config.kind)
+    sizes = {k: v for k, v in spec.items() if isinstance(v, int)}
+    theirs = {k: meta["spec"].get(k) for k in sizes}
+    if theirs != sizes:
+        raise SpecdraftError(f"init_heads {config.init_heads} has another architecture: {theirs} != {sizes}")
+    module.load_state_dict(start.state_dict())
 
 
 def _card(config: HeadsConfig, result: TrainResult, command: str | None, spec: dict, n_train: int,
