@@ -138,3 +138,30 @@ def assert_follows(counts, p: torch.Tensor, trials: int) -> None:
         observed, expected = observed[:-1], expected[:-1]
     expected = [e * sum(observed) / sum(expected) for e in expected]
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def second_token_marginal(model, prompt: list[int], sampling) -> torch.Tensor:
+    """The exact marginal (V,) of the second generated token, sum_t1 p(t1) p(t2 | t1), of a transformers toy."""
+    from specdraft.sampling import warp
+
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)  # (V,)
+        p2 = warp(model(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1], sampling)  # (V, V)
+    return p1 @ p2
+
+
+def sample_second_tokens(target, prompt: list[int], drafter, sampling, trials: int, gamma: int = 3):
+    """(Counter of the second generated token, draft tokens accepted at the step that drafts it) over ``trials``
+    seeded generations of 3 tokens; for self-drafting heads, whose first draft is at the second token."""
+    from collections import Counter
+
+    from specdraft.decoding import GenerationConfig, generate
+
+    counts, accepted = Counter(), 0
+    for seed in range(trials):
+        generator = torch.Generator().manual_seed(seed)
+        result = generate(target, prompt, drafter, GenerationConfig(3, gamma, sampling), generator)
+        counts[result.token_ids[1]] += 1
+        accepted += sum(result.stats.accept_lengths[1:2])
+    return counts, accepted
