@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE
@@ -90,6 +91,33 @@ def test_loss_scores_head_k_against_token_t_plus_k_plus_1():
     assert float(loss) < 1e-3
     _, wrong, _ = medusa_loss(logits_at(1), batch["labels"], batch["mask"])
     assert all(a == 0 for a, _ in wrong)
+
+
+def test_self_distillation_scores_head_k_against_the_target_distribution_of_token_t_plus_k_plus_1():
+    """teacher (B, T, V) = p(label t): one-hot teachers give the hard-label loss; soft ones give
+    sum_k λ_k mean CE(teacher[t + k], head k at t), checked by hand; the distill option reaches the spec."""
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 8, 1, 6, 4, 9, 2, 7]])  # (1, 8)
+    batch = collate_distill([{"ids": ids[0], "prompt_len": 2}], pad_id=0)
+    width, heads, vocab = batch["labels"].shape[1], 3, 10
+    logits = torch.randn(heads, 1, width, vocab)  # (K, B, T, V)
+    one_hot = F.one_hot(batch["labels"].clamp_min(0), vocab).float()  # (B, T, V)
+    hard, _, _ = medusa_loss(logits, batch["labels"], batch["mask"])
+    torch.testing.assert_close(medusa_loss(logits, batch["labels"], batch["mask"], teacher=one_hot)[0], hard)
+    teacher = torch.softmax(torch.randn(1, width, vocab), -1)  # (B, T, V)
+    loss, _, _ = medusa_loss(logits, batch["labels"], batch["mask"], decay=0.5, teacher=teacher)
+    expected = 0.0
+    for k in range(1, heads + 1):
+        rows = [t for t in range(width - k) if batch["mask"][0, t + k]]
+        ce = [-(teacher[0, t + k] * torch.log_softmax(logits[k - 1, 0, t], -1)).sum() for t in rows]
+        expected += 0.5 ** (k - 1) * torch.stack(ce).mean()
+    torch.testing.assert_close(loss, expected)
+    model = tiny_llama(0)
+    assert MEDUSA.spec(model.config, type("C", (), {"num_heads": 2, "share_lm_head": True}), {"distill": "1"})[
+        "distill"] is True
+    assert build_medusa(_spec() | {"distill": True}).distill
+    with pytest.raises(SpecdraftError, match="distill must be 0"):
+        MEDUSA.spec(model.config, type("C", (), {"num_heads": 2, "share_lm_head": True}), {"distill": "yes"})
 
 
 def test_trained_heads_learn_the_pattern_and_draft_it(trained):

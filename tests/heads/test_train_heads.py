@@ -97,6 +97,9 @@ def test_init_heads_warm_starts_from_exported_heads(setup, tmp_path):
     (_, first), (_, again) = load_heads(tmp_path / "first" / "heads"), load_heads(tmp_path / "again" / "heads")
     for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)  # lr ~0: the warm start is what got exported
+    _train(root, tmp_path / "soft", "--steps", 2, "--eval-prompts", 0, "--options", "distill=1", "--init-heads",
+           tmp_path / "first" / "heads")  # self-distillation runs and may warm-start from hard-label heads
+    assert load_heads(tmp_path / "soft" / "heads")[0]["spec"]["distill"] is True
     with pytest.raises(SpecdraftError, match="another architecture"):
         _train(root, tmp_path / "other", "--steps", 1, "--num-heads", 2, "--init-heads", tmp_path / "first" / "heads")
 

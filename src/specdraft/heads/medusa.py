@@ -15,6 +15,12 @@ logits of the same hidden state.
 Loss (Medusa-1, Sec. 2.2.1): sum_k λ_k CE(p_t^(k), y_{t+k+1}) over response positions, λ_k = decay^(k-1) with
 decay = 0.8 as in Medusa's training code (``medusa_decay_coefficient ** i`` over 0-based heads; the same as 0.8^k
 up to a constant factor).
+
+Self-distillation (option ``distill=1``; Medusa paper Sec. 2.3.2): the hard label y_{t+k+1} is replaced by the
+frozen target's own distribution over that token, softmax(W_lm h_{t+k}), computed from the same teacher features,
+so the loss is sum_k λ_k CE(softmax(W_lm h_{t+k}), p_t^(k)) (a KL divergence up to the target's entropy). Hard
+labels sampled at temperature 1 are a noisy estimate of that distribution; with little data the soft one is the
+better signal.
 """
 
 from __future__ import annotations
@@ -71,15 +77,16 @@ class MedusaHeads(nn.Module):
                     proj.weight.copy_(lm_head)
 
 
-def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, decay: float = DEFAULT_DECAY
-                ) -> tuple[torch.Tensor, list[tuple[float, int]], int]:
-    """The Medusa-1 loss and per-head top-1 accuracy, on right-padded batches.
+def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, decay: float = DEFAULT_DECAY,
+                teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[float, int]], int]:
+    """The Medusa-1 loss and per-head top-1 accuracy (against the labels), on right-padded batches.
 
     Args:
         logits: (K, B, T, V) head logits at every position t.
         labels: (B, T) label t is token t+1 (as :func:`~specdraft.training.finetune.collate_distill` makes them),
             so head k's label at t is ``labels[:, t + k]``.
         mask: (B, T) True where the label is a response token.
+        teacher: (B, T, V) the target's probabilities of label t (self-distillation's soft labels), or None.
     Returns:
         (sum_k decay^(k-1) * mean CE of head k, [(correct top-1, counted) per head], positions counted by head 1).
     """
@@ -91,7 +98,8 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, 
             continue
         head = logits[k - 1, :, : width - k][keep].float()  # (n, V)
         target = labels[:, k:][keep]  # (n,)
-        total = total + decay ** (k - 1) * F.cross_entropy(head, target)
+        soft = None if teacher is None else teacher[:, k:][keep].float()  # (n, V)
+        total = total + decay ** (k - 1) * F.cross_entropy(head, target if soft is None else soft)
         accuracy.append((float((head.argmax(-1) == target).sum()), int(target.shape[0])))
     return total, accuracy, accuracy[0][1]
 
@@ -100,17 +108,21 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, 
 
 
 def _spec(target_config, config, options: dict[str, str]) -> dict:
-    unknown = sorted(set(options) - {"decay"})
+    unknown = sorted(set(options) - {"decay", "distill"})
     if unknown:
-        raise SpecdraftError(f"unknown medusa option {', '.join(unknown)}; medusa takes: decay")
+        raise SpecdraftError(f"unknown medusa option {', '.join(unknown)}; medusa takes: decay, distill")
     try:
         decay = float(options.get("decay", DEFAULT_DECAY))
     except ValueError:
         raise SpecdraftError(f"medusa option decay must be a number, got {options['decay']!r}") from None
     if not 0 < decay <= 1:
         raise SpecdraftError(f"medusa option decay must be in (0, 1], got {decay}")
+    distill = options.get("distill", "0")
+    if distill not in ("0", "1"):
+        raise SpecdraftError(f"medusa option distill must be 0 (hard labels) or 1 (soft labels), got {distill!r}")
     return {"hidden_size": int(target_config.hidden_size), "vocab_size": int(target_config.vocab_size),
-            "num_heads": config.num_heads, "share_lm_head": bool(config.share_lm_head), "decay": decay}
+            "num_heads": config.num_heads, "share_lm_head": bool(config.share_lm_head), "decay": decay,
+            "distill": distill == "1"}
 
 
 def build_medusa(spec: dict) -> MedusaHeads:
@@ -118,7 +130,8 @@ def build_medusa(spec: dict) -> MedusaHeads:
     try:
         heads = MedusaHeads(int(spec["hidden_size"]), int(spec["vocab_size"]), int(spec["num_heads"]),
                             bool(spec.get("share_lm_head", True)))
-        heads.decay = float(spec.get("decay", DEFAULT_DECAY))  # a loss setting, kept with the heads
+        heads.decay = float(spec.get("decay", DEFAULT_DECAY))  # loss settings, kept with the heads
+        heads.distill = bool(spec.get("distill", False))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecdraftError(f"bad Medusa heads spec {spec!r}: {exc}") from None
     return heads
@@ -128,25 +141,30 @@ def _init(module: MedusaHeads, target_model) -> None:
     module.init_from_lm_head(target_model.get_output_embeddings().weight.detach().float())
 
 
-def _logits(module, target_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(module, target_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Head logits (K, B, T, V) and, for self-distillation, the target's probabilities (B, T, V) (else None)."""
     from specdraft.heads.train import lm_head_weight, teacher_hidden
 
     hidden = teacher_hidden(target_model, batch)  # (B, T, D), no gradient
-    share = getattr(module, "module", module).share_lm_head  # DistributedDataParallel wraps the heads
-    return module(hidden, lm_head_weight(target_model) if share else None), hidden  # (K, B, T, V)
+    heads = getattr(module, "module", module)  # DistributedDataParallel wraps the heads
+    teacher = None
+    if getattr(heads, "distill", False):
+        with torch.no_grad():
+            teacher = torch.softmax(F.linear(hidden, lm_head_weight(target_model)).float(), dim=-1)  # (B, T, V)
+    return module(hidden, lm_head_weight(target_model) if heads.share_lm_head else None), teacher  # (K, B, T, V)
 
 
 def _loss(module, target_model, batch: dict) -> tuple[torch.Tensor, int]:
     decay = getattr(getattr(module, "module", module), "decay", DEFAULT_DECAY)
-    logits, _ = _logits(module, target_model, batch)
-    loss, _, count = medusa_loss(logits, batch["labels"], batch["mask"], decay)
+    logits, teacher = _logits(module, target_model, batch)
+    loss, _, count = medusa_loss(logits, batch["labels"], batch["mask"], decay, teacher)
     return loss, count
 
 
 def _metrics(module, target_model, batch: dict) -> dict[str, tuple[float, int]]:
-    logits, _ = _logits(module, target_model, batch)
+    logits, teacher = _logits(module, target_model, batch)
     decay = getattr(module, "decay", DEFAULT_DECAY)
-    loss, accuracy, count = medusa_loss(logits, batch["labels"], batch["mask"], decay)
+    loss, accuracy, count = medusa_loss(logits, batch["labels"], batch["mask"], decay, teacher)
     metrics = {"heldout_loss": (float(loss) * count, count)}
     return metrics | {f"head{k}_top1": acc for k, acc in enumerate(accuracy, start=1)}
 

@@ -52,7 +52,8 @@ class HeadsConfig(TrainerConfig):
     num_heads: int = field(default=4, metadata={"help": "number of heads (medusa: draft depth)"})
     share_lm_head: bool = field(default=True, metadata={"help": "heads reuse the frozen target LM head instead of "
                                                                 "their own vocabulary projection (D*D params a head)"})
-    options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8)"})
+    options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8, "
+                                                          "distill=0|1; eagle: cls_weight=0.1, reg_weight=1, noise=0)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
     max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
@@ -176,7 +177,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     module = kind.build(spec)
     kind.init(module, target_model)
     if config.init_heads:
-        _warm_start(module, config, spec)
+        _warm_start(module, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rank, world, device = init_distributed()
     target_model.to(device)
@@ -195,16 +196,17 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     return out
 
 
-def _warm_start(module, config: HeadsConfig, spec: dict) -> None:
-    """Load ``config.init_heads`` into ``module``: same kind and architecture (the spec's sizes), else a clear error."""
+def _warm_start(module, config: HeadsConfig) -> None:
+    """Load ``config.init_heads`` into ``module``: heads of the same kind and shapes, else a clear error (loss
+    settings such as Medusa's ``distill`` may differ)."""
     from specdraft.heads import load_heads
 
-    meta, start = load_heads(config.init_heads, kind=config.kind)
-    sizes = {k: v for k, v in spec.items() if isinstance(v, int)}
-    theirs = {k: meta["spec"].get(k) for k in sizes}
-    if theirs != sizes:
-        raise SpecdraftError(f"init_heads {config.init_heads} has another architecture: {theirs} != {sizes}")
-    module.load_state_dict(start.state_dict())
+    _, start = load_heads(config.init_heads, kind=config.kind)
+    try:
+        module.load_state_dict(start.state_dict())
+    except RuntimeError as exc:
+        raise SpecdraftError(f"init_heads {config.init_heads} has another architecture: "
+                             f"{str(exc).splitlines()[0][:300]}") from None
 
 
 def _card(config: HeadsConfig, result: TrainResult, command: str | None, spec: dict, n_train: int,
