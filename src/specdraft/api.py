@@ -41,7 +41,8 @@ def load_drafter(
 ) -> Drafter | None:
     """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
     ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
-    strings)."""
+    strings). A draft model folder may hold :data:`DRAFTER_OPTIONS_FILE`, the options it was measured best with
+    (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them."""
     if draft and drafter:
         raise SpecdraftError("give either a draft model or a training-free drafter, not both")
     if drafter:
@@ -52,20 +53,42 @@ def load_drafter(
         if options:
             raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
         return None
+    from specdraft.models.registry import resolve
+
     model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
-    options = dict(options or {})
+    folder = resolve(draft)
+    options = _folder_options(folder) | dict(options or {})
     keep = None
     if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
         from specdraft.draft_vocab import draft_subset
-        from specdraft.models.registry import resolve
 
         text = options.pop("draft_vocab")
         try:
             size = int(text)
         except ValueError:
             raise SpecdraftError(f"draft_vocab must be an integer, got {text!r}") from None
-        keep = draft_subset(str(resolve(draft)), model.vocab_size, size)
+        keep = draft_subset(str(folder), model.vocab_size, size)
     return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
+
+
+DRAFTER_OPTIONS_FILE = "drafter_options.json"
+
+
+def _folder_options(folder) -> dict[str, str]:
+    """The default drafter options a draft model folder ships with (``{KEY: VALUE}``), or {}."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / DRAFTER_OPTIONS_FILE if isinstance(folder, Path) else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise SpecdraftError(f"corrupt {path}: {exc}") from None
+    return {str(k): str(v) for k, v in values.items()}
 
 
 def load_draft_model(

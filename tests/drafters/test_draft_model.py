@@ -174,3 +174,25 @@ def test_load_drafter_reads_the_ranking_next_to_the_weights(tmp_path):
     assert load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "0"})._vocab.keep is None
     with pytest.raises(SpecdraftError, match="draft_vocab must be an integer"):
         load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "many"})
+
+
+def test_folder_drafter_options_are_defaults_that_given_options_override(tmp_path):
+    import pytest
+
+    from specdraft.api import DRAFTER_OPTIONS_FILE, load_drafter
+    from specdraft.draft_vocab import save_token_ranking
+    from specdraft.errors import SpecdraftError
+    from toys import save_tiny_checkpoint, tiny_tokenizer
+
+    folder = save_tiny_checkpoint(tmp_path / "draft", seed=1)
+    save_token_ranking(folder, torch.arange(64))
+    (folder / DRAFTER_OPTIONS_FILE).write_text('{"draft_vocab": 16, "confidence_threshold": 0.25}')
+    target, tokenizer = hf_target(0), tiny_tokenizer()
+    drafter = load_drafter(target, tokenizer, draft=str(folder))
+    assert drafter._vocab.keep.tolist() == list(range(16)) and drafter.confidence_threshold == 0.25
+    off = {"draft_vocab": "0", "confidence_threshold": "0"}
+    plain = load_drafter(target, tokenizer, draft=str(folder), options=off)
+    assert plain._vocab.keep is None and plain.confidence_threshold == 0.0
+    (folder / DRAFTER_OPTIONS_FILE).write_text("[1, 2")
+    with pytest.raises(SpecdraftError, match=r"corrupt .*drafter_options\.json"):
+        load_drafter(target, tokenizer, draft=str(folder))

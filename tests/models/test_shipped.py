@@ -27,6 +27,16 @@ def test_shipped_drafter_is_a_small_bf16_llama_with_a_model_card():
     assert model.vocab_size == 49152
 
 
+def test_shipped_drafter_ships_its_measured_options_and_token_ranking():
+    from specdraft.api import DRAFTER_OPTIONS_FILE, _folder_options
+    from specdraft.draft_vocab import load_token_ranking
+
+    options = _folder_options(FOLDER)
+    assert set(options) == {"draft_vocab", "confidence_threshold"} and (FOLDER / DRAFTER_OPTIONS_FILE).is_file()
+    ranking = load_token_ranking(FOLDER, 49152)  # a permutation of the vocabulary, checked on load
+    assert int(options["draft_vocab"]) < ranking.numel()
+
+
 @pytest.mark.slow
 def test_shipped_drafter_with_smollm2_is_compatible_and_lossless():
     from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target
