@@ -12,7 +12,7 @@ import torch
 
 from specdraft.compat import check_compatible
 from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
-from specdraft.drafters.options import build
+from specdraft.drafters.options import build, folder_options
 from specdraft.errors import SpecdraftError
 from specdraft.models import CausalLM, load_model, load_tokenizer
 
@@ -41,7 +41,7 @@ def load_drafter(
 ) -> Drafter | None:
     """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
     ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
-    strings). A draft model folder may hold :data:`DRAFTER_OPTIONS_FILE`, the options it was measured best with
+    strings). A draft model folder may hold ``drafter_options.json``, the options it was measured best with
     (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them."""
     if draft and drafter:
         raise SpecdraftError("give either a draft model or a training-free drafter, not both")
@@ -57,7 +57,7 @@ def load_drafter(
 
     model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
     folder = resolve(draft)
-    options = _folder_options(folder) | dict(options or {})
+    options = folder_options(folder) | dict(options or {})
     keep = None
     if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
         from specdraft.draft_vocab import draft_subset
@@ -70,25 +70,6 @@ def load_drafter(
         keep = draft_subset(str(folder), model.vocab_size, size)
     return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
 
-
-DRAFTER_OPTIONS_FILE = "drafter_options.json"
-
-
-def _folder_options(folder) -> dict[str, str]:
-    """The default drafter options a draft model folder ships with (``{KEY: VALUE}``), or {}."""
-    import json
-    from pathlib import Path
-
-    path = Path(folder) / DRAFTER_OPTIONS_FILE if isinstance(folder, Path) else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        values = json.loads(path.read_text())
-        if not isinstance(values, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        raise SpecdraftError(f"corrupt {path}: {exc}") from None
-    return {str(k): str(v) for k, v in values.items()}
 
 
 def load_draft_model(

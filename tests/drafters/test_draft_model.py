@@ -179,8 +179,9 @@ def test_load_drafter_reads_the_ranking_next_to_the_weights(tmp_path):
 def test_folder_drafter_options_are_defaults_that_given_options_override(tmp_path):
     import pytest
 
-    from specdraft.api import DRAFTER_OPTIONS_FILE, load_drafter
+    from specdraft.api import load_drafter
     from specdraft.draft_vocab import save_token_ranking
+    from specdraft.drafters.options import DRAFTER_OPTIONS_FILE
     from specdraft.errors import SpecdraftError
     from toys import save_tiny_checkpoint, tiny_tokenizer
 

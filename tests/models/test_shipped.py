@@ -1,5 +1,6 @@
-"""The drafter shipped in the package (``smollm2-135m-instruct-drafter``): present, small, bf16, loadable; with the
-real target (slow) it passes the compatibility check and keeps fp32 greedy output identical."""
+"""The drafters shipped in the package (``smollm2-135m-instruct-drafter`` and the EAGLE heads
+``smollm2-135m-instruct-eagle``): present, small, bf16, loadable, with their measured default options; with the
+real target (slow) they pass the compatibility checks and keep fp32 greedy output identical."""
 
 import json
 
@@ -28,10 +29,10 @@ def test_shipped_drafter_is_a_small_bf16_llama_with_a_model_card():
 
 
 def test_shipped_drafter_ships_its_measured_options_and_token_ranking():
-    from specdraft.api import DRAFTER_OPTIONS_FILE, _folder_options
     from specdraft.draft_vocab import load_token_ranking
+    from specdraft.drafters.options import DRAFTER_OPTIONS_FILE, folder_options
 
-    options = _folder_options(FOLDER)
+    options = folder_options(FOLDER)
     assert set(options) == {"draft_vocab", "confidence_threshold"} and (FOLDER / DRAFTER_OPTIONS_FILE).is_file()
     ranking = load_token_ranking(FOLDER, 49152)  # a permutation of the vocabulary, checked on load
     assert int(options["draft_vocab"]) < ranking.numel()
@@ -45,6 +46,43 @@ def test_shipped_drafter_with_smollm2_is_compatible_and_lossless():
 
     target, tokenizer = load_target(SMOLLM2, torch.float32)
     drafter = load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER)  # runs the compatibility check
+    config = GenerationConfig(48, 4, eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
+    accepted = 0
+    for prompt in BUILTIN_PROMPTS[::3]:
+        ids = encode_prompt(tokenizer, prompt.text, chat=True)
+        result = generate(target, ids, drafter, config)
+        assert result.token_ids == generate(target, ids, None, config).token_ids, prompt.category
+        accepted += result.stats.draft_tokens_accepted
+    assert accepted > 0
+
+
+def test_shipped_eagle_heads_are_small_bf16_with_options_and_ranking():
+    from specdraft.draft_vocab import load_token_ranking
+    from specdraft.drafters.options import folder_options
+    from specdraft.heads import WEIGHTS_FILE, load_heads
+    from specdraft.models.registry import SHIPPED_HEADS, SMOLLM2_EAGLE, resolve_heads
+
+    folder = resolve_heads(SMOLLM2_EAGLE)
+    assert folder == SHIPPED_HEADS[SMOLLM2_EAGLE] and (folder / WEIGHTS_FILE).stat().st_size <= 16 * 2**20
+    with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    meta, _ = load_heads(SMOLLM2_EAGLE, kind="eagle")
+    assert meta["spec"]["vocab_size"] == 49152 and meta["spec"]["hidden_size"] == 576
+    assert folder_options(folder) == {"top_k": "2", "tree_nodes": "4", "draft_vocab": "8192"}
+    assert load_token_ranking(folder, 49152).numel() == 49152
+    assert "Measured results" in (folder / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_shipped_eagle_heads_with_smollm2_are_lossless_and_draft():
+    from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.models.registry import SMOLLM2_EAGLE
+    from specdraft.prompts import BUILTIN_PROMPTS
+
+    target, tokenizer = load_target(SMOLLM2, torch.float32)
+    drafter = load_drafter(target, tokenizer, drafter="eagle", options={"heads": SMOLLM2_EAGLE})
+    assert (drafter.top_k, drafter.tree_nodes, drafter.keep.numel()) == (2, 4, 8192)  # the shipped defaults
     config = GenerationConfig(48, 4, eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
     accepted = 0
     for prompt in BUILTIN_PROMPTS[::3]:

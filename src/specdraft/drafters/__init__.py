@@ -47,7 +47,7 @@ def _medusa(target, tokenizer, options: dict[str, str]) -> Drafter:
 
     if "heads" not in options:
         raise SpecdraftError("medusa needs --drafter-option heads=PATH (a folder made by `specdraft train-heads`)")
-    return build(MedusaDrafter, options)
+    return build(MedusaDrafter, _with_folder_defaults(options))
 
 
 def _eagle(target, tokenizer, options: dict[str, str]) -> Drafter:
@@ -57,7 +57,15 @@ def _eagle(target, tokenizer, options: dict[str, str]) -> Drafter:
     if "heads" not in options:
         raise SpecdraftError("eagle needs --drafter-option heads=PATH (a folder made by `specdraft train-heads "
                              "--kind eagle`)")
-    return build(EagleDrafter, options)
+    return build(EagleDrafter, _with_folder_defaults(options))
+
+
+def _with_folder_defaults(options: dict[str, str]) -> dict[str, str]:
+    """``options`` over the defaults shipped in the heads folder (``drafter_options.json``), if any."""
+    from specdraft.drafters.options import folder_options
+    from specdraft.models.registry import resolve_heads
+
+    return folder_options(resolve_heads(options["heads"])) | options
 
 
 TRAINING_FREE: dict[str, DrafterFactory] = {

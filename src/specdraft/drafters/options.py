@@ -61,3 +61,23 @@ def build(factory: Callable[..., Any], options: dict[str, str], **fixed: Any) ->
         raise SpecdraftError(f"unknown drafter option {', '.join(unknown)}; this drafter takes: {known}")
     converted = {n: _convert(n, v, settable[n].default, settable[n].annotation) for n, v in options.items()}
     return factory(**fixed, **converted)
+
+
+DRAFTER_OPTIONS_FILE = "drafter_options.json"
+
+
+def folder_options(folder) -> dict[str, str]:
+    """The default options a draft model or heads folder ships with (:data:`DRAFTER_OPTIONS_FILE`, a JSON object of
+    the options it was measured best with), as ``{KEY: VALUE}`` strings; {} for none or a hub id."""
+    import json
+
+    path = Path(folder) / DRAFTER_OPTIONS_FILE if isinstance(folder, Path) else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise SpecdraftError(f"corrupt {path}: {exc}") from None
+    return {str(k): str(v) for k, v in values.items()}
