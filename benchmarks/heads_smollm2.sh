@@ -17,10 +17,14 @@ $sd train-heads --kind eagle --target $T --data dd-sharegpt-train-t1 --allow-inc
 $sd train-heads --kind medusa --num-heads 4 --target $T --data dd-sharegpt-train-t1 --allow-incomplete \
     --out heads-medusa --steps 200 --batch-size 8 --warmup-steps 20 --target-dtype bfloat16 --eval-every 100 \
     --checkpoint-every 25 --eval-prompts 4 --no-progress
+# Medusa-2's self-distillation (soft labels from the frozen target), same budget
+$sd train-heads --kind medusa --num-heads 4 --options distill=1 --target $T --data dd-sharegpt-train-t1 \
+    --allow-incomplete --out heads-medusa-distill --steps 200 --batch-size 8 --warmup-steps 20 \
+    --target-dtype bfloat16 --eval-every 100 --checkpoint-every 25 --eval-prompts 4 --no-progress
 
 # The token ranking for draft_vocab (FR-Spec). train-heads now stores it at export; these heads were exported by the
 # version before that, so it is written here from the same training split (every 20th prompt held out).
-for h in heads-eagle heads-medusa; do
+for h in heads-eagle heads-medusa heads-medusa-distill; do
   "$(dirname "$sd")/python" - "$h" <<'PY'
 import sys
 from specdraft.draft_vocab import rank_tokens, save_token_ranking
