@@ -62,12 +62,7 @@ def load_drafter(
     if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
         from specdraft.draft_vocab import draft_subset
 
-        text = options.pop("draft_vocab")
-        try:
-            size = int(text)
-        except ValueError:
-            raise SpecdraftError(f"draft_vocab must be an integer, got {text!r}") from None
-        keep = draft_subset(str(folder), model.vocab_size, size)
+        keep = draft_subset(str(folder), model.vocab_size, options.pop("draft_vocab"))
     return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
 
 

@@ -94,11 +94,15 @@ class DraftVocab:
         return full.index_copy_(-1, self.keep, logits)
 
 
-def draft_subset(heads: str | Path, vocab_size: int, draft_vocab: int) -> torch.Tensor | None:
+def draft_subset(heads: str | Path, vocab_size: int, draft_vocab: int | str) -> torch.Tensor | None:
     """The ``draft_vocab`` most frequent token ids (N,) of a heads (or draft model) folder's ranking; None for 0 or
-    the whole vocabulary (no restriction)."""
+    the whole vocabulary (no restriction). ``draft_vocab`` may be an option string."""
     from specdraft.models.registry import resolve_heads
 
+    try:
+        draft_vocab = int(draft_vocab) if isinstance(draft_vocab, str) else draft_vocab
+    except ValueError:
+        pass  # refused just below, with the value in the message
     if not isinstance(draft_vocab, int) or draft_vocab < 0:
         raise SpecdraftError(f"draft_vocab must be an integer >= 0 (0 = the whole vocabulary), got {draft_vocab!r}")
     if draft_vocab == 0 or draft_vocab >= vocab_size:

@@ -92,8 +92,9 @@ class EagleDrafter:
                                  f"{hidden}, target {target.name!r} has LM head {tuple(lm_head.shape)}")
         if self.head.dtype != lm_head.dtype:
             self.head.to(lm_head.dtype)
+        if self._lm_head is None or self._lm_head.data_ptr() != lm_head.data_ptr():  # a new target's weights
+            self._vocab = DraftVocab(lm_head.detach(), self.keep)  # (N, D) rows copied once per LM head
         self._embed, self._lm_head = embed.detach(), lm_head.detach()
-        self._vocab = DraftVocab(self._lm_head, self.keep)  # (N, D) rows copied once a generation
         self._cache = self._root = None
         self._features, self._received, self._fed = [], 0, 0
 
