@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from specdraft.compat import check_compatible
@@ -70,8 +72,14 @@ def load_drafter(
 def load_draft_model(
     target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> CausalLM:
-    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint)."""
-    model = load_model(draft, dtype, backend)
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
+    shares the target's token embeddings gets them from ``target``."""
+    from specdraft.models.registry import resolve
+    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
+
+    folder = resolve(draft)
+    shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
+    model = load_model(draft, dtype, backend, embeddings_for(folder, target, draft) if shared else None)
     try:
         draft_tokenizer = load_tokenizer(draft)
     except SpecdraftError:

@@ -82,3 +82,30 @@ def test_init_from_target_writes_the_tied_embeddings(target_config):
     assert drafter.get_output_embeddings().weight is drafter.get_input_embeddings().weight
     with pytest.raises(SpecdraftError, match="vocabulary mismatch"):
         init_embeddings_from_target(drafter, torch.randn(65, 32))
+
+
+def test_a_drafter_from_target_layers_computes_what_those_layers_compute():
+    """The copy of layers 0 and 2 gives the logits of the target run through only those layers (the layer-skip
+    path of NativeLlama), and the copy of every layer gives the target's own logits."""
+    from specdraft.models.native_llama import NativeLlama
+    from specdraft.training.drafter_config import drafter_from_target_layers
+
+    target = tiny_llama(seed=3, layers=3)
+    ids = torch.tensor([[1, 5, 9, 4, 7, 11]])
+    native = NativeLlama.from_hf(target)
+    for layers in ([0, 2], [0, 1, 2]):
+        drafter = drafter_from_target_layers(target, layers)
+        assert drafter.config.num_hidden_layers == len(layers) and target.config.num_hidden_layers == 3
+        expected = native(ids, native.new_cache(16), layers=layers)  # (1, T, V)
+        torch.testing.assert_close(drafter(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(drafter_from_target_layers(target, [0, 1, 2])(ids).logits, target(ids).logits)
+
+
+@pytest.mark.parametrize("layers, message", [("1,0", "increasing"), ("", "increasing"), ("a", "increasing"),
+                                             ("0,3", "out of range")])
+def test_bad_layer_lists_are_refused(layers, message):
+    from specdraft.training.drafter_config import InitDrafterConfig, drafter_from_target_layers
+
+    with pytest.raises(SpecdraftError, match=message):
+        config = InitDrafterConfig(target="t", out="o", layers=layers)
+        drafter_from_target_layers(tiny_llama(layers=3), config.layer_indices())

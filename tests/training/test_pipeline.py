@@ -212,7 +212,7 @@ def test_cli_bad_values_name_the_field(run, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-@pytest.mark.parametrize("name", ["pretrain", "distill-data", "finetune", "train-drafter"])
+@pytest.mark.parametrize("name", ["init-drafter", "pretrain", "distill-data", "finetune", "train-drafter"])
 def test_every_subcommand_documents_its_flags(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args([name, "--help"])
@@ -220,7 +220,9 @@ def test_every_subcommand_documents_its_flags(name, capsys):
     text = capsys.readouterr().out
     flags = {"pretrain": ["--preset", "--tokens", "--init-from-target", "--no-bf16", "--resume", "--stop-after"],
              "distill-data": ["--top-logprobs", "--overwrite"],
-             "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens"],
+             "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens",
+                          "--freeze-embeddings", "--share-embeddings"],
+             "init-drafter": ["--layers", "--target"],
              "train-drafter": ["--config"]}[name]
     assert all(flag in text for flag in flags), text
 
@@ -275,3 +277,55 @@ def test_distill_topk_matches_the_log_probs_stored_during_generation(run, tmp_pa
     assert first.read_text() == "sentinel\n"
     with pytest.raises(SpecdraftError, match="must differ"):
         _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "plain", "--target", run / "target")
+
+
+def test_response_logits_are_the_full_forward_at_response_positions(run):
+    from specdraft.training.finetune import DistillDataset, collate_distill, response_logits
+
+    model = AutoModelForCausalLM.from_pretrained(run / "pre" / "model")
+    records = load_distill_records(run / "data")[:4]
+    batch = collate_distill([DistillDataset(records, 64)[i] for i in range(4)], 0)
+    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    torch.testing.assert_close(response_logits(model, batch), full[batch["mask"]], rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_copy_fine_tuned_with_shared_embeddings_loads_from_its_target(run, tmp_path):
+    """init-drafter -> finetune --freeze-embeddings --share-embeddings: the export stores no embedding table, the
+    drafter takes its target's (natively and through transformers), and refuses to load without it or with a
+    target whose table differs."""
+    from safetensors.torch import load_file
+
+    from specdraft.api import load_draft_model
+    from specdraft.models.registry import load_tokenizer
+    from specdraft.models.shared_embeddings import EMBEDDING_KEY, SHARED_EMBEDDINGS_FILE
+
+    _cli("init-drafter", "--target", run / "target", "--out", tmp_path / "init", "--layers", "0")
+    target_hf = AutoModelForCausalLM.from_pretrained(run / "target")
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path / "init")
+    ids = torch.tensor([[1, 5, 9, 4]])
+    torch.testing.assert_close(copy(ids).logits, target_hf(ids).logits)  # the target's only layer: the same model
+    out = _finetune(run, tmp_path / "fine", drafter=str(tmp_path / "init"), steps=3, lr=1e-2,
+                    freeze_embeddings=True, share_embeddings=True)
+    assert EMBEDDING_KEY not in load_file(out / "model.safetensors") and (out / SHARED_EMBEDDINGS_FILE).is_file()
+    target, tokenizer = load_model(str(run / "target")), load_tokenizer(str(run / "target"))
+    native = load_draft_model(target, tokenizer, str(out))
+    hf = load_draft_model(target, tokenizer, str(out), backend="hf")
+    torch.testing.assert_close(native.embed_weight, target.embed_weight)
+    assert not torch.equal(native.lm_head_weight, target.lm_head_weight)  # trained (the toy's head is untied)
+    logits = native(ids, native.new_cache(8))
+    torch.testing.assert_close(hf.forward(ids, hf.new_cache(8)), logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(SpecdraftError, match="shares its target's token embeddings"):
+        load_model(str(out))
+    kept = _finetune(run, tmp_path / "frozen", drafter=str(tmp_path / "init"), steps=3, lr=1e-2, freeze_embeddings=True)
+    torch.testing.assert_close(load_file(kept / "model.safetensors")[EMBEDDING_KEY], target.embed_weight)
+    other = load_model(str(save_tiny_checkpoint(tmp_path / "other", seed=5, layers=1, hidden=32)))
+    with pytest.raises(SpecdraftError, match="fingerprint"):
+        load_draft_model(other, tokenizer, str(out))
+
+
+def test_share_embeddings_needs_frozen_embeddings_of_the_targets_width(run, tmp_path):
+    with pytest.raises(SpecdraftError, match="needs --freeze-embeddings"):
+        _finetune(run, tmp_path / "a", share_embeddings=True)
+    with pytest.raises(SpecdraftError, match="does not have the target's token embeddings"):
+        _finetune(run, tmp_path / "b", freeze_embeddings=True, share_embeddings=True)  # the pretrained drafter
+    _assert_nothing_complete(tmp_path / "b")

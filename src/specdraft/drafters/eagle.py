@@ -83,7 +83,7 @@ class EagleDrafter:
 
     def begin(self, target, cache) -> None:
         """A new generation: forget the feature stream; take the target's frozen embeddings and LM head."""
-        from specdraft.heads.eagle import target_weights
+        from specdraft.models.shared_embeddings import target_weights
 
         embed, lm_head = target_weights(target)
         hidden = int(self.head.sizes["hidden_size"])

@@ -38,6 +38,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.heads import HeadKind
 from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _attention_mask, _rope_table, _Step
+from specdraft.models.shared_embeddings import target_weights
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias")
@@ -198,16 +199,6 @@ def eagle_loss(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, ma
     log_q = torch.log_softmax(F.linear(predicted, lm_head), dim=-1)  # (n, V)
     classification = -(p * log_q).sum(-1).mean()
     return reg_weight * regression + cls_weight * classification, count
-
-
-def target_weights(target) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embeddings (V, D), LM head (V, D)) of a NativeLlama, an HFCausalLM or a transformers model."""
-    if hasattr(target, "embed_weight") and hasattr(target, "lm_head_weight"):
-        return target.embed_weight, target.lm_head_weight
-    model = target if hasattr(target, "get_output_embeddings") else getattr(target, "model", None)  # HFCausalLM
-    if model is None or not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-        raise SpecdraftError(f"cannot find the embeddings and LM head of target {type(target).__name__}")
-    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
 
 
 # --- the HeadKind for specdraft.heads.train --------------------------------------------------------------------------

@@ -370,16 +370,18 @@ class NativeLlama(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None,
+        extra_tensors: dict[str, torch.Tensor] | None = None,
     ) -> NativeLlama:
-        """Load a transformers-format checkpoint folder (``config.json`` and safetensors weights)."""
+        """Load a transformers-format checkpoint folder (``config.json`` and safetensors weights), plus
+        ``extra_tensors`` (transformers names) that the folder does not store, e.g. shared embeddings."""
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise SpecdraftError(f"checkpoint folder not found: {folder}")
         config = _read_config(folder)
         _check_supported(config, str(folder))
         native = cls(config, dtype=dtype, name=name or folder.name)
-        native.load_checkpoint_tensors(_read_weights(folder), source=str(folder))
+        native.load_checkpoint_tensors(_read_weights(folder) | (extra_tensors or {}), source=str(folder))
         return native
 
     @torch.no_grad()

@@ -119,12 +119,19 @@ def _hub_kwargs() -> dict:
     return {} if os.environ.get("SPECDRAFT_ALLOW_DOWNLOAD") == "1" else {"local_files_only": True}
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto") -> CausalLM:
-    """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers."""
+def load_model(
+    name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto", embeddings: torch.Tensor | None = None
+) -> CausalLM:
+    """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers.
+
+    A checkpoint that shares its target's token embeddings (:mod:`specdraft.models.shared_embeddings`) needs that
+    table as ``embeddings`` (V, D); :func:`specdraft.api.load_draft_model` passes the target's.
+    """
     from transformers import AutoConfig
 
     from specdraft.models import native_llama
     from specdraft.models.hf import HFCausalLM
+    from specdraft.models.shared_embeddings import EMBEDDING_KEY, SHARED_EMBEDDINGS_FILE, shared_embeddings
 
     if backend not in ("auto", "native", "hf"):
         raise SpecdraftError(f"backend must be auto, native or hf, got {backend!r}")
@@ -133,9 +140,19 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, backend: s
         config = AutoConfig.from_pretrained(where, **_hub_kwargs())
     except (OSError, ValueError) as exc:
         raise SpecdraftError(f"cannot load model {name_or_path!r}: {str(exc).splitlines()[0]}") from None
+    shared = isinstance(where, Path) and shared_embeddings(where) is not None
+    if shared and embeddings is None:
+        raise SpecdraftError(f"{name_or_path} shares its target's token embeddings ({SHARED_EMBEDDINGS_FILE}): "
+                             "load it as a drafter of that target (--draft), not on its own")
+    extra = {EMBEDDING_KEY: embeddings} if shared else None
     if backend == "native" or (backend == "auto" and isinstance(where, Path) and native_llama.supports(config)):
-        return native_llama.NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path)
-    return HFCausalLM(_load_hf(where, name_or_path, dtype), name=name_or_path)
+        return native_llama.NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
+    model = _load_hf(where, name_or_path, dtype)
+    if shared:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(embeddings)
+        model.tie_weights()
+    return HFCausalLM(model, name=name_or_path)
 
 
 def _load_hf(where: Path | str, name: str, dtype: torch.dtype):

@@ -79,7 +79,8 @@ def hardware() -> str:
             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
 
 
-def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtype = torch.float32) -> Path:
+def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtype = torch.float32,
+              share_embeddings: bool = False) -> Path:
     """Save a transformers ``LlamaForCausalLM`` drafter as a self-contained checkpoint folder at ``out``.
 
     Args:
@@ -88,6 +89,8 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
         target: the target's name or path, whose tokenizer files are copied.
         card: the model card's facts: ``title``, ``command``, ``data``, ``budget`` (dict), ``metrics`` (dict).
         dtype: weight dtype of the saved safetensors (float32 or bfloat16).
+        share_embeddings: leave the token embeddings out (they must be the target's): the folder gets
+            ``shared_embeddings.json`` and loads as a drafter of ``target`` (:mod:`specdraft.models.shared_embeddings`).
     """
     from transformers import GenerationConfig
 
@@ -100,6 +103,11 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
         copy = type(model)(model.config)
         copy.load_state_dict(model.state_dict())
         copy.to(dtype).save_pretrained(tmp)
+        if share_embeddings:
+            from specdraft.models.shared_embeddings import drop_embeddings, write_shared_embeddings
+
+            drop_embeddings(tmp / "model.safetensors")
+            write_shared_embeddings(tmp, target, model.get_input_embeddings().weight)
         load_tokenizer(target).save_pretrained(tmp)
         config = model.config
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,

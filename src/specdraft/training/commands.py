@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export
+from specdraft.training.drafter_config import InitDrafterConfig
 from specdraft.training.finetune import FinetuneConfig, finetune
 from specdraft.training.generation import MANIFEST_FILE, DistillDataConfig, generate_distillation_data
 from specdraft.training.pretrain import PretrainConfig, export_path, pretrain
@@ -64,6 +65,12 @@ def _run_distill_topk(args: argparse.Namespace) -> None:
     print(f"distill-topk: {manifest['records']} records in {len(manifest['shards'])} shards -> {args.out}")
 
 
+def _run_init_drafter(args: argparse.Namespace) -> None:
+    from specdraft.training.drafter_config import init_drafter
+
+    print(init_drafter(config_from_args(InitDrafterConfig, args), command=command_line(args)), flush=True)
+
+
 def _run_pretrain(args: argparse.Namespace) -> None:
     skip = ("steps",) if args.tokens is not None else ()  # --tokens sets the steps; the default would mislead
     print(pretrain(config_from_args(PretrainConfig, args), command=command_line(args, skip)), flush=True)
@@ -90,11 +97,14 @@ def _run_train_drafter(args: argparse.Namespace) -> None:
 
 
 def add_training_commands(sub) -> None:
-    """Add ``pretrain``, ``distill-data``, ``distill-topk``, ``finetune``, ``train-heads`` and ``train-drafter`` to an
-    argparse subparsers object."""
+    """Add ``init-drafter``, ``pretrain``, ``distill-data``, ``distill-topk``, ``finetune``, ``train-heads`` and
+    ``train-drafter`` to an argparse subparsers object."""
     p = sub.add_parser("pretrain", help="stage 1: pretrain a small drafter on text with the target's tokenizer")
     add_config_arguments(p, PretrainConfig)
     p.set_defaults(run=_run_pretrain, subcommand="pretrain")
+    p = sub.add_parser("init-drafter", help="stage 1 alternative: a drafter made of some of the target's layers")
+    add_config_arguments(p, InitDrafterConfig)
+    p.set_defaults(run=_run_init_drafter, subcommand="init-drafter")
     p = sub.add_parser("distill-data", help="generate the target's responses to prompts (distillation data)")
     add_config_arguments(p, DistillDataConfig)
     p.add_argument("--overwrite", action="store_true", help="discard data made with other settings in --out")

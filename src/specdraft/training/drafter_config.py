@@ -108,3 +108,89 @@ def init_embeddings_from_target(drafter, target_embedding: torch.Tensor) -> None
         raise SpecdraftError(f"vocabulary mismatch: target embeddings have {target_embedding.shape[0]} rows, "
                              f"the drafter {weight.shape[0]}")
     weight.copy_(project_embeddings(target_embedding, weight.shape[1]).to(weight.dtype))
+
+
+# --- a drafter made of the target's own layers -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InitDrafterConfig:
+    """Settings of ``specdraft init-drafter``."""
+
+    target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
+    out: str = field(metadata={"help": "output checkpoint folder"})
+    layers: str = field(default="0,1", metadata={"help": "the target's decoder layers kept, comma-separated"})
+    export_dtype: str = field(default="float32", metadata={"help": "exported weights: float32 or bfloat16"})
+
+    def __post_init__(self) -> None:
+        self.layer_indices()
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise SpecdraftError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
+
+    def layer_indices(self) -> list[int]:
+        """The kept layers, checked to be distinct, increasing integers >= 0."""
+        try:
+            layers = [int(v) for v in self.layers.split(",") if v.strip()]
+        except ValueError:
+            layers = []
+        if not layers or min(layers) < 0 or layers != sorted(set(layers)):
+            raise SpecdraftError(f"layers must be increasing layer indices >= 0, e.g. 0,1; got {self.layers!r}")
+        return layers
+
+
+def drafter_from_target_layers(target_model, layers: list[int]):
+    """A shallow drafter built from the target itself: its token embeddings, the decoder layers ``layers`` (in
+    order), its final norm and its LM head, all copied.
+
+    The early-exit view of self-speculative decoding (Draft & Verify, Zhang et al. 2023, arXiv 2309.08168;
+    LayerSkip, Elhoushi et al. 2024, arXiv 2404.16710) drafts with a subset of the target's layers. Here that
+    subset becomes a separate model, fine-tuned by distillation (Goel et al. 2024, stage 2) with its own KV cache:
+    the copy starts from the target's 2T-token embeddings instead of a drafter pretrained from scratch on a few
+    million tokens. The copy has the target's width, so its embeddings can be shared with the target at load time
+    (``finetune --freeze-embeddings --share-embeddings``).
+
+    Args:
+        target_model: a transformers decoder (``model.embed_tokens``, ``model.layers``, ``model.norm``).
+        layers: increasing indices of the decoder layers kept.
+    Returns:
+        a model of the target's class with ``len(layers)`` layers, in float32.
+    """
+    import copy
+
+    base = getattr(target_model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
+        raise SpecdraftError(f"init-drafter needs a Llama-family decoder (model.embed_tokens, model.layers, "
+                             f"model.norm); {type(target_model).__name__} has another layout")
+    total = len(base.layers)
+    if not layers or max(layers) >= total:
+        raise SpecdraftError(f"layers {layers} out of range: the target has {total} decoder layers (0..{total - 1})")
+    config = copy.deepcopy(target_model.config)
+    config.num_hidden_layers = len(layers)
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds follow the kept layers
+        config.layer_types = [config.layer_types[i] for i in layers]
+    drafter = type(target_model)(config).float()
+    with torch.no_grad():
+        drafter.model.embed_tokens.load_state_dict(base.embed_tokens.state_dict())
+        for new, old in enumerate(layers):
+            drafter.model.layers[new].load_state_dict(base.layers[old].state_dict())
+        drafter.model.norm.load_state_dict(base.norm.state_dict())
+        if not config.tie_word_embeddings:
+            drafter.lm_head.load_state_dict(target_model.lm_head.state_dict())
+    drafter.tie_weights()
+    return drafter.float().eval()
+
+
+def init_drafter(config: InitDrafterConfig, command: str | None = None):
+    """Write :func:`drafter_from_target_layers` of ``config.target`` as a checkpoint folder; returns its path."""
+    from specdraft.models.registry import load_model
+    from specdraft.training.checkpoint import export_hf
+
+    target_model = load_model(config.target, torch.float32, backend="hf").model
+    layers = config.layer_indices()
+    drafter = drafter_from_target_layers(target_model, layers)
+    params = sum(p.numel() for p in drafter.parameters())
+    card = {"title": f"specdraft drafter (layers {config.layers} of the target, not yet fine-tuned)",
+            "command": command or "", "data": "none: weights copied from the target",
+            "budget": {"Parameters": f"{params:,} (embeddings included)"}, "metrics": {}}
+    dtype = torch.bfloat16 if config.export_dtype == "bfloat16" else torch.float32
+    return export_hf(drafter, config.out, config.target, card, dtype)

@@ -54,9 +54,16 @@ class FinetuneConfig(TrainerConfig):
     eval_num_draft_tokens: str = field(default="3,5", metadata={"help": "γ values evaluated, comma-separated"})
     target_dtype: str = field(default="float32", metadata={"help": "target weights: float32 or bfloat16"})
     export_dtype: str = field(default="float32", metadata={"help": "exported weights: float32 or bfloat16"})
+    freeze_embeddings: bool = field(default=False, metadata={"help": "keep the (tied) token embeddings fixed"})
+    share_embeddings: bool = field(default=False, metadata={
+        "help": "export without the embeddings, which must be the target's: the drafter then loads them from the "
+                "target (needs --freeze-embeddings)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.share_embeddings and not self.freeze_embeddings:
+            raise SpecdraftError("--share-embeddings needs --freeze-embeddings (the exported drafter uses the "
+                                 "target's table, so training must not change its copy)")
         if self.loss not in LOSSES:
             raise SpecdraftError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if not 0.0 <= self.beta <= 1.0:
@@ -204,8 +211,7 @@ def make_kd_loss(config: FinetuneConfig, target_model):
 
     def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
         mask = batch["mask"]  # (B, T)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        draft = logits[mask]  # (n, V)
+        draft = response_logits(model, batch)  # (n, V)
         target = None
         if config.loss != "ce" and config.use_stored_topk:
             target = dense_from_topk(batch["top_ids"][mask], batch["top_logprobs"][mask], draft.shape[-1])
@@ -215,6 +221,24 @@ def make_kd_loss(config: FinetuneConfig, target_model):
         return distillation_loss(config.loss, draft, target, batch["labels"][mask], None, **options), draft.shape[0]
 
     return kd_loss
+
+
+def response_logits(model, batch: dict) -> torch.Tensor:
+    """The drafter's logits (n, V) at the response positions of a batch (``batch["mask"]``).
+
+    For a Llama the LM head runs on those positions only: it is most of a small drafter's cost, and prompt
+    positions carry no loss. Other architectures (whose heads may scale or cap logits) and wrapped or sharded
+    models (DDP, FSDP: their hooks run on the whole module's forward) run their full forward.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    mask = batch["mask"]  # (B, T)
+    plain = not isinstance(model, FSDPModule) and getattr(getattr(model, "config", None), "model_type", None)
+    if plain == "llama" and hasattr(model, "lm_head"):
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             use_cache=False).last_hidden_state  # (B, T, D)
+        return model.lm_head(hidden[mask])  # (n, V)
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[mask]
 
 
 @torch.no_grad()
@@ -232,7 +256,7 @@ def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneCo
         batch = {k: v.to(device) for k, v in batch.items()}
         mask = batch["mask"]  # (B, T)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-            draft = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[mask]  # (n, V)
+            draft = response_logits(model, batch)  # (n, V)
             target = target_logits(target_model, batch)[mask]  # (n, V)
         n = int(mask.sum())
         options = config.loss_options(torch.Generator(device=device).manual_seed(0))
@@ -296,6 +320,7 @@ def load_models(config: FinetuneConfig):
     from specdraft.compat import check_compatible
     from specdraft.models.hf import HFCausalLM
     from specdraft.models.registry import load_model, load_tokenizer, resolve
+    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     try:
         drafter = AutoModelForCausalLM.from_pretrained(resolve(config.drafter), dtype=torch.float32)
@@ -304,11 +329,31 @@ def load_models(config: FinetuneConfig):
     dtype = EXPORT_DTYPES[config.target_dtype]
     target_model = load_model(config.target, dtype, backend="hf").model.eval().requires_grad_(False)
     target, tokenizer = load_model(config.target, torch.float32), load_tokenizer(config.target)
+    if shared_embeddings(resolve(config.drafter)) is not None:  # a drafter exported with --share-embeddings
+        with torch.no_grad():
+            drafter.get_input_embeddings().weight.copy_(embeddings_for(resolve(config.drafter), target, config.drafter))
+        drafter.tie_weights()
+    if config.freeze_embeddings:
+        drafter.get_input_embeddings().weight.requires_grad_(False)  # tied: the LM head too
+    if config.share_embeddings:
+        _check_same_embeddings(drafter, target, config.drafter)
     draft_tokenizer = None  # a bare checkpoint: only the vocabulary size can be checked
     with contextlib.suppress(SpecdraftError):
         draft_tokenizer = load_tokenizer(config.drafter)
     check_compatible(target, tokenizer, HFCausalLM(drafter, name=config.drafter), draft_tokenizer)
     return drafter, target_model, target, tokenizer
+
+
+def _check_same_embeddings(drafter, target, name: str) -> None:
+    """--share-embeddings: the drafter's table must be the target's (up to bf16 rounding), or the exported drafter
+    would draft from a table it was not trained with."""
+    from specdraft.models.shared_embeddings import target_weights
+
+    mine, theirs = drafter.get_input_embeddings().weight.detach().float(), target_weights(target)[0].detach().float()
+    if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-2, atol=1e-6):
+        raise SpecdraftError(f"--share-embeddings: drafter {name!r} does not have the target's token embeddings "
+                             f"(shape {tuple(mine.shape)} against {tuple(theirs.shape)}); start from "
+                             "`specdraft init-drafter` or drop the flag")
 
 
 def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
@@ -338,7 +383,7 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
         data = (f"`{config.data}`: {len(train_records)} target responses for training, {len(heldout)} held out"
                 + ("; p approximated from the stored top-k log-probabilities" if need_topk else ""))
         export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
-                  EXPORT_DTYPES[config.export_dtype])
+                  EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings)
     barrier(world)
     return out
 

@@ -278,7 +278,8 @@ def _plain(value):
 
 def _new_run(model: nn.Module, size: int, config: TrainerConfig, rank: int, world: int,
              full: nn.Module | None = None) -> _Run:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
+    trainable = [p for p in model.parameters() if p.requires_grad]  # frozen tables (finetune --freeze-embeddings)
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     schedule = lambda step: lr_factor(step, config.warmup_steps, config.steps, config.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
