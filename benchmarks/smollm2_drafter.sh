@@ -32,3 +32,14 @@ done
 $sd finetune --drafter pt-small/model --target $T --data dd-topk32 --allow-incomplete --use-stored-topk \
     --loss tvdpp --out ft-small-tvdpp --steps 100 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
     --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16
+
+# (d) session 4: a drafter made of the target's own layers 0 and 1 (its embeddings, first two decoder layers, final
+#     norm and tied LM head), fine-tuned by forward-KL distillation with the embeddings frozen and shared with the
+#     target at load time (the shipped file then holds only the two layers). The distillation set was first extended
+#     (the same distill-data command, resumed for 22 minutes, then the manifest written for the shards present) and
+#     the new shards annotated by the same distill-topk command.
+$sd init-drafter --target $T --out init-l01 --layers 0,1
+$sd finetune --drafter init-l01 --target $T --data dd-topk32 --allow-incomplete --use-stored-topk --loss fkl \
+    --out ft-l01-fkl --steps 1000 --batch-size 16 --lr 1e-3 --warmup-steps 20 --bf16 --target-dtype bfloat16 \
+    --checkpoint-every 50 --eval-every 500 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16 \
+    --freeze-embeddings --share-embeddings

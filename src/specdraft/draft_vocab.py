@@ -56,8 +56,8 @@ def load_token_ranking(folder: str | Path, vocab_size: int) -> torch.Tensor:
 
     path = Path(folder) / RANKING_FILE
     if not path.is_file():
-        raise SpecdraftError(f"{folder} has no {RANKING_FILE}: a draft_vocab needs heads trained by this version "
-                             "of `specdraft train-heads` (it stores the token ranking of its training data)")
+        raise SpecdraftError(f"{folder} has no {RANKING_FILE}: a draft_vocab needs the token ranking of the "
+                             "training data, stored by this version of `specdraft finetune` and `train-heads`")
     try:
         ranking = load_file(str(path))["token_ids"]
     except (OSError, SafetensorError, KeyError, ValueError) as exc:

@@ -296,6 +296,7 @@ def test_a_layer_copy_fine_tuned_with_shared_embeddings_loads_from_its_target(ru
     from safetensors.torch import load_file
 
     from specdraft.api import load_draft_model
+    from specdraft.draft_vocab import load_token_ranking, rank_tokens
     from specdraft.models.registry import load_tokenizer
     from specdraft.models.shared_embeddings import EMBEDDING_KEY, SHARED_EMBEDDINGS_FILE
 
@@ -307,6 +308,9 @@ def test_a_layer_copy_fine_tuned_with_shared_embeddings_loads_from_its_target(ru
     out = _finetune(run, tmp_path / "fine", drafter=str(tmp_path / "init"), steps=3, lr=1e-2,
                     freeze_embeddings=True, share_embeddings=True)
     assert EMBEDDING_KEY not in load_file(out / "model.safetensors") and (out / SHARED_EMBEDDINGS_FILE).is_file()
+    ranking = load_token_ranking(out, 64)  # the training responses' token ranking, for draft_vocab
+    train, _ = split_by_prompt(load_distill_records(run / "data"), 8)
+    assert torch.equal(ranking, rank_tokens([r["response_token_ids"] for r in train], 64))
     target, tokenizer = load_model(str(run / "target")), load_tokenizer(str(run / "target"))
     native = load_draft_model(target, tokenizer, str(out))
     hf = load_draft_model(target, tokenizer, str(out), backend="hf")

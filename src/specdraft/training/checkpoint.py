@@ -80,7 +80,7 @@ def hardware() -> str:
 
 
 def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtype = torch.float32,
-              share_embeddings: bool = False) -> Path:
+              share_embeddings: bool = False, ranking: torch.Tensor | None = None) -> Path:
     """Save a transformers ``LlamaForCausalLM`` drafter as a self-contained checkpoint folder at ``out``.
 
     Args:
@@ -91,6 +91,8 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
         dtype: weight dtype of the saved safetensors (float32 or bfloat16).
         share_embeddings: leave the token embeddings out (they must be the target's): the folder gets
             ``shared_embeddings.json`` and loads as a drafter of ``target`` (:mod:`specdraft.models.shared_embeddings`).
+        ranking: (V,) token ids by frequency in the training responses, stored for ``draft_vocab``
+            (:mod:`specdraft.draft_vocab`).
     """
     from transformers import GenerationConfig
 
@@ -113,6 +115,10 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                          pad_token_id=config.pad_token_id).save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(card | {"target": target, "dtype": str(dtype)}))
+        if ranking is not None:
+            from specdraft.draft_vocab import save_token_ranking
+
+            save_token_ranking(tmp, ranking)
         os.chmod(tmp, 0o755)
         _replace_folder(tmp, out)
     finally:

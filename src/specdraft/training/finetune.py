@@ -382,8 +382,11 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
         data = (f"`{config.data}`: {len(train_records)} target responses for training, {len(heldout)} held out"
                 + ("; p approximated from the stored top-k log-probabilities" if need_topk else ""))
+        from specdraft.draft_vocab import rank_tokens
+
+        ranking = rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size)  # (V,)
         export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
-                  EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings)
+                  EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings, ranking=ranking)
     barrier(world)
     return out
 
