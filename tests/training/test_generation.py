@@ -96,7 +96,9 @@ def test_kill_9_mid_run_then_resume_answers_every_prompt_exactly_once(target, tm
     proc.wait()
     done_before = len(list(out.glob("shard-*.jsonl")))
     assert 2 <= done_before < 20, "the run should have been killed part-way"
-    assert not (out / "manifest.json").exists()
+    manifest = json.loads((out / "manifest.json").read_text())  # rewritten after each shard: usable part-way
+    assert not manifest["complete"] and done_before - 1 <= len(manifest["shards"]) <= done_before
+    assert all((out / name).is_file() for name in manifest["shards"])
     (out / ".shard-00019.jsonl.999.tmp").write_text("{\"partial")  # what a kill mid-write leaves
     config = DistillDataConfig(target=target, out=str(out), prompts=prompts, max_new_tokens=24, batch_size=1,
                                shard_size=2, dtype="float32", temperature=1.0)

@@ -5,7 +5,8 @@ Prompts (ShareGPT first turns, or any prompt jsonl) are cut into fixed shards; e
 with left padding by transformers' ``generate`` and written atomically (temp file, then rename). A shard file that
 exists is complete, so a run killed at any moment (even ``kill -9``) and started again regenerates only missing
 shards: every prompt is answered exactly once. ``manifest.json`` lists the shards and says whether the set is
-complete. Under ``torchrun`` rank r takes the shards with index ≡ r (mod world size).
+complete; it is rewritten after every shard, so the shards of a run stopped part-way can be used at once
+(``--allow-incomplete``). Under ``torchrun`` rank r takes the shards with index ≡ r (mod world size).
 
 Output records (one JSON line per response): ``prompt_id``, ``messages``, ``prompt_token_ids``,
 ``response_token_ids``, ``response_text``, ``response_index``, ``finish_reason``, ``sampling``, ``target``, and with
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -122,8 +124,9 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
     _barrier(world)
     shards = [prompts[i : i + config.shard_size] for i in range(0, len(prompts), config.shard_size)]
     todo = [i for i in range(len(shards)) if i % world == rank and not shard_path(out, i).is_file()]
-    if todo:
-        _generate_shards(config, out, shards, todo, progress and rank == 0)
+    if todo:  # rank 0 rewrites the manifest after each of its shards: a run stopped part-way can still be used
+        update = (lambda: write_manifest(out, len(shards), config)) if rank == 0 else None
+        _generate_shards(config, out, shards, todo, progress and rank == 0, update)
     _barrier(world)
     return write_manifest(out, len(shards), config) if rank == 0 else {}
 
@@ -137,7 +140,8 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: list[int], progress: bool) -> None:
+def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: list[int], progress: bool,
+                     after_shard: Callable[[], object] | None = None) -> None:
     from tqdm import tqdm
 
     from specdraft.api import parse_dtype
@@ -150,6 +154,8 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
         started = time.perf_counter()
         records = generate_shard(model, tokenizer, shards[index], config, seed=config.seed * 100_003 + index)
         _atomic_write(shard_path(out, index), "".join(json.dumps(r) + "\n" for r in records))
+        if after_shard is not None:
+            after_shard()
         bar.update(len(shards[index]))
         bar.set_postfix(prompts_per_min=f"{60 * len(shards[index]) / (time.perf_counter() - started):.1f}")
     bar.close()
