@@ -40,6 +40,6 @@ $sd finetune --drafter pt-small/model --target $T --data dd-topk32 --allow-incom
 #     the new shards annotated by the same distill-topk command.
 $sd init-drafter --target $T --out init-l01 --layers 0,1
 $sd finetune --drafter init-l01 --target $T --data dd-topk32 --allow-incomplete --use-stored-topk --loss fkl \
-    --out ft-l01-fkl --steps 1000 --batch-size 16 --lr 1e-3 --warmup-steps 20 --bf16 --target-dtype bfloat16 \
-    --checkpoint-every 50 --eval-every 500 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16 \
+    --out ft-l01-fkl --steps 600 --batch-size 16 --lr 1e-3 --warmup-steps 20 --bf16 --target-dtype bfloat16 \
+    --checkpoint-every 50 --eval-every 300 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16 \
     --freeze-embeddings --share-embeddings

@@ -24,8 +24,21 @@ def test_shipped_drafter_is_a_small_bf16_llama_with_a_model_card():
     assert config["model_type"] == "llama" and config["vocab_size"] == 49152 and config["num_hidden_layers"] <= 4
     card = (FOLDER / "README.md").read_text()
     assert "Budget" in card and "Measured" in card
-    model = NativeLlama.from_pretrained(FOLDER, torch.bfloat16)
-    assert model.vocab_size == 49152
+
+
+def test_shipped_drafter_loads_with_its_target():
+    """Through ``--draft`` (the compatibility checks, and the target's embedding table when the drafter shares
+    it), in bf16; its own file holds everything else."""
+    from specdraft.api import load_draft_model, load_target
+    from specdraft.models.shared_embeddings import shared_embeddings
+
+    target, tokenizer = load_target(SMOLLM2, torch.bfloat16)
+    model = load_draft_model(target, tokenizer, SMOLLM2_DRAFTER, torch.bfloat16)
+    assert isinstance(model, NativeLlama) and model.vocab_size == 49152
+    record = shared_embeddings(FOLDER)
+    if record is not None:
+        assert record["target"] == SMOLLM2 and record["shape"] == list(target.embed_weight.shape)
+        assert torch.equal(model.embed_weight, target.embed_weight)
 
 
 def test_shipped_drafter_ships_its_measured_options_and_token_ranking():
