@@ -21,7 +21,10 @@ from specdraft.training.finetune import (
     dense_from_topk,
     finetune,
     load_distill_records,
+    make_kd_loss,
     split_by_prompt,
+    subset_from_topk,
+    subset_labels,
 )
 from specdraft.training.pretrain import PretrainConfig, build_drafter, pretrain
 from toys import WORDS, save_tiny_checkpoint
@@ -196,6 +199,62 @@ def test_dense_from_topk_keeps_stored_log_probs_and_spreads_the_rest():
     torch.testing.assert_close(dense_from_topk(full.indices, full.values, 10), log_p)
 
 
+def test_subset_from_topk_is_the_dense_table_restricted_to_the_draft_vocabulary():
+    log_p = torch.log_softmax(torch.randn(5, 12), -1)
+    top = log_p.topk(4, dim=-1)
+    keep = torch.tensor([7, 0, 3, 11, 5])  # some stored ids are kept, some not
+    torch.testing.assert_close(subset_from_topk(top.indices, top.values, keep, 12),
+                               dense_from_topk(top.indices, top.values, 12)[:, keep])
+    columns, inside = subset_labels(torch.tensor([3, 4, 7, 11]), keep, 12)
+    assert columns.tolist() == [2, 0, 0, 3] and inside.tolist() == [True, False, True, True]
+
+
+@pytest.mark.parametrize("loss", ["ce", "fkl", "tvdpp"])
+def test_training_on_a_draft_vocabulary_touches_only_its_rows(run, loss):
+    """With ``keep`` the loss sees q and p over the kept tokens only: LM-head rows outside it get no gradient, and
+    the loss equals the one computed on the full logits restricted to those columns."""
+    from specdraft.training.finetune import DistillDataset, collate_distill, response_logits, target_logits
+
+    model = AutoModelForCausalLM.from_pretrained(run / "pre" / "model")
+    model.config.tie_word_embeddings = False  # a separate head, so that its rows' gradients are visible
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    target_model = AutoModelForCausalLM.from_pretrained(run / "target")
+    records = load_distill_records(run / "data")[:4]
+    batch = collate_distill([DistillDataset(records, 64)[i] for i in range(4)], 0)
+    keep = torch.tensor(sorted(set(batch["labels"][batch["mask"]].tolist()))[:5] + [63])  # (N,) some labels left out
+    config = FinetuneConfig(drafter="d", target="t", data="x", out="o", loss=loss, steps=1)
+    value, count = make_kd_loss(config, target_model, keep)(model, batch, torch.Generator().manual_seed(0))
+    value.backward()
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[keep] = False
+    assert count == int(batch["mask"].sum()) and value.item() > 0
+    assert model.lm_head.weight.grad[outside].abs().max() == 0 and model.lm_head.weight.grad[keep].abs().max() > 0
+    full = response_logits(model, batch)  # (n, V)
+    torch.testing.assert_close(response_logits(model, batch, keep), full[:, keep])
+    if loss == "fkl":
+        p = target_logits(target_model, batch)[batch["mask"]][:, keep]
+        expected = torch.nn.functional.kl_div(torch.log_softmax(full[:, keep], -1), torch.log_softmax(p, -1),
+                                              log_target=True, reduction="batchmean")
+        torch.testing.assert_close(value, expected)
+
+
+def test_a_drafter_trained_on_a_draft_vocabulary_ships_it_as_its_default_option(run, tmp_path):
+    from specdraft.api import load_drafter
+    from specdraft.draft_vocab import load_token_ranking
+    from specdraft.models.registry import load_tokenizer
+
+    out = _finetune(run, tmp_path / "fine", draft_vocab=16, loss="fkl")
+    assert json.loads((out / "drafter_options.json").read_text()) == {"draft_vocab": 16}
+    card = (out / "README.md").read_text()
+    assert "heldout_coverage" in card and '"draft_vocab": 16' in card
+    target, tokenizer = load_model(str(run / "target")), load_tokenizer(str(run / "target"))
+    drafter = load_drafter(target, tokenizer, draft=str(out))
+    assert torch.equal(drafter._vocab.keep, load_token_ranking(out, 64)[:16])
+    assert load_drafter(target, tokenizer, draft=str(out), options={"draft_vocab": "0"})._vocab.keep is None
+    with pytest.raises(SpecdraftError, match="draft_vocab"):
+        _finetune(run, tmp_path / "bad", draft_vocab=-1)
+
+
 def test_cli_bad_values_name_the_field(run, tmp_path):
     with pytest.raises(SpecdraftError, match="steps"):
         _cli("pretrain", "--target", run / "target", "--out", tmp_path / "p", "--steps", "0")
@@ -221,7 +280,7 @@ def test_every_subcommand_documents_its_flags(name, capsys):
     flags = {"pretrain": ["--preset", "--tokens", "--init-from-target", "--no-bf16", "--resume", "--stop-after"],
              "distill-data": ["--top-logprobs", "--overwrite"],
              "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens",
-                          "--freeze-embeddings", "--share-embeddings"],
+                          "--freeze-embeddings", "--share-embeddings", "--draft-vocab"],
              "init-drafter": ["--layers", "--target"],
              "train-drafter": ["--config"]}[name]
     assert all(flag in text for flag in flags), text

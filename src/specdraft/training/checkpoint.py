@@ -80,7 +80,8 @@ def hardware() -> str:
 
 
 def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtype = torch.float32,
-              share_embeddings: bool = False, ranking: torch.Tensor | None = None) -> Path:
+              share_embeddings: bool = False, ranking: torch.Tensor | None = None,
+              options: dict[str, object] | None = None) -> Path:
     """Save a transformers ``LlamaForCausalLM`` drafter as a self-contained checkpoint folder at ``out``.
 
     Args:
@@ -93,6 +94,8 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
             ``shared_embeddings.json`` and loads as a drafter of ``target`` (:mod:`specdraft.models.shared_embeddings`).
         ranking: (V,) token ids by frequency in the training responses, stored for ``draft_vocab``
             (:mod:`specdraft.draft_vocab`).
+        options: default drafter options the folder ships (``drafter_options.json``; e.g. the ``draft_vocab`` it
+            was trained for), overridden by options given at load time.
     """
     from transformers import GenerationConfig
 
@@ -119,6 +122,10 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
             from specdraft.draft_vocab import save_token_ranking
 
             save_token_ranking(tmp, ranking)
+        if options:
+            from specdraft.drafters.options import DRAFTER_OPTIONS_FILE
+
+            (tmp / DRAFTER_OPTIONS_FILE).write_text(json.dumps(options) + "\n")
         os.chmod(tmp, 0o755)
         _replace_folder(tmp, out)
     finally:

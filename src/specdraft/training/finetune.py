@@ -7,6 +7,12 @@ positions whose label is a response token. The target distribution p is computed
 log-probabilities stored in the data: the stored k tokens keep their log-probabilities and the remaining mass is
 spread uniformly over the other tokens. That is an approximation of p, labelled as such in the model card.
 
+Draft vocabulary (``draft_vocab`` = N > 0): the drafter is trained to draft only the N tokens most frequent in the
+training responses (FR-Spec, Zhao et al. 2025, arXiv 2502.14856; :mod:`specdraft.draft_vocab`), which is how it is
+then run with ``--drafter-option draft_vocab=N``. Its logits are computed for those N rows of the LM head only (for
+a small drafter with a 49k-token vocabulary the head is most of the training step) and p is restricted to the same
+N tokens and renormalised, so q is trained over exactly the support it drafts from.
+
 Evaluation (every ``eval_every`` steps and at the end) reports the held-out loss, TVD (1 − TVD is the expected
 acceptance rate) and forward KL against the real target, and the block efficiency τ of greedy speculative decoding
 with the real decoder (:func:`specdraft.decoding.generate`) on prompts whose responses were held out.
@@ -26,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.draft_vocab import DraftVocab, rank_tokens
 from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
@@ -55,6 +62,9 @@ class FinetuneConfig(TrainerConfig):
     target_dtype: str = field(default="float32", metadata={"help": "target weights: float32 or bfloat16"})
     export_dtype: str = field(default="float32", metadata={"help": "exported weights: float32 or bfloat16"})
     freeze_embeddings: bool = field(default=False, metadata={"help": "keep the (tied) token embeddings fixed"})
+    draft_vocab: int = field(default=0, metadata={
+        "help": "train q over the N most frequent response tokens only, as drafted with the draft_vocab=N option "
+                "(FR-Spec; 0 = the whole vocabulary)"})
     share_embeddings: bool = field(default=False, metadata={
         "help": "export without the embeddings, which must be the target's: the drafter then loads them from the "
                 "target (needs --freeze-embeddings)"})
@@ -73,6 +83,9 @@ class FinetuneConfig(TrainerConfig):
         if self.normalization not in NORMALIZATIONS:
             raise SpecdraftError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, "
                                  f"got {self.normalization!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise SpecdraftError(f"draft_vocab must be an integer >= 0 (0 = the whole vocabulary), "
+                                 f"got {self.draft_vocab!r}")
         for name in ("max_seq_len", "eval_max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
@@ -203,42 +216,77 @@ def dense_from_topk(top_ids: torch.Tensor, top_logprobs: torch.Tensor, vocab_siz
     return dense.scatter_(-1, top_ids, top_logprobs)
 
 
+def subset_from_topk(top_ids: torch.Tensor, top_logprobs: torch.Tensor, keep: torch.Tensor,
+                     vocab_size: int) -> torch.Tensor:
+    """``dense_from_topk(top_ids, top_logprobs, vocab_size)[:, keep]`` (n, N) without building the (n, V) table.
+
+    Args:
+        top_ids, top_logprobs: (n, k) the stored top-k of p.
+        keep: (N,) distinct token ids (the draft vocabulary).
+    """
+    column = torch.full((vocab_size,), keep.shape[0], dtype=torch.long)  # (V,) column in keep; N = not kept
+    column[keep] = torch.arange(keep.shape[0])
+    rest = (1.0 - top_logprobs.exp().sum(-1, keepdim=True)).clamp_min(1e-9)  # (n, 1)
+    fill = rest.log() - math.log(max(vocab_size - top_ids.shape[-1], 1))  # (n, 1)
+    out = fill.expand(-1, keep.shape[0] + 1).clone()  # (n, N + 1): the extra column takes the ids not kept
+    return out.scatter_(-1, column[top_ids], top_logprobs)[:, :-1]
+
+
+def subset_labels(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels (n,) as columns of ``keep`` (n,), and the mask (n,) of those inside it (the others cannot be drafted)."""
+    column = torch.full((vocab_size,), -1, dtype=torch.long)  # (V,)
+    column[keep] = torch.arange(keep.shape[0])
+    columns = column[labels]  # (n,)
+    return columns.clamp_min(0), columns >= 0
+
+
 # --- loss and evaluation ---------------------------------------------------------------------------------------------
 
 
-def make_kd_loss(config: FinetuneConfig, target_model):
-    """loss_fn(model, batch, generator) for the trainer: the chosen loss on response positions only."""
+def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None = None):
+    """loss_fn(model, batch, generator) for the trainer: the chosen loss on response positions only; with ``keep``
+    (N,) on the draft vocabulary (q and p both over those N tokens, p renormalised by the loss's softmax)."""
+    vocab_size = target_model.config.vocab_size
 
     def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
         mask = batch["mask"]  # (B, T)
-        draft = response_logits(model, batch)  # (n, V)
+        draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
+        labels, counted = batch["labels"][mask], None  # (n,)
         target = None
         if config.loss != "ce" and config.use_stored_topk:
-            target = dense_from_topk(batch["top_ids"][mask], batch["top_logprobs"][mask], draft.shape[-1])
+            top_ids, top_logprobs = batch["top_ids"][mask], batch["top_logprobs"][mask]  # (n, k)
+            target = (dense_from_topk(top_ids, top_logprobs, vocab_size) if keep is None
+                      else subset_from_topk(top_ids, top_logprobs, keep, vocab_size))
         elif config.loss != "ce":
             target = target_logits(target_model, batch)[mask]  # (n, V)
+            target = target if keep is None else target[:, keep]  # (n, N)
+        elif keep is not None:
+            labels, counted = subset_labels(labels, keep, vocab_size)
         options = config.loss_options(generator)
-        return distillation_loss(config.loss, draft, target, batch["labels"][mask], None, **options), draft.shape[0]
+        return distillation_loss(config.loss, draft, target, labels, counted, **options), draft.shape[0]
 
     return kd_loss
 
 
-def response_logits(model, batch: dict) -> torch.Tensor:
-    """The drafter's logits (n, V) at the response positions of a batch (``batch["mask"]``).
+def response_logits(model, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The drafter's logits (n, V) at the response positions of a batch (``batch["mask"]``); with ``keep`` (N,),
+    only those columns (n, N).
 
-    For a Llama the LM head runs on those positions only: it is most of a small drafter's cost, and prompt
-    positions carry no loss. Other architectures (whose heads may scale or cap logits) and wrapped or sharded
-    models (DDP, FSDP: their hooks run on the whole module's forward) run their full forward.
+    For a Llama the LM head runs on those positions only, and on the ``keep`` rows only: it is most of a small
+    drafter's cost, and prompt positions carry no loss. Other architectures (whose heads may scale or cap logits)
+    and wrapped or sharded models (DDP, FSDP: their hooks run on the whole module's forward) run their full forward.
     """
     from torch.distributed.fsdp import FSDPModule
 
     mask = batch["mask"]  # (B, T)
     plain = not isinstance(model, FSDPModule) and getattr(getattr(model, "config", None), "model_type", None)
-    if plain == "llama" and hasattr(model, "lm_head"):
+    if plain == "llama" and hasattr(model, "lm_head") and getattr(model.lm_head, "bias", None) is None:
         hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              use_cache=False).last_hidden_state  # (B, T, D)
-        return model.lm_head(hidden[mask])  # (n, V)
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[mask]
+        weight = model.lm_head.weight if keep is None else model.lm_head.weight[keep]  # (V or N, D)
+        return torch.nn.functional.linear(hidden[mask], weight)  # (n, V or N)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return logits[mask] if keep is None else logits[mask][:, keep]
 
 
 @torch.no_grad()
@@ -247,34 +295,48 @@ def target_logits(target_model, batch: dict) -> torch.Tensor:
     return target_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
 
 
-def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneConfig) -> dict[str, float]:
+def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneConfig,
+                    keep: torch.Tensor | None = None) -> dict[str, float]:
     """On held-out response positions, against the real target (never the stored top-k): the training loss, TVD
-    (1 − TVD is the expected acceptance rate) and forward KL, each a mean over positions."""
+    (1 − TVD is the expected acceptance rate) and forward KL, each a mean over positions.
+
+    With a draft vocabulary ``keep`` (N,), TVD is the exact one of the drafter as run (q = 0 outside ``keep``,
+    against the full p), while the loss and forward KL compare q with p restricted to ``keep`` and renormalised
+    (the training objective; the full KL would be infinite), and ``heldout_coverage`` is p's mass inside ``keep``.
+    """
     device = next(model.parameters()).device
     sums, count = {"heldout_loss": 0.0, "heldout_tvd": 0.0, "heldout_fkl": 0.0}, 0
+    if keep is not None:
+        sums["heldout_coverage"] = 0.0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         mask = batch["mask"]  # (B, T)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-            draft = response_logits(model, batch)  # (n, V)
+            draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
             target = target_logits(target_model, batch)[mask]  # (n, V)
         n = int(mask.sum())
         options = config.loss_options(torch.Generator(device=device).manual_seed(0))
-        loss = distillation_loss(config.loss, draft, target, batch["labels"][mask], None, **options)
+        kept = target if keep is None else target[:, keep]  # (n, N)
+        loss = distillation_loss(config.loss, draft, kept, batch["labels"][mask], None, **options)
+        if keep is not None:
+            sums["heldout_coverage"] += float(torch.softmax(target.float(), -1)[:, keep].sum(-1).sum())
+            draft = DraftVocab(torch.empty(target.shape[-1], 0), keep).expand(draft)  # (n, V), -inf outside
         sums["heldout_loss"] += float(loss) * n
         sums["heldout_tvd"] += float(tvd(draft, target)) * n
-        sums["heldout_fkl"] += float(forward_kl(draft, target)) * n
+        sums["heldout_fkl"] += float(forward_kl(draft if keep is None else draft[:, keep], kept)) * n
         count += n
     return {k: v / max(count, 1) for k, v in sums.items()}
 
 
 def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], num_draft_tokens: int,
-                     max_new_tokens: int, eos_token_ids: tuple[int, ...] = ()) -> float:
+                     max_new_tokens: int, eos_token_ids: tuple[int, ...] = (),
+                     keep: torch.Tensor | None = None) -> float:
     """τ = new tokens / target forwards of greedy speculative decoding over ``prompts``, pooled.
 
     Args:
         target: a :class:`~specdraft.models.base.CausalLM`.
         drafter_model: a transformers causal LM (copied to the native fp32 implementation when it is a Llama).
+        keep: (N,) the draft vocabulary, or None for the whole vocabulary.
     """
     from specdraft.decoding import GenerationConfig, generate
     from specdraft.drafters.draft_model import DraftModelDrafter
@@ -287,14 +349,16 @@ def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], nu
         draft = HFCausalLM(drafter_model)
     config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
                               eos_token_ids=tuple(eos_token_ids))
+    keep = None if keep is None else keep.cpu()
     new_tokens, forwards = 0, 0
     for prompt in prompts:
-        stats = generate(target, list(prompt), DraftModelDrafter(draft), config).stats
+        stats = generate(target, list(prompt), DraftModelDrafter(draft, keep=keep), config).stats
         new_tokens, forwards = new_tokens + stats.new_tokens, forwards + stats.target_forward_calls
     return new_tokens / max(forwards, 1)
 
 
-def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[dict], pad_id: int, eos: tuple):
+def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[dict], pad_id: int, eos: tuple,
+                  keep: torch.Tensor | None = None):
     """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ."""
     dataset = DistillDataset(heldout, config.max_seq_len)
     batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
@@ -302,11 +366,11 @@ def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[di
     prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]
 
     def evaluate(model) -> dict[str, float]:
-        metrics = heldout_metrics(model, target_model, batches, config)
+        metrics = heldout_metrics(model, target_model, batches, config, keep)
         for k in config.num_draft_tokens():
             if prompts:
                 metrics[f"block_efficiency@{k}"] = block_efficiency(target, model, prompts, k,
-                                                                    config.eval_max_new_tokens, eos)
+                                                                    config.eval_max_new_tokens, eos, keep)
         return metrics
 
     return evaluate
@@ -373,20 +437,22 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     drafter, target_model, target, tokenizer = load_models(config)
     _check_token_ids(records, target.vocab_size, config.data)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ranking = rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size)  # (V,)
+    keep = ranking[: config.draft_vocab] if 0 < config.draft_vocab < target.vocab_size else None  # (N,)
     rank, world, device = init_distributed()
     target_model.to(device)
-    evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target))
+    evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
+                             None if keep is None else keep.to(device))
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
-                   make_kd_loss(config, target_model), config, lambda items: collate_distill(items, pad_id), evaluate)
+                   make_kd_loss(config, target_model, None if keep is None else keep.to(device)), config,
+                   lambda items: collate_distill(items, pad_id), evaluate)
     out = export_path(config.out)
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
         data = (f"`{config.data}`: {len(train_records)} target responses for training, {len(heldout)} held out"
                 + ("; p approximated from the stored top-k log-probabilities" if need_topk else ""))
-        from specdraft.draft_vocab import rank_tokens
-
-        ranking = rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size)  # (V,)
         export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
-                  EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings, ranking=ranking)
+                  EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings, ranking=ranking,
+                  options={"draft_vocab": config.draft_vocab} if keep is not None else None)
     barrier(world)
     return out
 
