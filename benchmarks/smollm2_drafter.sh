@@ -33,13 +33,20 @@ $sd finetune --drafter pt-small/model --target $T --data dd-topk32 --allow-incom
     --loss tvdpp --out ft-small-tvdpp --steps 100 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
     --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16
 
-# (d) session 4: a drafter made of the target's own layers 0 and 1 (its embeddings, first two decoder layers, final
-#     norm and tied LM head), fine-tuned by forward-KL distillation with the embeddings frozen and shared with the
-#     target at load time (the shipped file then holds only the two layers). The distillation set was first extended
-#     (the same distill-data command, resumed for 22 minutes, then the manifest written for the shards present) and
-#     the new shards annotated by the same distill-topk command.
-$sd init-drafter --target $T --out init-l01 --layers 0,1
-$sd finetune --drafter init-l01 --target $T --data dd-topk32 --allow-incomplete --use-stored-topk --loss fkl \
-    --out ft-l01-fkl --steps 600 --batch-size 16 --lr 1e-3 --warmup-steps 20 --bf16 --target-dtype bfloat16 \
-    --checkpoint-every 50 --eval-every 300 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16 \
-    --freeze-embeddings --share-embeddings
+# (d) session 5: drafters made of the target's own layers (its embeddings, first decoder layers, final norm and tied
+#     LM head), two sizes (layers 0-1 and 0-2), fine-tuned by forward-KL distillation on a greedy distillation set of
+#     all 5,880 train-split prompts whose top-32 log-probabilities are stored during generation (no teacher pass).
+#     Embeddings stay frozen and are shared with the target at load time (the shipped file holds only the layers);
+#     q is trained over the 8,192 most frequent response tokens, the draft vocabulary it then runs with.
+#     The two fine-tuning runs shared the two cores, one thread each.
+OMP_NUM_THREADS=2 $sd distill-data --target $T --out dd-greedy --prompts sharegpt --split train --max-new-tokens 128 \
+    --temperature 0 --top-logprobs 32 --batch-size 32 --shard-size 64 --dtype bfloat16
+for layers in 0,1 0,1,2; do
+  name=l${layers//,/}
+  $sd init-drafter --target $T --out init-$name --layers $layers
+  $sd finetune --drafter init-$name --target $T --data dd-greedy --use-stored-topk --loss fkl --out ft-$name-fkl \
+      --steps 2000 --batch-size 16 --lr 1e-3 --warmup-steps 50 --bf16 --target-dtype bfloat16 --checkpoint-every 200 \
+      --eval-every 1000 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16 --freeze-embeddings \
+      --share-embeddings --draft-vocab 8192 --log-every 20 --no-progress &
+done
+wait
