@@ -45,7 +45,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--metric", default="block_efficiency", choices=sorted(METRICS))
-    parser.add_argument("--rename", action="append", default=[], help="OLD=>NEW method display name (method names may hold '=')")
+    parser.add_argument("--rename", action="append", default=[],
+                        help="OLD=>NEW method display name (method names may hold '=')")
     args = parser.parse_args()
     rename = dict(item.split("=>", 1) for item in args.rename)
     for run in args.runs:
