@@ -224,19 +224,23 @@ def subset_from_topk(top_ids: torch.Tensor, top_logprobs: torch.Tensor, keep: to
         top_ids, top_logprobs: (n, k) the stored top-k of p.
         keep: (N,) distinct token ids (the draft vocabulary).
     """
-    column = torch.full((vocab_size,), keep.shape[0], dtype=torch.long)  # (V,) column in keep; N = not kept
-    column[keep] = torch.arange(keep.shape[0])
+    column = _columns(keep, vocab_size, missing=keep.shape[0])  # (V,): N = not kept
     rest = (1.0 - top_logprobs.exp().sum(-1, keepdim=True)).clamp_min(1e-9)  # (n, 1)
     fill = rest.log() - math.log(max(vocab_size - top_ids.shape[-1], 1))  # (n, 1)
     out = fill.expand(-1, keep.shape[0] + 1).clone()  # (n, N + 1): the extra column takes the ids not kept
     return out.scatter_(-1, column[top_ids], top_logprobs)[:, :-1]
 
 
+def _columns(keep: torch.Tensor, vocab_size: int, missing: int) -> torch.Tensor:
+    """(V,) the column of each token id in ``keep`` (N,), ``missing`` for ids not kept."""
+    column = torch.full((vocab_size,), missing, dtype=torch.long, device=keep.device)
+    column[keep] = torch.arange(keep.shape[0], device=keep.device)
+    return column
+
+
 def subset_labels(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels (n,) as columns of ``keep`` (n,), and the mask (n,) of those inside it (the others cannot be drafted)."""
-    column = torch.full((vocab_size,), -1, dtype=torch.long)  # (V,)
-    column[keep] = torch.arange(keep.shape[0])
-    columns = column[labels]  # (n,)
+    columns = _columns(keep, vocab_size, missing=-1)[labels]  # (n,)
     return columns.clamp_min(0), columns >= 0
 
 
