@@ -255,6 +255,12 @@ def test_a_drafter_trained_on_a_draft_vocabulary_ships_it_as_its_default_option(
         _finetune(run, tmp_path / "bad", draft_vocab=-1)
 
 
+def test_cross_entropy_on_a_draft_vocabulary_is_evaluated_on_the_same_columns(run, tmp_path):
+    """The held-out loss maps labels into the draft vocabulary as training does (labels outside it do not count)."""
+    out = _finetune(run, tmp_path / "ce", draft_vocab=16, loss="ce")
+    assert "heldout_loss" in (out / "README.md").read_text()
+
+
 def test_cli_bad_values_name_the_field(run, tmp_path):
     with pytest.raises(SpecdraftError, match="steps"):
         _cli("pretrain", "--target", run / "target", "--out", tmp_path / "p", "--steps", "0")

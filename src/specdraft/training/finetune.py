@@ -255,7 +255,6 @@ def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None
     def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
         mask = batch["mask"]  # (B, T)
         draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
-        labels, counted = batch["labels"][mask], None  # (n,)
         target = None
         if config.loss != "ce" and config.use_stored_topk:
             top_ids, top_logprobs = batch["top_ids"][mask], batch["top_logprobs"][mask]  # (n, k)
@@ -264,12 +263,20 @@ def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None
         elif config.loss != "ce":
             target = target_logits(target_model, batch)[mask]  # (n, V)
             target = target if keep is None else target[:, keep]  # (n, N)
-        elif keep is not None:
-            labels, counted = subset_labels(labels, keep, vocab_size)
-        options = config.loss_options(generator)
-        return distillation_loss(config.loss, draft, target, labels, counted, **options), draft.shape[0]
+        loss = _kd_value(config, draft, target, batch["labels"][mask], keep, vocab_size, generator)
+        return loss, draft.shape[0]
 
     return kd_loss
+
+
+def _kd_value(config: FinetuneConfig, draft: torch.Tensor, target: torch.Tensor | None, labels: torch.Tensor,
+              keep: torch.Tensor | None, vocab_size: int, generator: torch.Generator | None) -> torch.Tensor:
+    """The configured loss of ``draft`` (n, N or V) against ``target`` (same columns) or ``labels`` (n,); with a
+    draft vocabulary ``keep``, "ce" counts only the labels inside it (the others cannot be drafted)."""
+    counted = None
+    if config.loss == "ce" and keep is not None:
+        labels, counted = subset_labels(labels, keep, vocab_size)
+    return distillation_loss(config.loss, draft, target, labels, counted, **config.loss_options(generator))
 
 
 def response_logits(model, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,6 +316,8 @@ def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneCo
     (the training objective; the full KL would be infinite), and ``heldout_coverage`` is p's mass inside ``keep``.
     """
     device = next(model.parameters()).device
+    vocab_size = target_model.config.vocab_size
+    vocab = None if keep is None else DraftVocab(torch.empty(vocab_size, 0, device=device), keep)
     sums, count = {"heldout_loss": 0.0, "heldout_tvd": 0.0, "heldout_fkl": 0.0}, 0
     if keep is not None:
         sums["heldout_coverage"] = 0.0
@@ -319,15 +328,15 @@ def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneCo
             draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
             target = target_logits(target_model, batch)[mask]  # (n, V)
         n = int(mask.sum())
-        options = config.loss_options(torch.Generator(device=device).manual_seed(0))
-        kept = target if keep is None else target[:, keep]  # (n, N)
-        loss = distillation_loss(config.loss, draft, kept, batch["labels"][mask], None, **options)
+        kept = target if keep is None else target[:, keep]  # (n, N or V)
+        generator = torch.Generator(device=device).manual_seed(0)
+        loss = _kd_value(config, draft, kept, batch["labels"][mask], keep, vocab_size, generator)
         if keep is not None:
             sums["heldout_coverage"] += float(torch.softmax(target.float(), -1)[:, keep].sum(-1).sum())
-            draft = DraftVocab(torch.empty(target.shape[-1], 0), keep).expand(draft)  # (n, V), -inf outside
         sums["heldout_loss"] += float(loss) * n
-        sums["heldout_tvd"] += float(tvd(draft, target)) * n
-        sums["heldout_fkl"] += float(forward_kl(draft if keep is None else draft[:, keep], kept)) * n
+        as_run = draft if vocab is None else vocab.expand(draft)  # (n, V): q = 0 outside keep, as drafted
+        sums["heldout_tvd"] += float(tvd(as_run, target)) * n
+        sums["heldout_fkl"] += float(forward_kl(draft, kept)) * n
         count += n
     return {k: v / max(count, 1) for k, v in sums.items()}
 
@@ -445,11 +454,12 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     keep = ranking[: config.draft_vocab] if 0 < config.draft_vocab < target.vocab_size else None  # (N,)
     rank, world, device = init_distributed()
     target_model.to(device)
+    keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
-                             None if keep is None else keep.to(device))
+                             keep)
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
-                   make_kd_loss(config, target_model, None if keep is None else keep.to(device)), config,
-                   lambda items: collate_distill(items, pad_id), evaluate)
+                   make_kd_loss(config, target_model, keep), config, lambda items: collate_distill(items, pad_id),
+                   evaluate)
     out = export_path(config.out)
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
         data = (f"`{config.data}`: {len(train_records)} target responses for training, {len(heldout)} held out"
