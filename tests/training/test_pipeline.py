@@ -4,6 +4,7 @@ distill-data -> finetune, then the bad inputs each stage must refuse."""
 import argparse
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -398,3 +399,36 @@ def test_share_embeddings_needs_frozen_embeddings_of_the_targets_width(run, tmp_
     with pytest.raises(SpecdraftError, match="does not have the target's token embeddings"):
         _finetune(run, tmp_path / "b", freeze_embeddings=True, share_embeddings=True)  # the pretrained drafter
     _assert_nothing_complete(tmp_path / "b")
+
+
+def test_a_long_prompt_loses_its_start_not_its_response():
+    from specdraft.training.finetune import DistillDataset, collate_distill
+
+    record = {"prompt_token_ids": list(range(100, 130)), "response_token_ids": [1, 2, 3, 4, 5],
+              "top_ids": [[t] for t in (1, 2, 3, 4, 5)], "top_logprobs": [[0.0]] * 5}
+    item = DistillDataset([record], max_seq_len=11, topk=True)[0]  # 12 tokens kept of 35
+    assert item["ids"].tolist() == list(range(123, 130)) + [1, 2, 3, 4, 5] and item["prompt_len"] == 7
+    batch = collate_distill([item], pad_id=0)
+    assert batch["labels"][batch["mask"]].tolist() == [1, 2, 3, 4, 5]
+    assert batch["top_ids"][batch["mask"]][:, 0].tolist() == [1, 2, 3, 4, 5]
+    short = DistillDataset([record], max_seq_len=39)[0]  # fits: unchanged
+    assert short["ids"].tolist() == record["prompt_token_ids"] + record["response_token_ids"]
+    half = DistillDataset([record | {"response_token_ids": list(range(1, 30))}], max_seq_len=19)[0]
+    assert half["prompt_len"] == 10 and half["ids"].tolist() == list(range(120, 130)) + list(range(1, 11))
+
+
+def test_finetune_pools_several_data_folders(run, tmp_path):
+    from specdraft.training.finetune import data_folders
+
+    _cli("distill-data", "--target", run / "target", "--out", tmp_path / "more", "--prompts", run / "prompts.jsonl",
+         "--limit", 16, "--max-new-tokens", 8, "--dtype", "float32", "--shard-size", 8)
+    _cli("finetune", "--drafter", run / "pre" / "model", "--target", run / "target", "--data",
+         f"{run / 'data'},{tmp_path / 'more'}", "--out", tmp_path / "fine", "--steps", 2, "--batch-size", 4,
+         "--no-bf16", "--heldout-every", 8, "--eval-prompts", 1, "--eval-max-new-tokens", 4, "--no-progress")
+    total = len(load_distill_records(run / "data")) + 16
+    card = (tmp_path / "fine" / "model" / "README.md").read_text()
+    train, heldout = (int(n) for n in re.search(r"(\d+) target responses for training, (\d+) held out", card).groups())
+    assert train + heldout == total
+    assert data_folders(" a, b ,a,") == ["a", "b"]
+    with pytest.raises(SpecdraftError, match="names no folder"):
+        data_folders(" , ")

@@ -82,6 +82,17 @@ def _run_distill_data(args: argparse.Namespace) -> None:
         print(json.dumps({k: manifest[k] for k in ("complete", "num_shards", "records")}), flush=True)
 
 
+def _run_task_prompts(args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from specdraft.training.task_prompts import build_task_prompts, write_task_prompts
+
+    prompts = build_task_prompts(args.per_task, args.seed)
+    counts = Counter(p.category for p in prompts)
+    print(f"task-prompts: {len(prompts)} prompts ({', '.join(f'{k} {v}' for k, v in counts.items())}) -> "
+          f"{write_task_prompts(args.out, prompts)}", flush=True)
+
+
 def _run_finetune(args: argparse.Namespace) -> None:
     print(finetune(config_from_args(FinetuneConfig, args), command=command_line(args)), flush=True)
 
@@ -97,8 +108,8 @@ def _run_train_drafter(args: argparse.Namespace) -> None:
 
 
 def add_training_commands(sub) -> None:
-    """Add ``init-drafter``, ``pretrain``, ``distill-data``, ``distill-topk``, ``finetune``, ``train-heads`` and
-    ``train-drafter`` to an argparse subparsers object."""
+    """Add ``init-drafter``, ``pretrain``, ``distill-data``, ``task-prompts``, ``distill-topk``, ``finetune``,
+    ``train-heads`` and ``train-drafter`` to an argparse subparsers object."""
     p = sub.add_parser("pretrain", help="stage 1: pretrain a small drafter on text with the target's tokenizer")
     add_config_arguments(p, PretrainConfig)
     p.set_defaults(run=_run_pretrain, subcommand="pretrain")
@@ -109,6 +120,12 @@ def add_training_commands(sub) -> None:
     add_config_arguments(p, DistillDataConfig)
     p.add_argument("--overwrite", action="store_true", help="discard data made with other settings in --out")
     p.set_defaults(run=_run_distill_data, subcommand="distill-data")
+    p = sub.add_parser("task-prompts", help="Spec-Bench-shaped prompts (translation, summarization, qa, "
+                                            "math_reasoning, rag) from offline text, for distill-data --prompts")
+    p.add_argument("--out", required=True, help="prompt jsonl to write")
+    p.add_argument("--per-task", type=int, default=500, help="prompts per task (fewer where the source has fewer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_run_task_prompts, subcommand="task-prompts")
     p = sub.add_parser("distill-topk", help="store the target's top-k log-probs for distill-data (teacher pass)")
     add_config_arguments(p, TeacherTopkConfig)
     p.set_defaults(run=_run_distill_topk, subcommand="distill-topk")

@@ -46,7 +46,8 @@ class FinetuneConfig(TrainerConfig):
 
     drafter: str = field(metadata={"help": "pretrained drafter checkpoint folder"})
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
-    data: str = field(metadata={"help": "distill-data output folder"})
+    data: str = field(metadata={"help": "distill-data output folder, or several, comma-separated (their records are "
+                                        "pooled)"})
     loss: str = field(default="fkl", metadata={"help": f"loss: {', '.join(LOSSES)}"})
     beta: float = field(default=0.5, metadata={"help": "jsd: weight of p in the mixture"})
     weighting: str = field(default="q", metadata={"help": f"tvdpp: {' or '.join(WEIGHTINGS)}"})
@@ -121,6 +122,14 @@ class FinetuneConfig(TrainerConfig):
 # --- data ------------------------------------------------------------------------------------------------------------
 
 
+def data_folders(spec: str) -> list[str]:
+    """The folders of ``--data``: one, or several separated by commas (each named once)."""
+    folders = list(dict.fromkeys(part.strip() for part in spec.split(",") if part.strip()))
+    if not folders:
+        raise SpecdraftError(f"--data names no folder: {spec!r}")
+    return folders
+
+
 def load_distill_records(folder: str | Path, allow_incomplete: bool = False, need_topk: bool = False) -> list[dict]:
     """The records of a distill-data folder, checked; an unfinished folder is refused unless ``allow_incomplete``."""
     from specdraft.training.data import read_jsonl
@@ -166,7 +175,12 @@ def split_by_prompt(records: list[dict], every: int) -> tuple[list[dict], list[d
 
 
 class DistillDataset(torch.utils.data.Dataset):
-    """Prompt + response token sequences (cut to ``max_seq_len + 1`` tokens) with the prompt length."""
+    """Prompt + response token sequences of at most ``max_seq_len + 1`` tokens, with the prompt length.
+
+    A sequence that is too long loses the start of its prompt first (down to half the window), then the end of its
+    response: a long prompt (an article to summarise) keeps its end and its whole response, which are what the
+    drafter is trained on, instead of leaving no response token at all.
+    """
 
     def __init__(self, records: list[dict], max_seq_len: int, topk: bool = False) -> None:
         self.records, self.max_len, self.topk = records, max_seq_len + 1, topk
@@ -176,8 +190,11 @@ class DistillDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
-        ids = (record["prompt_token_ids"] + record["response_token_ids"])[: self.max_len]
-        item = {"ids": torch.tensor(ids), "prompt_len": len(record["prompt_token_ids"])}
+        prompt, response = record["prompt_token_ids"], record["response_token_ids"]
+        excess = len(prompt) + len(response) - self.max_len
+        drop = min(max(excess, 0), max(len(prompt) - self.max_len // 2, 0))  # prompt tokens cut from the left
+        ids = (prompt[drop:] + response)[: self.max_len]
+        item = {"ids": torch.tensor(ids), "prompt_len": len(prompt) - drop}
         if self.topk:
             item["top_ids"] = torch.tensor(record["top_ids"])  # (R, k): distribution of response token r
             item["top_logprobs"] = torch.tensor(record["top_logprobs"], dtype=torch.float32)  # (R, k)
@@ -445,7 +462,8 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     from specdraft.api import eos_token_ids
 
     need_topk = config.use_stored_topk and config.loss != "ce"
-    records = load_distill_records(config.data, config.allow_incomplete, need_topk)
+    records = [record for folder in data_folders(config.data)
+               for record in load_distill_records(folder, config.allow_incomplete, need_topk)]
     train_records, heldout = split_by_prompt(records, config.heldout_every)
     drafter, target_model, target, tokenizer = load_models(config)
     _check_token_ids(records, target.vocab_size, config.data)
