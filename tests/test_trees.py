@@ -17,9 +17,11 @@ from specdraft.trees import (
     AuxBranch,
     ancestor_mask,
     chain_parents,
+    check_tree,
     children,
     depths,
     keep_nodes,
+    merge_chains,
     parents_from_paths,
     retrieve_indices,
     verify_layout,
@@ -54,6 +56,22 @@ def test_parents_from_paths_orders_and_checks_prefixes():
     assert parents.tolist() == [-1, -1, 0, 0, 2]
     with pytest.raises(SpecdraftError, match="without its prefix"):
         parents_from_paths([(0,), (1, 0)])
+
+
+@pytest.mark.parametrize("first, second, tokens, parents", [
+    ([5, 6, 7], [5, 6, 7], [5, 6, 7], None),  # equal: the first chain
+    ([5, 6, 7], [5, 6], [5, 6, 7], None),  # second is a prefix
+    ([5], [5, 6, 7], [5, 6, 7], None),  # first is a prefix: the longer chain
+    ([5, 6, 7], [5, 8, 9], [5, 6, 7, 8, 9], [-1, 0, 1, 0, 3]),  # branch after the shared 5
+    ([5, 6], [8, 9, 4], [5, 6, 8, 9, 4], [-1, 0, -1, 2, 3]),  # nothing shared: two root children
+    ([], [8, 9], [8, 9], None),
+])
+def test_merge_chains(first, second, tokens, parents):
+    merged, tree = merge_chains(torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long))
+    assert merged.tolist() == tokens
+    assert (tree if tree is None else tree.tolist()) == parents
+    if tree is not None:
+        check_tree(merged, tree)
 
 
 def test_keep_nodes_renumbers_and_refuses_orphans():

@@ -102,6 +102,26 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, li
     return torch.tensor(parents, dtype=torch.long), ordered
 
 
+def merge_chains(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Two draft chains as one tree: ``second`` shares ``first``'s nodes along their common prefix and branches off
+    where they differ (a two-leaf trie, as LLMA-style copies are verified next to a model's draft).
+
+    first: (A,), second: (B,) long. Returns (tokens (N,), parents (N,)), or (chain, None) when the result is a
+    chain (one is a prefix of the other).
+    """
+    common = 0
+    while common < min(len(first), len(second)) and int(first[common]) == int(second[common]):
+        common += 1
+    if common == len(second):
+        return first, None
+    if common == len(first):
+        return second, None
+    rest = second[common:]  # (R,): hangs under first[common - 1] (or the root), then a chain
+    parents = torch.cat([chain_parents(len(first)), torch.tensor([common - 1]),
+                         torch.arange(len(first), len(first) + len(rest) - 1)])
+    return torch.cat([first, rest]), parents
+
+
 def keep_nodes(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Restrict a tree to the nodes where ``keep`` (N,) bool is True; ``keep`` must be closed under parents.
 

@@ -197,3 +197,54 @@ def test_folder_drafter_options_are_defaults_that_given_options_override(tmp_pat
     (folder / DRAFTER_OPTIONS_FILE).write_text("[1, 2")
     with pytest.raises(SpecdraftError, match=r"corrupt .*drafter_options\.json"):
         load_drafter(target, tokenizer, draft=str(folder))
+
+
+def test_prompt_lookup_branch_is_the_model_chain_plus_the_copied_continuation():
+    """Greedy: the draft is a tree whose paths are the model's chain and the prompt-lookup copy (merged where they
+    agree); with no n-gram hit it is the model's chain alone."""
+    from specdraft.drafters import PromptLookupDrafter
+    from specdraft.trees import merge_chains
+
+    model = hf_target(1)
+    context = torch.tensor([7, 8, 9, 10, 11, 3, 7, 8])  # "7 8" occurred before, followed by 9 10 11
+    chain = DraftModelDrafter(model).propose(context, 4, SamplingConfig(), None).tokens
+    copied = PromptLookupDrafter(3).propose(context, 4, SamplingConfig(), None).tokens
+    assert copied.tolist() == [9, 10, 11, 3]
+    draft = DraftModelDrafter(model, prompt_lookup=3).propose(context, 4, SamplingConfig(), None)
+    tokens, parents = merge_chains(chain, copied)
+    assert torch.equal(draft.tokens, tokens) and draft.q is None
+    assert (draft.parents is None) == (parents is None) and (parents is None or torch.equal(draft.parents, parents))
+    no_hit = torch.tensor([20, 21, 22, 23])
+    alone = DraftModelDrafter(model, prompt_lookup=3, prompt_lookup_min=2).propose(no_hit, 4, SamplingConfig(), None)
+    assert torch.equal(alone.tokens, DraftModelDrafter(model).propose(no_hit, 4, SamplingConfig(), None).tokens)
+    assert alone.parents is None
+
+
+def test_prompt_lookup_branch_is_lossless_and_ignored_when_sampling():
+    from specdraft.decoding import GenerationConfig, generate
+
+    target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    plain = generate(target, prompt, None, GenerationConfig(32)).token_ids
+    for options in ({"prompt_lookup": 3}, {"prompt_lookup": 2, "confidence_threshold": 0.3}):
+        drafter, trees = DraftModelDrafter(hf_target(1), **options), []
+        propose = drafter.propose
+        drafter.propose = lambda *args, propose=propose, trees=trees: trees.append(propose(*args)) or trees[-1]
+        result = generate(target, prompt, drafter, GenerationConfig(32, 4))
+        assert result.token_ids == plain, options
+        assert any(d.parents is not None for d in trees)  # the copied branch was verified as a tree
+    sampling, context = SamplingConfig(1.0), torch.tensor(prompt)
+    with_branch = DraftModelDrafter(hf_target(1), prompt_lookup=3).propose(
+        context, 4, sampling, torch.Generator().manual_seed(0))
+    without = DraftModelDrafter(hf_target(1)).propose(context, 4, sampling, torch.Generator().manual_seed(0))
+    assert torch.equal(with_branch.tokens, without.tokens) and with_branch.parents is None
+
+
+def test_prompt_lookup_options_are_checked():
+    import pytest
+
+    from specdraft.errors import SpecdraftError
+
+    with pytest.raises(SpecdraftError, match="chain drafts"):
+        DraftModelDrafter(hf_target(1), tree_branching=2, prompt_lookup=3)
+    with pytest.raises(SpecdraftError, match="min_ngram_size"):
+        DraftModelDrafter(hf_target(1), prompt_lookup=2, prompt_lookup_min=3)

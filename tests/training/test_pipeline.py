@@ -374,6 +374,7 @@ def test_a_layer_copy_fine_tuned_with_shared_embeddings_loads_from_its_target(ru
     out = _finetune(run, tmp_path / "fine", drafter=str(tmp_path / "init"), steps=3, lr=1e-2,
                     freeze_embeddings=True, share_embeddings=True)
     assert EMBEDDING_KEY not in load_file(out / "model.safetensors") and (out / SHARED_EMBEDDINGS_FILE).is_file()
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode  # not left 0600
     ranking = load_token_ranking(out, 64)  # the training responses' token ranking, for draft_vocab
     train, _ = split_by_prompt(load_distill_records(run / "data"), 8)
     assert torch.equal(ranking, rank_tokens([r["response_token_ids"] for r in train], 64))

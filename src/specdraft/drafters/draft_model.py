@@ -15,6 +15,14 @@ probability q(token) is below the threshold, as transformers' assisted generatio
 arXiv 2405.19715). The draft length then depends only on the drafter's own distributions and draws, so the output
 distribution is unchanged; a weak drafter stops paying for tokens the target will likely reject.
 
+Prompt-lookup branch (``prompt_lookup`` = n > 0, chain mode): the context's last n-gram (n down to
+``prompt_lookup_min``) is looked up in the context, as :class:`~specdraft.drafters.prompt_lookup.PromptLookupDrafter`
+does (LLMA, Yang et al. 2023; Saxena 2023). Greedy: the copied continuation is verified beside the model's chain in
+the same target forward, as a second branch of a token tree (:func:`specdraft.trees.merge_chains`), so a step keeps
+the longer of the two accepted prefixes; a model drafting chat and a copy of the article in a summary or a
+retrieved passage each cover what the other misses. Greedy only: when sampling, siblings must be independent draws
+from one distribution (SpecInfer) and a copied branch is not, so the option is ignored there.
+
 Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.api.load_drafter`): the drafter only
 proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A native
 drafter then multiplies by N rows of its LM head instead of all V (most of a small drafter's step); other models
@@ -27,10 +35,11 @@ import torch
 
 from specdraft.draft_vocab import DraftVocab
 from specdraft.drafters.base import Draft
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
-from specdraft.trees import add_children, expansion_mask, most_confident
+from specdraft.trees import add_children, expansion_mask, merge_chains, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -39,7 +48,8 @@ class DraftModelDrafter:
     draft tokens are rolled back by a crop and the tokens the target added are fed in one forward."""
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
-                 confidence_threshold: float = 0.0, *, keep: torch.Tensor | None = None) -> None:
+                 confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1, *,
+                 keep: torch.Tensor | None = None) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
         if not 0.0 <= confidence_threshold < 1.0:
@@ -47,7 +57,10 @@ class DraftModelDrafter:
         if confidence_threshold and tree_branching:
             raise SpecdraftError("confidence_threshold applies to chain drafts; tree mode ranks nodes by confidence "
                                  "already (tree_nodes)")
+        if prompt_lookup and tree_branching:
+            raise SpecdraftError("prompt_lookup applies to chain drafts, not to tree mode (tree_branching)")
         self.confidence_threshold = float(confidence_threshold)
+        self._lookup = PromptLookupDrafter(prompt_lookup, prompt_lookup_min) if prompt_lookup > 0 else None
         self.model = model
         weight = getattr(model, "lm_head_weight", None)
         self._vocab = DraftVocab(weight if weight is not None else torch.empty(model.vocab_size, 0), keep)
@@ -79,6 +92,19 @@ class DraftModelDrafter:
     ) -> Draft:
         if self.tree_branching:
             return self._propose_tree(context, num_draft_tokens, sampling, generator)
+        chain = self._propose_chain(context, num_draft_tokens, sampling, generator)
+        if self._lookup is None or not sampling.greedy:
+            return chain
+        copied = self._lookup.propose(context, num_draft_tokens, sampling, generator)
+        if not len(copied):
+            return chain
+        tokens, parents = merge_chains(chain.tokens, copied.tokens)  # greedy: q is None
+        return Draft(tokens, None, parents)
+
+    def _propose_chain(
+        self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop)."""
         logits = self._sync(context, num_draft_tokens)
         tokens, probs = [], []
         for i in range(num_draft_tokens):

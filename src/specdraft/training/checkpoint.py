@@ -126,11 +126,22 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
             from specdraft.drafters.options import DRAFTER_OPTIONS_FILE
 
             (tmp / DRAFTER_OPTIONS_FILE).write_text(json.dumps(options) + "\n")
-        os.chmod(tmp, 0o755)
+        _usual_modes(tmp)
         _replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _usual_modes(folder: Path) -> None:
+    """The modes a folder and files made by ``mkdir`` / ``open`` would get (mkdtemp and safetensors make 0700 and
+    0600, which would hide a shipped drafter from the other users of a shared folder)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def _replace_folder(tmp: Path, out: Path) -> None:
