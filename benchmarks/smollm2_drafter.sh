@@ -50,3 +50,14 @@ for layers in 0,1 0,1,2; do
       --share-embeddings --draft-vocab 8192 --log-every 20 --no-progress &
 done
 wait
+
+# (e) session 6: Spec-Bench-shaped distillation prompts (translation, summarization, qa, math_reasoning, rag; built
+#     from the ShareGPT train split and this project's own word-problem templates, never from Spec-Bench), greedy
+#     responses with their top-32, then the shipped layers 0-1 drafter of (d) fine-tuned further on both sets.
+OMP_NUM_THREADS=2 $sd task-prompts --out task-prompts.jsonl --per-task 500
+OMP_NUM_THREADS=2 $sd distill-data --target $T --out dd-tasks --prompts task-prompts.jsonl --max-new-tokens 128 \
+    --temperature 0 --top-logprobs 32 --batch-size 32 --shard-size 64 --dtype bfloat16
+OMP_NUM_THREADS=2 $sd finetune --drafter ft-l01-fkl/model --target $T --data dd-greedy,dd-tasks --use-stored-topk \
+    --loss fkl --out ft-l01-tasks --steps 1200 --batch-size 16 --lr 5e-4 --warmup-steps 50 --max-seq-len 640 --bf16 \
+    --target-dtype bfloat16 --checkpoint-every 200 --eval-every 600 --eval-prompts 4 --eval-max-new-tokens 64 \
+    --export-dtype bfloat16 --freeze-embeddings --share-embeddings --draft-vocab 8192 --log-every 20 --no-progress

@@ -56,9 +56,10 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
     rows = [_row(name, rs, results["plain"]) for name, rs in results.items()]
     out(f"\n{config.target}, {str(config.dtype).removeprefix('torch.')}, greedy, num_draft_tokens "
         f"{config.num_draft_tokens}, {len(ids)} prompts x {config.max_new_tokens} new tokens max")
-    out(f"{'method':<28}{'tokens/s':>10}{'block eff.':>12}{'speed-up':>10}{'identical to plain':>20}")
+    width = max(28, *(len(row["method"]) + 2 for row in rows))
+    out(f"{'method':<{width}}{'tokens/s':>10}{'block eff.':>12}{'speed-up':>10}{'identical to plain':>20}")
     for row in rows:
-        out(f"{row['method']:<28}{row['tokens_per_second']:>10.1f}{row['block_efficiency']:>12.2f}"
+        out(f"{row['method']:<{width}}{row['tokens_per_second']:>10.1f}{row['block_efficiency']:>12.2f}"
             f"{row['speedup']:>9.2f}x{row['identical']:>20}")
     if config.dtype != torch.float32:
         out("note: in bf16 a k-token verify and a 1-token step round differently, so greedy outputs may differ from "
