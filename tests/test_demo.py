@@ -17,7 +17,7 @@ def test_demo_runs_each_method_and_skips_what_cannot_load(tmp_path, monkeypatch)
     assert [r["method"] for r in rows] == ["plain", f"draft:{draft}", "prompt-lookup"]
     assert all(r["identical"] == "2/2" for r in rows)  # fp32: speculative output equals plain decoding
     assert any(line.startswith("skipping rest: ") and "build-datastore" in line for line in lines)
-    table = lines[[i for i, line in enumerate(lines) if line.startswith("method")][0]:][:4]
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("method")):][:4]
     assert len({len(line) for line in table}) == 1  # columns line up, even for a long draft path
     assert table[1].startswith(f"draft:{draft} ") or table[2].startswith(f"draft:{draft} ")
     with pytest.raises(SpecdraftError, match="unknown drafter 'nope'"):

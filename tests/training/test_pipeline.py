@@ -278,7 +278,8 @@ def test_cli_bad_values_name_the_field(run, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-@pytest.mark.parametrize("name", ["init-drafter", "pretrain", "distill-data", "finetune", "train-drafter"])
+@pytest.mark.parametrize("name", ["init-drafter", "pretrain", "distill-data", "task-prompts", "finetune",
+                                  "train-drafter"])
 def test_every_subcommand_documents_its_flags(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args([name, "--help"])
@@ -289,6 +290,7 @@ def test_every_subcommand_documents_its_flags(name, capsys):
              "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens",
                           "--freeze-embeddings", "--share-embeddings", "--draft-vocab"],
              "init-drafter": ["--layers", "--target"],
+             "task-prompts": ["--out", "--per-task", "--seed"],
              "train-drafter": ["--config"]}[name]
     assert all(flag in text for flag in flags), text
 
