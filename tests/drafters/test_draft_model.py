@@ -248,3 +248,20 @@ def test_prompt_lookup_options_are_checked():
         DraftModelDrafter(hf_target(1), tree_branching=2, prompt_lookup=3)
     with pytest.raises(SpecdraftError, match="min_ngram_size"):
         DraftModelDrafter(hf_target(1), prompt_lookup=2, prompt_lookup_min=3)
+    with pytest.raises(SpecdraftError, match="needs prompt_lookup"):
+        DraftModelDrafter(hf_target(1), prompt_lookup_alone=3)
+
+
+def test_prompt_lookup_alone_skips_the_model_on_a_long_match():
+    from specdraft.decoding import GenerationConfig, generate
+
+    model = hf_target(1)
+    context = torch.tensor([7, 8, 9, 10, 11, 12, 3, 7, 8, 9])  # "7 8 9" matched: copy 10 11 12 3
+    drafter = DraftModelDrafter(model, prompt_lookup=3, prompt_lookup_alone=3)
+    draft = drafter.propose(context, 4, SamplingConfig(), None)
+    assert draft.tokens.tolist() == [10, 11, 12, 3] and draft.parents is None and drafter._cache is None  # no forward
+    short = drafter.propose(context, 8, SamplingConfig(), None)  # the copy has only 7 tokens: the model drafts too
+    assert drafter._cache is not None and len(short) >= 8
+    target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    plain = generate(target, prompt, None, GenerationConfig(32)).token_ids
+    assert generate(target, prompt, drafter, GenerationConfig(32, 4)).token_ids == plain

@@ -20,7 +20,9 @@ Prompt-lookup branch (``prompt_lookup`` = n > 0, chain mode): the context's last
 does (LLMA, Yang et al. 2023; Saxena 2023). Greedy: the copied continuation is verified beside the model's chain in
 the same target forward, as a second branch of a token tree (:func:`specdraft.trees.merge_chains`), so a step keeps
 the longer of the two accepted prefixes; a model drafting chat and a copy of the article in a summary or a
-retrieved passage each cover what the other misses. Greedy only: when sampling, siblings must be independent draws
+retrieved passage each cover what the other misses. With ``prompt_lookup_alone`` = m > 0, a match of at least m
+tokens that yields a full γ-token copy is drafted alone and the model's draft forwards are skipped that step (the
+choice depends on the context only). Greedy only: when sampling, siblings must be independent draws
 from one distribution (SpecInfer) and a copied branch is not, so the option is ignored there.
 
 Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.api.load_drafter`): the drafter only
@@ -48,8 +50,8 @@ class DraftModelDrafter:
     draft tokens are rolled back by a crop and the tokens the target added are fed in one forward."""
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
-                 confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1, *,
-                 keep: torch.Tensor | None = None) -> None:
+                 confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
+                 prompt_lookup_alone: int = 0, *, keep: torch.Tensor | None = None) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
         if not 0.0 <= confidence_threshold < 1.0:
@@ -60,7 +62,10 @@ class DraftModelDrafter:
         if prompt_lookup and tree_branching:
             raise SpecdraftError("prompt_lookup applies to chain drafts, not to tree mode (tree_branching)")
         self.confidence_threshold = float(confidence_threshold)
+        if prompt_lookup_alone < 0 or (prompt_lookup_alone and not prompt_lookup):
+            raise SpecdraftError(f"prompt_lookup_alone must be >= 0 and needs prompt_lookup, got {prompt_lookup_alone}")
         self._lookup = PromptLookupDrafter(prompt_lookup, prompt_lookup_min) if prompt_lookup > 0 else None
+        self.prompt_lookup_alone = prompt_lookup_alone
         self.model = model
         weight = getattr(model, "lm_head_weight", None)
         self._vocab = DraftVocab(weight if weight is not None else torch.empty(model.vocab_size, 0), keep)
@@ -92,10 +97,12 @@ class DraftModelDrafter:
     ) -> Draft:
         if self.tree_branching:
             return self._propose_tree(context, num_draft_tokens, sampling, generator)
-        chain = self._propose_chain(context, num_draft_tokens, sampling, generator)
         if self._lookup is None or not sampling.greedy:
-            return chain
-        copied = self._lookup.propose(context, num_draft_tokens, sampling, generator)
+            return self._propose_chain(context, num_draft_tokens, sampling, generator)
+        size, copied = self._lookup.match(context, num_draft_tokens)
+        if self.prompt_lookup_alone and size >= self.prompt_lookup_alone and len(copied) == num_draft_tokens:
+            return copied  # a long match: the copy alone, no draft forwards
+        chain = self._propose_chain(context, num_draft_tokens, sampling, generator)
         if not len(copied):
             return chain
         tokens, parents = merge_chains(chain.tokens, copied.tokens)  # greedy: q is None

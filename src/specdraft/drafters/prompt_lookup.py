@@ -27,14 +27,18 @@ class PromptLookupDrafter:
     def propose(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> Draft:
+        return self.match(context, num_draft_tokens)[1]
+
+    def match(self, context: torch.Tensor, num_draft_tokens: int) -> tuple[int, Draft]:
+        """(n, draft): the size of the longest matched n-gram (0 for none) and the copied continuation."""
         length = context.shape[0]
         for n in range(min(self.max_ngram_size, length - 1), self.min_ngram_size - 1, -1):
             windows = context[: length - 1].unfold(0, n, 1)  # (length - n, n): n-grams that have a successor
             hits = (windows == context[length - n :]).all(-1).nonzero()  # (h, 1) start positions
             if hits.numel():
                 start = int(hits[-1]) + n  # most recent earlier occurrence
-                return Draft(context[start : start + num_draft_tokens].clone())
-        return EMPTY_DRAFT
+                return n, Draft(context[start : start + num_draft_tokens].clone())
+        return 0, EMPTY_DRAFT
 
     def begin(self, target, cache) -> None:
         pass
