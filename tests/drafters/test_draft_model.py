@@ -248,6 +248,8 @@ def test_prompt_lookup_options_are_checked():
         DraftModelDrafter(hf_target(1), tree_branching=2, prompt_lookup=3)
     with pytest.raises(SpecdraftError, match="min_ngram_size"):
         DraftModelDrafter(hf_target(1), prompt_lookup=2, prompt_lookup_min=3)
+    with pytest.raises(SpecdraftError, match="prompt_lookup must be >= 0"):
+        DraftModelDrafter(hf_target(1), prompt_lookup=-1)
     with pytest.raises(SpecdraftError, match="needs prompt_lookup"):
         DraftModelDrafter(hf_target(1), prompt_lookup_alone=3)
 

@@ -62,6 +62,8 @@ class DraftModelDrafter:
         if prompt_lookup and tree_branching:
             raise SpecdraftError("prompt_lookup applies to chain drafts, not to tree mode (tree_branching)")
         self.confidence_threshold = float(confidence_threshold)
+        if prompt_lookup < 0:
+            raise SpecdraftError(f"prompt_lookup must be >= 0 (0 = off), got {prompt_lookup}")
         if prompt_lookup_alone < 0 or (prompt_lookup_alone and not prompt_lookup):
             raise SpecdraftError(f"prompt_lookup_alone must be >= 0 and needs prompt_lookup, got {prompt_lookup_alone}")
         self._lookup = PromptLookupDrafter(prompt_lookup, prompt_lookup_min) if prompt_lookup > 0 else None
