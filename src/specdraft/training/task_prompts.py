@@ -136,13 +136,13 @@ def build_task_prompts(per_task: int, seed: int = 0, conversations: Iterable[dic
 
 def write_task_prompts(path: str | Path, prompts: list[TaskPrompt]) -> Path:
     """One JSON object a line (``category``, ``prompt``): the prompt file ``distill-data --prompts`` reads."""
+    from specdraft.training.generation import _atomic_write
+
     path = Path(path)
     if not prompts:
         raise SpecdraftError("no task prompts to write")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(asdict(p), ensure_ascii=False) + "\n" for p in prompts), encoding="utf-8")
-    tmp.replace(path)
+    _atomic_write(path, "".join(json.dumps(asdict(p)) + "\n" for p in prompts))  # ASCII JSON: any locale reads it
     return path
 
 
