@@ -20,8 +20,9 @@ from specdraft.trees import (
     check_tree,
     children,
     depths,
+    insert_path,
+    is_chain,
     keep_nodes,
-    merge_chains,
     parents_from_paths,
     retrieve_indices,
     verify_layout,
@@ -58,20 +59,33 @@ def test_parents_from_paths_orders_and_checks_prefixes():
         parents_from_paths([(0,), (1, 0)])
 
 
-@pytest.mark.parametrize("first, second, tokens, parents", [
-    ([5, 6, 7], [5, 6, 7], [5, 6, 7], None),  # equal: the first chain
-    ([5, 6, 7], [5, 6], [5, 6, 7], None),  # second is a prefix
-    ([5], [5, 6, 7], [5, 6, 7], None),  # first is a prefix: the longer chain
-    ([5, 6, 7], [5, 8, 9], [5, 6, 7, 8, 9], [-1, 0, 1, 0, 3]),  # branch after the shared 5
-    ([5, 6], [8, 9, 4], [5, 6, 8, 9, 4], [-1, 0, -1, 2, 3]),  # nothing shared: two root children
-    ([], [8, 9], [8, 9], None),
+@pytest.mark.parametrize("tokens, parents, path, out_tokens, out_parents", [
+    # a sibling under the chain's first node, then a path that follows it
+    ([5, 6, 7], [-1, 0, 1], [5, 9], [5, 6, 7, 9], [-1, 0, 1, 0]),
+    ([5, 6, 7, 9], [-1, 0, 1, 0], [5, 9, 4, 4], [5, 6, 7, 9, 4, 4], [-1, 0, 1, 0, 3, 4]),
+    # a path already in the tree adds nothing, wherever it ends
+    ([5, 6, 7, 9], [-1, 0, 1, 0], [5, 9], [5, 6, 7, 9], [-1, 0, 1, 0]),
+    ([5, 6, 7], [-1, 0, 1], [], [5, 6, 7], [-1, 0, 1]),
+    # a path that extends the chain keeps it a chain
+    ([5], [-1], [5, 6, 7], [5, 6, 7], [-1, 0, 1]),
+    # a new root child; an empty tree
+    ([5, 6], [-1, 0], [8], [5, 6, 8], [-1, 0, -1]),
+    ([], [], [3, 4], [3, 4], [-1, 0]),
+    # the deepest match is followed through a tree with two root children
+    ([5, 8, 6], [-1, -1, 1], [8, 6, 2], [5, 8, 6, 2], [-1, -1, 1, 2]),
 ])
-def test_merge_chains(first, second, tokens, parents):
-    merged, tree = merge_chains(torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long))
-    assert merged.tolist() == tokens
-    assert (tree if tree is None else tree.tolist()) == parents
-    if tree is not None:
-        check_tree(merged, tree)
+def test_insert_path(tokens, parents, path, out_tokens, out_parents):
+    def long(values):
+        return torch.tensor(values, dtype=torch.long)
+
+    merged, tree = insert_path(long(tokens), long(parents), long(path))
+    assert merged.tolist() == out_tokens and tree.tolist() == out_parents
+    check_tree(merged, tree)
+
+
+def test_is_chain():
+    assert is_chain(torch.tensor([-1, 0, 1])) and is_chain(torch.empty(0, dtype=torch.long))
+    assert not is_chain(torch.tensor([-1, 0, 0])) and not is_chain(torch.tensor([-1, -1]))
 
 
 def test_keep_nodes_renumbers_and_refuses_orphans():

@@ -102,24 +102,34 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, li
     return torch.tensor(parents, dtype=torch.long), ordered
 
 
-def merge_chains(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Two draft chains as one tree: ``second`` shares ``first``'s nodes along their common prefix and branches off
-    where they differ (a two-leaf trie, as LLMA-style copies are verified next to a model's draft).
+def insert_path(tokens: torch.Tensor, parents: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add a root-to-node ``path`` to a tree, trie-style: it follows existing nodes while their tokens match and
+    the rest hangs as a new chain under the last match (how a prompt-lookup copy or a sibling alternative joins a
+    model's draft; LLMA, Yang et al. 2023; SpecInfer's token-tree merge, Miao et al. 2024).
 
-    first: (A,), second: (B,) long. Returns (tokens (N,), parents (N,)), or (chain, None) when the result is a
-    chain (one is a prefix of the other).
+    tokens, parents: (N,) long, a tree; path: (P,) long. Returns (tokens (N + R,), parents (N + R,)) where R is the
+    number of new nodes (0 when the path is already in the tree). Parents still come before children.
     """
-    common = 0
-    while common < min(len(first), len(second)) and int(first[common]) == int(second[common]):
-        common += 1
-    if common == len(second):
-        return first, None
-    if common == len(first):
-        return second, None
-    rest = second[common:]  # (R,): hangs under first[common - 1] (or the root), then a chain
-    parents = torch.cat([chain_parents(len(first)), torch.tensor([common - 1]),
-                         torch.arange(len(first), len(first) + len(rest) - 1)])
-    return torch.cat([first, rest]), parents
+    kids: dict[tuple[int, int], int] = {}  # (parent, token) -> node; the first node wins if the tree repeats one
+    for node, (parent, token) in enumerate(zip(parents.tolist(), tokens.tolist(), strict=True)):
+        kids.setdefault((parent, token), node)
+    at, matched = -1, 0
+    for token in path.tolist():
+        child = kids.get((at, token))
+        if child is None:
+            break
+        at, matched = child, matched + 1
+    rest = path[matched:]  # (R,): under node ``at`` (or the root), then a chain
+    if not len(rest):
+        return tokens, parents
+    size = tokens.shape[0]
+    new_parents = torch.cat([torch.tensor([at]), torch.arange(size, size + len(rest) - 1)])  # (R,)
+    return torch.cat([tokens, rest]), torch.cat([parents, new_parents])
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    """Whether a tree is the chain ``[-1, 0, 1, ...]`` (one path, nodes in order)."""
+    return bool(torch.equal(parents, chain_parents(parents.shape[0])))
 
 
 def keep_nodes(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

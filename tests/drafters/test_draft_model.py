@@ -203,7 +203,7 @@ def test_prompt_lookup_branch_is_the_model_chain_plus_the_copied_continuation():
     """Greedy: the draft is a tree whose paths are the model's chain and the prompt-lookup copy (merged where they
     agree); with no n-gram hit it is the model's chain alone."""
     from specdraft.drafters import PromptLookupDrafter
-    from specdraft.trees import merge_chains
+    from specdraft.trees import chain_parents, insert_path, is_chain
 
     model = hf_target(1)
     context = torch.tensor([7, 8, 9, 10, 11, 3, 7, 8])  # "7 8" occurred before, followed by 9 10 11
@@ -211,9 +211,10 @@ def test_prompt_lookup_branch_is_the_model_chain_plus_the_copied_continuation():
     copied = PromptLookupDrafter(3).propose(context, 4, SamplingConfig(), None).tokens
     assert copied.tolist() == [9, 10, 11, 3]
     draft = DraftModelDrafter(model, prompt_lookup=3).propose(context, 4, SamplingConfig(), None)
-    tokens, parents = merge_chains(chain, copied)
+    tokens, parents = insert_path(chain, chain_parents(len(chain)), copied)
     assert torch.equal(draft.tokens, tokens) and draft.q is None
-    assert (draft.parents is None) == (parents is None) and (parents is None or torch.equal(draft.parents, parents))
+    assert (draft.parents is None) == is_chain(parents)
+    assert draft.parents is None or torch.equal(draft.parents, parents)
     no_hit = torch.tensor([20, 21, 22, 23])
     alone = DraftModelDrafter(model, prompt_lookup=3, prompt_lookup_min=2).propose(no_hit, 4, SamplingConfig(), None)
     assert torch.equal(alone.tokens, DraftModelDrafter(model).propose(no_hit, 4, SamplingConfig(), None).tokens)
@@ -267,3 +268,58 @@ def test_prompt_lookup_alone_skips_the_model_on_a_long_match():
     target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(32)).token_ids
     assert generate(target, prompt, drafter, GenerationConfig(32, 4)).token_ids == plain
+
+
+def test_siblings_hang_the_runners_up_beside_every_chain_token():
+    """Greedy, ``siblings=2``: the tree is the model's chain plus, under chain[:d], the two next most likely draft
+    tokens at depth d (read from the same draft logits), with no extra draft forward."""
+    model = hf_target(1)
+    context = torch.tensor([3, 4, 5, 6, 9])
+    chain = DraftModelDrafter(model).propose(context, 3, SamplingConfig(), None).tokens  # (3,)
+    logits = model.forward(torch.cat([context, chain[:-1]]).unsqueeze(0), model.new_cache(16))[0, -3:]  # (3, V)
+    runners_up = logits.topk(3).indices[:, 1:]  # (3, 2): ranks 2 and 3 at each depth
+    assert torch.equal(logits.argmax(-1), chain)
+    drafter = DraftModelDrafter(model, siblings=2)
+    calls = []
+    forward = drafter._forward
+    drafter._forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    draft = drafter.propose(context, 3, SamplingConfig(), None)
+    assert len(calls) == 3  # the chain's forwards (sync + 2), as without siblings
+    assert draft.q is None and draft.tokens[:3].tolist() == chain.tolist()
+    siblings = [(int(p), int(t)) for p, t in zip(draft.parents[3:], draft.tokens[3:], strict=True)]
+    assert siblings == [(d - 1, int(t)) for d in range(3) for t in runners_up[d]]
+
+
+def test_siblings_respect_the_draft_vocabulary_and_are_lossless():
+    from specdraft.decoding import GenerationConfig, generate
+
+    keep = torch.arange(0, 64, 2)  # even tokens only
+    drafter = DraftModelDrafter(hf_target(1), siblings=3, keep=keep)
+    draft = drafter.propose(torch.tensor([3, 4, 5]), 4, SamplingConfig(), None)
+    assert len(draft) == 16 and bool((draft.tokens % 2 == 0).all())
+    target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    plain = generate(target, prompt, None, GenerationConfig(40)).token_ids
+    for options in ({"siblings": 1}, {"siblings": 2, "confidence_threshold": 0.3, "prompt_lookup": 3}):
+        drafter, trees = DraftModelDrafter(hf_target(1), **options), []
+        propose = drafter.propose
+        drafter.propose = lambda *args, propose=propose, trees=trees: trees.append(propose(*args)) or trees[-1]
+        result = generate(target, prompt, drafter, GenerationConfig(40, 4))
+        assert result.token_ids == plain, options
+        assert all(d.parents is not None for d in trees)  # every step verified a tree
+
+
+def test_siblings_are_ignored_when_sampling_and_checked():
+    import pytest
+
+    from specdraft.errors import SpecdraftError
+
+    sampling, context = SamplingConfig(1.0), torch.tensor([3, 4, 5, 6])
+    with_siblings = DraftModelDrafter(hf_target(1), siblings=2).propose(
+        context, 4, sampling, torch.Generator().manual_seed(0))
+    without = DraftModelDrafter(hf_target(1)).propose(context, 4, sampling, torch.Generator().manual_seed(0))
+    assert torch.equal(with_siblings.tokens, without.tokens) and with_siblings.parents is None
+    assert torch.equal(with_siblings.q, without.q)
+    with pytest.raises(SpecdraftError, match="siblings must be >= 0"):
+        DraftModelDrafter(hf_target(1), siblings=-1)
+    with pytest.raises(SpecdraftError, match="tree_branching"):
+        DraftModelDrafter(hf_target(1), siblings=1, tree_branching=2)

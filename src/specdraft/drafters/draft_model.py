@@ -18,12 +18,18 @@ distribution is unchanged; a weak drafter stops paying for tokens the target wil
 Prompt-lookup branch (``prompt_lookup`` = n > 0, chain mode): the context's last n-gram (n down to
 ``prompt_lookup_min``) is looked up in the context, as :class:`~specdraft.drafters.prompt_lookup.PromptLookupDrafter`
 does (LLMA, Yang et al. 2023; Saxena 2023). Greedy: the copied continuation is verified beside the model's chain in
-the same target forward, as a second branch of a token tree (:func:`specdraft.trees.merge_chains`), so a step keeps
+the same target forward, as a second branch of a token tree (:func:`specdraft.trees.insert_path`), so a step keeps
 the longer of the two accepted prefixes; a model drafting chat and a copy of the article in a summary or a
 retrieved passage each cover what the other misses. With ``prompt_lookup_alone`` = m > 0, a match of at least m
 tokens that yields a full γ-token copy is drafted alone and the model's draft forwards are skipped that step (the
 choice depends on the context only). Greedy only: when sampling, siblings must be independent draws
 from one distribution (SpecInfer) and a copied branch is not, so the option is ignored there.
+
+Siblings (``siblings`` = k > 0, chain mode, greedy): at every depth the chain reaches, the k next most likely
+draft tokens join the tree as leaves beside the chain's token (a top-k first level, as Medusa's and EAGLE's trees
+have, at every depth). They come from logits the chain computed anyway, so they cost no draft forward, only k more
+tokens in the verify; with the confidence stop they mostly sit where the drafter was unsure. Greedy only, for the
+same reason as the copy: a draft's runners-up are not independent draws from q.
 
 Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.api.load_drafter`): the drafter only
 proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A native
@@ -36,12 +42,12 @@ from __future__ import annotations
 import torch
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
-from specdraft.trees import add_children, expansion_mask, merge_chains, most_confident
+from specdraft.trees import add_children, chain_parents, expansion_mask, insert_path, is_chain, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -51,7 +57,7 @@ class DraftModelDrafter:
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                  confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
-                 prompt_lookup_alone: int = 0, *, keep: torch.Tensor | None = None) -> None:
+                 prompt_lookup_alone: int = 0, siblings: int = 0, *, keep: torch.Tensor | None = None) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
         if not 0.0 <= confidence_threshold < 1.0:
@@ -66,6 +72,10 @@ class DraftModelDrafter:
             raise SpecdraftError(f"prompt_lookup must be >= 0 (0 = off), got {prompt_lookup}")
         if prompt_lookup_alone < 0 or (prompt_lookup_alone and not prompt_lookup):
             raise SpecdraftError(f"prompt_lookup_alone must be >= 0 and needs prompt_lookup, got {prompt_lookup_alone}")
+        if siblings < 0 or (siblings and tree_branching):
+            raise SpecdraftError(f"siblings must be >= 0 (0 = off) and applies to chain drafts, got {siblings}"
+                                 + (" with tree_branching" if tree_branching else ""))
+        self.siblings = int(siblings)
         self._lookup = PromptLookupDrafter(prompt_lookup, prompt_lookup_min) if prompt_lookup > 0 else None
         self.prompt_lookup_alone = prompt_lookup_alone
         self.model = model
@@ -99,26 +109,34 @@ class DraftModelDrafter:
     ) -> Draft:
         if self.tree_branching:
             return self._propose_tree(context, num_draft_tokens, sampling, generator)
-        if self._lookup is None or not sampling.greedy:
-            return self._propose_chain(context, num_draft_tokens, sampling, generator)
-        size, copied = self._lookup.match(context, num_draft_tokens)
-        if self.prompt_lookup_alone and size >= self.prompt_lookup_alone and len(copied) == num_draft_tokens:
-            return copied  # a long match: the copy alone, no draft forwards
-        chain = self._propose_chain(context, num_draft_tokens, sampling, generator)
-        if not len(copied):
-            return chain
-        tokens, parents = merge_chains(chain.tokens, copied.tokens)  # greedy: q is None
-        return Draft(tokens, None, parents)
+        if not sampling.greedy:  # the greedy-only branches (copy, siblings) are off: see the module docstring
+            return self._propose_chain(context, num_draft_tokens, sampling, generator)[0]
+        copied = EMPTY_DRAFT
+        if self._lookup is not None:
+            size, copied = self._lookup.match(context, num_draft_tokens)
+            if self.prompt_lookup_alone and size >= self.prompt_lookup_alone and len(copied) == num_draft_tokens:
+                return copied  # a long match: the copy alone, no draft forwards
+        chain, alternatives = self._propose_chain(context, num_draft_tokens, sampling, generator)
+        tokens, parents = chain.tokens, chain_parents(len(chain))  # greedy: q is None
+        for depth, siblings in enumerate(alternatives):  # each sibling hangs where its chain token does
+            for token in siblings:
+                tokens, parents = insert_path(tokens, parents, torch.cat([chain.tokens[:depth], token.view(1)]))
+        if len(copied):
+            tokens, parents = insert_path(tokens, parents, copied.tokens)
+        return Draft(tokens) if is_chain(parents) else Draft(tokens, None, parents)
 
     def _propose_chain(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
-        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop)."""
+    ) -> tuple[Draft, list[torch.Tensor]]:
+        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop), and when greedy
+        with ``siblings`` = k, the k next most likely draft tokens at each of its depths ((k,) each; [] otherwise)."""
         logits = self._sync(context, num_draft_tokens)
-        tokens, probs = [], []
+        tokens, probs, alternatives = [], [], []
         for i in range(num_draft_tokens):
             if sampling.greedy:
                 token = logits.argmax(-1)
+                if self.siblings:
+                    alternatives.append(self._runners_up(logits, token))
             else:
                 probs.append(warp(logits, sampling))  # (V,)
                 token = sample(probs[-1], generator)
@@ -129,7 +147,14 @@ class DraftModelDrafter:
                 logits = self._forward(token.view(1, 1))[0, -1]  # (V,)
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
         self._cached = torch.cat([context, draft[:-1]])
-        return Draft(draft, torch.stack(probs) if probs else None)
+        return Draft(draft, torch.stack(probs) if probs else None), alternatives
+
+    def _runners_up(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The ``siblings`` most likely tokens after ``token`` (the argmax of ``logits`` (V,)), finite logits only
+        (a draft vocabulary leaves -inf elsewhere). (k,) long, k <= siblings."""
+        top = logits.topk(self.siblings + 1)
+        keep = (top.indices != token) & top.values.isfinite()  # (k + 1,)
+        return top.indices[keep][: self.siblings]
 
     def _forward(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """Draft logits (1, T, V) float32 of ``ids`` (1, T) on the draft cache, checked finite; -inf outside a draft
