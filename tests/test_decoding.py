@@ -184,3 +184,34 @@ def test_other_architectures_run_through_transformers_with_cache_crop():
     assert out[0, len(PROMPT):].tolist() == plain
     for drafter in (PatternDrafter(target, PATTERNS["sometimes"]), PromptLookupDrafter()):
         assert generate(target, PROMPT, drafter, GenerationConfig(30, 4)).token_ids == plain
+
+
+def test_the_prompt_is_prefilled_on_the_causal_path_before_the_first_step():
+    """All of the prompt but its last token is fed first as a plain forward (timed, not a step); tree steps then feed
+    only the root and the tree with a mask: a masked forward over a long prompt costs more. Output unchanged."""
+    from specdraft.models.native_llama import NativeLlama
+    from toys import tiny_llama
+
+    target = NativeLlama.from_hf(tiny_llama(0))
+    prompt = list(range(3, 40))
+    plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+    calls = []
+    forward = target.forward
+
+    def recorded(ids, cache, **kwargs):
+        calls.append((ids.shape[1], "attention_mask" in kwargs))
+        return forward(ids, cache, **kwargs)
+
+    target.forward = recorded
+    try:
+        drafter = DraftModelDrafter(NativeLlama.from_hf(tiny_llama(1)), siblings=1)
+        result = generate(target, prompt, drafter, GenerationConfig(24, 3))
+        assert result.token_ids == plain
+    finally:
+        target.forward = forward
+    assert calls[0] == (len(prompt) - 1, False)
+    # then the root and at most 6 nodes, or a single token once no draft token is left to propose
+    assert all(size <= 1 + 2 * 3 if masked else size == 1 for size, masked in calls[1:]), calls
+    assert calls[1][1]
+    assert result.stats.target_forward_calls == len(calls) - 1 == len(result.stats.accept_lengths)
+    assert 0 < result.stats.prefill_seconds < result.stats.decode_seconds

@@ -119,6 +119,16 @@ def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, con
     return result, draft.tokens[list(result.accepted_nodes)].tolist()
 
 
+def _prefill(target: CausalLM, cache, prompt: torch.Tensor, want_hidden: bool) -> torch.Tensor | None:
+    """Feed all of the prompt but its last token, on the causal path, before the first step (as gpt-fast does):
+    every step then feeds one uncached token and its draft, and a tree step never runs its masked forward over a
+    long prompt. Returns the prompt's hidden states (L - 1, D) when the drafter reads them, else None."""
+    if prompt.shape[0] < 2:
+        return None
+    out = target.forward(prompt[:-1].unsqueeze(0), cache, **({"return_hidden": True} if want_hidden else {}))
+    return out[1][0] if want_hidden else None
+
+
 def _verify(draft, logits: torch.Tensor, sampling: SamplingConfig, generator) -> VerifyResult:
     """Greedy exact match, or speculative sampling on p warped once."""
     if sampling.greedy:
@@ -150,6 +160,8 @@ def generate(
     want_hidden = bool(getattr(drafter, "needs_hidden", False))  # Medusa / EAGLE read the target's features
     context, generated, stats, reason = prompt, [], GenerationStats(), None
     start = time.perf_counter()
+    prefill_hidden = _prefill(target, cache, prompt, want_hidden)  # (L - 1, D) or None
+    stats.prefill_seconds = time.perf_counter() - start
     while reason is None:
         tick = time.perf_counter()
         num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(generated) - 1)
@@ -172,6 +184,8 @@ def generate(
             cache.crop(context.shape[0] + result.num_accepted)
             accepted = draft.tokens[: result.num_accepted].tolist()
         verified = time.perf_counter()
+        if prefill_hidden is not None:  # the drafter sees the prompt's features with the first step's
+            result, prefill_hidden = replace(result, hidden=torch.cat([prefill_hidden, result.hidden])), None
         new = accepted + [result.next_token]
         keep, reason = stopper.scan(generated, new)
         generated += new[:keep]

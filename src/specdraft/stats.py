@@ -1,9 +1,10 @@
 """Per-generation statistics, in the project's glossary.
 
-block efficiency τ = new tokens / target forward calls (Leviathan et al. 2023's expected tokens per step; the
-prompt prefill shares the first call). Acceptance rate = accepted draft tokens / proposed draft tokens. Acceptance
-per draft position i = P(draft token i accepted | tokens 0..i-1 accepted), the conditional rate EAGLE reports.
-``accept_lengths`` holds the tokens committed per target forward (Spec-Bench's field of that name).
+block efficiency τ = new tokens / target forward calls of the decoding steps (Leviathan et al. 2023's expected
+tokens per step; the prompt's prefill, all of it but its last token, is a forward of its own before the first step,
+timed as ``prefill_seconds`` and not counted as a step). Acceptance rate = accepted draft tokens / proposed draft
+tokens. Acceptance per draft position i = P(draft token i accepted | tokens 0..i-1 accepted), the conditional rate
+EAGLE reports. ``accept_lengths`` holds the tokens committed per target forward (Spec-Bench's field of that name).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
     def record_step(self, result: VerifyResult, committed: int, draft_s: float, verify_s: float) -> None:
@@ -60,7 +62,7 @@ class GenerationStats:
 
     @property
     def overhead_seconds(self) -> float:
-        return max(0.0, self.decode_seconds - self.draft_seconds - self.verify_seconds)
+        return max(0.0, self.decode_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds)
 
     @property
     def tokens_per_second(self) -> float:
@@ -79,6 +81,7 @@ class GenerationStats:
             "accept_lengths": self.accept_lengths,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "prefill_seconds": self.prefill_seconds,
             "overhead_seconds": self.overhead_seconds,
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,
