@@ -122,6 +122,24 @@ def test_speedup_uses_common_questions_and_median_of_repeats():
     assert metrics(records, [], greedy=True)["speedup"] is None
 
 
+def test_decode_only_speedup_takes_the_prefill_out_of_both_wall_times():
+    def with_prefill(record, prefill):
+        record["choices"][0]["prefill_seconds"] = prefill
+        return record
+
+    # ar: q1 2 s with 0.5 s of prefill, q2 2 s with 1.0 s -> 24 tokens / 2.5 s decoding
+    ar = [with_prefill(r, p) for r, p in zip(ar_records(), [[0.25, 0.25], [1.0]], strict=True)]
+    # draft: q1 1 s with 0.2 s prefill, q2 0.5 s with 0.05 s -> 24 tokens / 1.25 s decoding
+    draft = [with_prefill(r, p) for r, p in zip(draft_records(), [[0.1, 0.1], [0.05]], strict=True)]
+    m = metrics(draft, ar, greedy=True)
+    assert m["speedup"] == pytest.approx(16 / 6)
+    assert m["decode_speedup"] == pytest.approx((24 / 1.25) / (24 / 2.5))
+    assert m["prefill_seconds"] == pytest.approx(0.25)
+    assert m["overhead_seconds"] == pytest.approx(1.5 - 0.25 - 0.2 - 0.8)
+    assert metrics(draft_records(), ar, greedy=True)["decode_speedup"] is None  # no prefill recorded
+    assert "decode-only speed-up" in render_markdown(summarize(ar + draft, GREEDY_RUN))
+
+
 def test_unmeasured_quantities_are_null():
     hf = [rec(1, "hf-assisted:d", "mt_bench", [10, 6], [2.0, 2.0], steps=[5, 3], gamma=4, param_ratio=0.25)]
     m = metrics(hf, ar_records(), greedy=True)

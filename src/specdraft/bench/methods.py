@@ -42,6 +42,7 @@ class TurnResult:
     accept_lengths: list[int] | None = None  # tokens committed per target forward
     draft_seconds: float | None = None
     verify_seconds: float | None = None
+    prefill_seconds: float | None = None  # the prompt's forward before the first step, inside wall_time
     draft_tokens_proposed: int | None = None
     draft_tokens_accepted: int | None = None
     accepted_per_position: list[int] | None = None
@@ -93,7 +94,7 @@ class SpecdraftMethod:
         return TurnResult(
             token_ids=result.token_ids, wall_time=wall, finish_reason=result.finish_reason,
             decoding_steps=s.target_forward_calls, accept_lengths=list(s.accept_lengths),
-            draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
+            draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds, prefill_seconds=s.prefill_seconds,
             draft_tokens_proposed=s.draft_tokens_proposed, draft_tokens_accepted=s.draft_tokens_accepted,
             accepted_per_position=list(s.accepted_per_position), reached_per_position=list(s.reached_per_position),
         )

@@ -6,7 +6,11 @@ Metrics of a method over a set of answers (``M`` in summary.json), all sums over
 - ``acceptance_rate`` = Σ accepted / Σ proposed draft tokens (null when nothing was proposed);
   ``acceptance_rate_per_position[i]`` = Σ accepted at i / Σ drafts that reached position i.
 - ``tokens_per_second`` = Σ new tokens / Σ wall time, taking for each question the median over repeats.
-- ``speedup`` = tokens/s of the method ÷ tokens/s of ``ar``, both over the questions both answered.
+- ``speedup`` = tokens/s of the method ÷ tokens/s of ``ar``, both over the questions both answered. Wall time
+  includes the prompt's prefill, as Spec-Bench's does.
+- ``decode_speedup``: the same with each turn's prefill seconds taken out of its wall time, the speed-up of the
+  decoding phase alone (the prefill is the same work for every method; with short answers to long prompts it is a
+  large share of the wall time). Null when a method (or ``ar``) did not record its prefill (transformers' methods).
 - ``mbsu`` (memory-bound speed-up) = τ / (γ·c + 1), with γ = num_draft_tokens and c the cost of one draft token
   relative to one target forward, *measured*: c = (Σ draft seconds / Σ proposed draft tokens) ÷ (Σ verify seconds
   / Σ decoding steps). Verify seconds are the target forward plus the accept/reject arithmetic. Null when c cannot
@@ -70,13 +74,27 @@ def _by_question(records: Iterable[dict]) -> dict:
     return groups
 
 
-def _speed(records: Sequence[dict], questions: set | None = None) -> tuple[float, float]:
-    """(tokens, seconds) over ``questions`` (all when None): per question, the median over repeats."""
-    tokens = seconds = 0.0
+def _seconds(record: dict, decode_only: bool) -> float | None:
+    """The answer's wall time, less its prefill with ``decode_only`` (None when the prefill was not recorded)."""
+    wall = sum(_choice(record)["wall_time"])
+    if not decode_only:
+        return wall
+    prefill = _choice(record).get("prefill_seconds")
+    return None if prefill is None else wall - sum(prefill)
+
+
+def _speed(records: Sequence[dict], questions: set | None = None,
+           decode_only: bool = False) -> tuple[float, float | None]:
+    """(tokens, seconds) over ``questions`` (all when None): per question, the median over repeats; seconds is
+    None when ``decode_only`` and some answer has no prefill time."""
+    tokens, seconds = 0.0, 0.0
     for qid, group in _by_question(records).items():
         if questions is None or qid in questions:
+            times = [_seconds(r, decode_only) for r in group]
+            if any(t is None for t in times):
+                return tokens, None
             tokens += statistics.median(sum(_choice(r)["new_tokens"]) for r in group)
-            seconds += statistics.median(sum(_choice(r)["wall_time"]) for r in group)
+            seconds += statistics.median(times)
     return tokens, seconds
 
 
@@ -84,12 +102,14 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def speedup(records: Sequence[dict], baseline: Sequence[dict]) -> float | None:
-    """Method tokens/s ÷ baseline tokens/s over the questions both answered; None without common questions."""
+def speedup(records: Sequence[dict], baseline: Sequence[dict], decode_only: bool = False) -> float | None:
+    """Method tokens/s ÷ baseline tokens/s over the questions both answered (with ``decode_only``, wall time less
+    prefill); None without common questions or, decode-only, without prefill times."""
     common = {r["question_id"] for r in records} & {r["question_id"] for r in baseline}
     if not common:
         return None
-    mine, base = _ratio(*_speed(records, common)), _ratio(*_speed(baseline, common))
+    mine = _ratio(*_speed(records, common, decode_only))
+    base = _ratio(*_speed(baseline, common, decode_only))
     return _ratio(mine, base)
 
 
@@ -147,8 +167,10 @@ def accept_length_histogram(records: Iterable[dict]) -> list[int] | None:
 def _ledger(records: Sequence[dict]) -> dict:
     wall = _sum_turns(records, "wall_time")
     draft, verify = _sum_turns(records, "draft_seconds"), _sum_turns(records, "verify_seconds")
-    overhead = None if draft is None or verify is None else max(0.0, wall - draft - verify)
-    return {"wall_seconds": wall, "draft_seconds": draft, "verify_seconds": verify, "overhead_seconds": overhead}
+    prefill = _sum_turns(records, "prefill_seconds")
+    overhead = None if draft is None or verify is None else max(0.0, wall - (prefill or 0.0) - draft - verify)
+    return {"wall_seconds": wall, "prefill_seconds": prefill, "draft_seconds": draft, "verify_seconds": verify,
+            "overhead_seconds": overhead}
 
 
 def metrics(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> dict:
@@ -166,6 +188,7 @@ def metrics(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> 
                                   _sum_turns(records, "draft_tokens_proposed")),
         "tokens_per_second": _ratio(*_speed(records)),
         "speedup": speedup(records, baseline),
+        "decode_speedup": speedup(records, baseline, decode_only=True),
         "mbsu": mbsu(tau, gamma, cost),
         "greedy_equal": greedy_equal(records, baseline, greedy),
         "greedy_equal_answers": greedy_comparison(records, baseline, greedy),
@@ -265,13 +288,14 @@ def _equal_count(counts: dict | None) -> str:
 
 
 def _overall_table(methods: dict) -> list[str]:
-    rows = ["| method | γ | n | τ | acceptance | tokens/s | speed-up | MBSU (c measured) | MBSU (c = params) "
-            "| greedy equal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | γ | n | τ | acceptance | tokens/s | speed-up | decode-only speed-up | MBSU (c measured) "
+            "| MBSU (c = params) | greedy equal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in methods.items():
         o = m["overall"]
         rows.append(f"| {name} | {_fmt(o['num_draft_tokens'])} | {o['n']} | {_fmt(o['block_efficiency'])} "
                     f"| {_fmt(o['acceptance_rate'])} | {_fmt(o['tokens_per_second'], 1)} "
-                    f"| {_fmt(o['speedup'], 2, 'x')} | {_fmt(o['mbsu'])} | {_fmt(o['mbsu_param_ratio'])} "
+                    f"| {_fmt(o['speedup'], 2, 'x')} | {_fmt(o.get('decode_speedup'), 2, 'x')} "
+                    f"| {_fmt(o['mbsu'])} | {_fmt(o['mbsu_param_ratio'])} "
                     f"| {_fmt(o['greedy_equal'])}{_equal_count(o['greedy_equal_answers'])} |")
     return rows
 
@@ -286,7 +310,8 @@ def _subtask_table(methods: dict, key: str, digits: int = 2, suffix: str = "") -
 
 
 def render_markdown(summary: dict) -> str:
-    """summary.md: the setup in one line, the overall table, per-subtask tables of speed-up, τ and tokens/s."""
+    """summary.md: the setup in one line, the overall table, per-subtask tables of speed-up (wall and decode-only),
+    τ and tokens/s."""
     s, methods = summary["setup"], summary["methods"]
     sampling = "greedy" if s["sampling"]["greedy"] else (
         f"temperature {s['sampling']['temperature']}, top-k {s['sampling']['top_k']}, top-p {s['sampling']['top_p']}")
@@ -299,6 +324,8 @@ def render_markdown(summary: dict) -> str:
         f"{hardware.get('cpu', '?')}, {hardware.get('threads', '?')} threads.", "",
         "## Overall", "", *_overall_table(methods), "",
         "## Speed-up over ar by subtask", "", *_subtask_table(methods, "speedup", 2, "x"), "",
+        "## Decode-only speed-up over ar by subtask (prefill excluded)", "",
+        *_subtask_table(methods, "decode_speedup", 2, "x"), "",
         "## Block efficiency τ by subtask", "", *_subtask_table(methods, "block_efficiency"), "",
         "## Tokens per second by subtask", "", *_subtask_table(methods, "tokens_per_second", 1), "",
     ]
