@@ -51,11 +51,12 @@ class BigramLM:
     def new_cache(self, capacity: int, batch_size: int = 1) -> TableCache:
         return TableCache(capacity)
 
-    def forward(self, input_ids: torch.Tensor, cache: TableCache, positions=None, attention_mask=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: TableCache, positions=None, attention_mask=None,
+                logits_to_keep: int = 0) -> torch.Tensor:
         """Positions and masks do not matter to a bigram: each row depends on its own token only."""
         cache.length += input_ids.shape[1]
         assert cache.length <= cache.capacity
-        return self.table[input_ids]  # (B, T, V)
+        return self.table[input_ids[:, -logits_to_keep:] if logits_to_keep else input_ids]  # (B, T or k, V)
 
 
 def random_bigram(vocab_size: int, seed: int, scale: float = 1.5) -> BigramLM:

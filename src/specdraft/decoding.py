@@ -125,7 +125,8 @@ def _prefill(target: CausalLM, cache, prompt: torch.Tensor, want_hidden: bool) -
     long prompt. Returns the prompt's hidden states (L - 1, D) when the drafter reads them, else None."""
     if prompt.shape[0] < 2:
         return None
-    out = target.forward(prompt[:-1].unsqueeze(0), cache, **({"return_hidden": True} if want_hidden else {}))
+    out = target.forward(prompt[:-1].unsqueeze(0), cache, logits_to_keep=1,
+                         **({"return_hidden": True} if want_hidden else {}))
     return out[1][0] if want_hidden else None
 
 

@@ -305,3 +305,21 @@ def test_smollm2_matches_transformers() -> None:
     input_ids = _ids(1, 20, vocab=native.vocab_size)
     logits = _feed(native, native.new_cache(32), input_ids, [14, 1, 1, 4])
     torch.testing.assert_close(logits, _reference(model, input_ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_logits_to_keep_returns_the_last_rows_and_the_same_cache(backend: str) -> None:
+    from specdraft.models.hf import HFCausalLM
+
+    hf = _hf_model(_config())
+    model = NativeLlama.from_hf(hf) if backend == "native" else HFCausalLM(hf)
+    ids = torch.tensor([[5, 9, 3, 17, 40, 2, 8]])
+    full_cache, kept_cache = model.new_cache(16), model.new_cache(16)
+    full = model.forward(ids, full_cache)  # (1, 7, V)
+    kept = model.forward(ids, kept_cache, logits_to_keep=2)  # (1, 2, V)
+    assert kept.shape == (1, 2, 101) and torch.allclose(kept, full[:, -2:], atol=1e-5)
+    step = torch.tensor([[11]])
+    assert torch.allclose(model.forward(step, kept_cache), model.forward(step, full_cache), atol=1e-5)
+    if backend == "native":
+        logits, hidden = model.forward(ids, model.new_cache(8), return_hidden=True, logits_to_keep=1)
+        assert logits.shape == (1, 1, 101) and hidden.shape == (1, 7, 64)  # hidden states are never cut

@@ -99,7 +99,7 @@ class DraftModelDrafter:
         mismatch = (self._cached[:shared] != context[:shared]).nonzero()
         keep = int(mismatch[0]) if mismatch.numel() else shared
         self._cache.crop(keep)
-        logits = self._forward(context[keep:].unsqueeze(0))[0, -1]  # (V,)
+        logits = self._forward(context[keep:].unsqueeze(0), logits_to_keep=1)[0, -1]  # (V,)
         self._cached = context
         return logits
 

@@ -60,6 +60,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         return_hidden: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids``.
 
@@ -69,8 +70,10 @@ class CausalLM(Protocol):
             positions: (T,) absolute positions, default the slots (a token tree gives its depths).
             attention_mask: (T, T) bool among the new tokens, default causal; cached slots are visible to all.
             return_hidden: also return the final-normed hidden states (B, T, D), the LM head's input.
+            logits_to_keep: k > 0 computes logits for the last k positions only (a prefill needs at most one row;
+                transformers' argument of that name); 0 = every position. Hidden states are never cut.
 
         Returns:
-            (B, T, V) logits in float32.
+            (B, T, V) logits in float32, (B, k, V) with ``logits_to_keep`` = k.
         """
         ...

@@ -6,6 +6,8 @@ architectures the native implementation does not cover.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -51,6 +53,7 @@ class HFCausalLM:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30) or 1 << 30)
         self.dtype = model.dtype
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters  # else: slice after
 
     def new_cache(self, capacity: int, batch_size: int = 1) -> HFCache:
         return HFCache(capacity, self.config)
@@ -63,6 +66,7 @@ class HFCausalLM:
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         return_hidden: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`NativeLlama.forward`: a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool
         among the new tokens, or (T, S) over every slot; it reaches the model as a 4D additive mask (models that
@@ -86,6 +90,9 @@ class HFCausalLM:
             input_ids=input_ids, past_key_values=cache.cache, use_cache=True,
             position_ids=(slots if positions is None else positions).unsqueeze(0), cache_position=slots,
             attention_mask=mask, output_hidden_states=return_hidden,
+            **({"logits_to_keep": logits_to_keep} if logits_to_keep and self._keeps_logits else {}),
         )
-        logits = out.logits.float()  # (B, T, V)
+        logits = out.logits[:, -num_new:].float()  # (B, T or k, V): a model that ignores logits_to_keep returns T
+        if logits_to_keep > 0:
+            logits = logits[:, -logits_to_keep:]  # (B, k, V)
         return (logits, out.hidden_states[-1]) if return_hidden else logits  # hidden: (B, T, D), final-normed

@@ -419,6 +419,7 @@ class NativeLlama(nn.Module):
         layers: Sequence[int] | None = None,
         return_hidden: bool = False,
         logits_weight: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids`` (B, T) written to cache slots ``cache.length ..``; returns (B, T, V) float32.
 
@@ -430,6 +431,8 @@ class NativeLlama(nn.Module):
         drafting crops them afterwards). ``return_hidden`` also returns the final-normed hidden states (B, T, D),
         the LM head's input (the features Medusa and EAGLE heads read). ``logits_weight`` (N, D) replaces the LM
         head, e.g. its rows of a draft vocabulary (:mod:`specdraft.draft_vocab`); logits are then (B, T, N).
+        ``logits_to_keep`` = k > 0 applies the head to the last k positions only, (B, k, V): a long prompt's
+        prefill otherwise spends a fifth of its work (SmolLM2's 49k x 576 head) on logits nobody reads.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] != cache.batch_size:
             raise SpecdraftError(
@@ -449,7 +452,8 @@ class NativeLlama(nn.Module):
         cache.advance(steps)
         hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
         weight = self.lm_head_weight if logits_weight is None else logits_weight
-        logits = F.linear(hidden, weight).float()  # (B, T, V) or (B, T, N)
+        rows = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden  # (B, k, D) or (B, T, D)
+        logits = F.linear(rows, weight).float()  # (B, T or k, V) or (B, T or k, N)
         return (logits, hidden) if return_hidden else logits
 
     def _step(self, start: int, steps: int) -> _Step:
