@@ -1,0 +1,74 @@
+"""Greedy replay of drafters over a bench run's recorded ``ar`` answers: τ by subtask without running the target.
+
+    .venv/bin/python benchmarks/replay_tau.py RUN_DIR --methods "draft:PATH;confidence_threshold=0.3,prompt-lookup"
+
+RUN_DIR is a greedy ``specdraft bench`` run that holds ``answers/ar.jsonl``; its run.json gives the questions,
+target, dtype, γ and max_new_tokens. Methods use bench's syntax; only drafters whose proposals depend on the context
+alone can be replayed (draft models with their options, prompt-lookup, rest). Exact against a float32 run; against a
+bfloat16 run the real τ differs a little where a wide verify rounds differently (see specdraft.bench.replay). Also
+printed: the tree nodes verified per step, the width the target pays for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from specdraft.api import parse_dtype
+from specdraft.bench.methods import BuildContext, build_methods
+from specdraft.bench.questions import conversation_ids, load_questions
+from specdraft.bench.records import read_run_info
+from specdraft.bench.replay import replay
+from specdraft.drafters.base import EMPTY_DRAFT
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import load_model, load_tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("--methods", required=True, help="comma-separated, as for specdraft bench")
+    args = parser.parse_args()
+    config = read_run_info(args.run)["config"]
+    if config.get("temperature", 0.0) != 0.0:
+        raise SpecdraftError("replay needs a greedy run")
+    tokenizer = load_tokenizer(config["target"])
+    dtype = parse_dtype(config["dtype"])
+    target = load_model(config["target"], dtype)
+    questions = {q.question_id: q for q in load_questions(config["questions"])}
+    answers = [json.loads(line) for line in (args.run / "answers" / "ar.jsonl").open(encoding="utf-8")]
+    ctx = BuildContext(target, tokenizer, config["target"], dtype)
+    methods = [m for m in build_methods(ctx, args.methods.split(","), (config["num_draft_tokens"],), False)
+               if m.drafter is not None]
+    print(f"| method | {' | '.join(sorted({a['subtask'] for a in answers}))} | overall | nodes/step | seconds |")
+    for method in methods:
+        tokens, steps, nodes = defaultdict(int), defaultdict(int), [0]
+        propose = method.drafter.propose
+
+        def counted(*a, propose=propose, nodes=nodes):
+            draft = propose(*a)
+            nodes[0] += len(draft) if draft is not EMPTY_DRAFT else 0
+            return draft
+
+        method.drafter.propose = counted
+        started = time.perf_counter()
+        for record in answers:
+            question, choice = questions[record["question_id"]], record["choices"][0]
+            for turn, answer in enumerate(choice["token_ids"]):
+                prompt = conversation_ids(tokenizer, question.turns[: turn + 1], choice["turns"][:turn])
+                lengths = replay(method.drafter, prompt, answer, method.num_draft_tokens, config["max_new_tokens"],
+                                 target)
+                for key in (record["subtask"], "overall"):
+                    tokens[key] += sum(lengths)
+                    steps[key] += len(lengths)
+        keys = sorted(k for k in tokens if k != "overall") + ["overall"]
+        cells = " | ".join(f"{tokens[k] / steps[k]:.2f}" for k in keys)
+        print(f"| {method.name} | {cells} | {nodes[0] / steps['overall']:.1f} | {time.perf_counter() - started:.0f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Greedy replay: the block efficiency τ a drafter would reach on recorded greedy answers, without the target.
+
+Under greedy decoding speculative output equals plain output token for token, so the accepted length of every step
+is fixed by the plain answer: a draft (chain or tree) is accepted along its longest root path that spells the next
+answer tokens, and the step commits that path plus one token. Replaying a drafter over ``ar``'s recorded answers
+therefore gives, for drafters whose proposals depend on the context alone (draft models with any of their options,
+prompt lookup, REST), exactly the accept lengths a real run would record in float32, at the cost of the drafter's
+forwards only. In bfloat16 a real run can differ where a wide verify and a one-token step round differently. The
+decoding loop's rules are mirrored: at most ``min(γ, max_new_tokens - generated - 1)`` draft tokens a step, trees
+cut to that depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.drafters.rest import RESTDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig
+from specdraft.trees import chain_parents, children
+
+REPLAYABLE = (DraftModelDrafter, PromptLookupDrafter, RESTDrafter)  # proposals are a function of the context
+
+
+def accepted_length(draft: Draft, continuation: Sequence[int], max_depth: int) -> int:
+    """Greedy verification against a known continuation: the depth of the longest root path of ``draft`` (at most
+    ``max_depth`` deep) whose tokens are the first tokens of ``continuation``."""
+    parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+    kids = children(parents)  # kids[k + 1]: children of node k; kids[0]: the root's
+    tokens = draft.tokens.tolist()
+    node, depth = -1, 0
+    while depth < min(max_depth, len(continuation)):
+        node = next((c for c in kids[node + 1] if tokens[c] == continuation[depth]), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+def replay(drafter: Drafter, prompt_ids: Sequence[int], answer_ids: Sequence[int], num_draft_tokens: int,
+           max_new_tokens: int, target=None) -> list[int]:
+    """Tokens committed per step (Spec-Bench's ``accept_lengths``) if ``drafter`` had drafted, greedily, the answer
+    ``answer_ids`` that plain greedy decoding gave after ``prompt_ids`` with ``max_new_tokens``. ``target`` (never
+    run) is handed to the drafter's ``begin``, as REST reads its vocabulary size there."""
+    if not isinstance(drafter, REPLAYABLE):
+        raise SpecdraftError(f"cannot replay {type(drafter).__name__}: only drafters whose proposals depend on the "
+                             f"context alone ({', '.join(t.__name__ for t in REPLAYABLE)})")
+    if num_draft_tokens < 1 or len(answer_ids) > max_new_tokens:
+        raise SpecdraftError(f"need num_draft_tokens >= 1 and an answer of at most max_new_tokens ({max_new_tokens}) "
+                             f"tokens, got {num_draft_tokens} and {len(answer_ids)}")
+    if target is not None:
+        drafter.begin(target, None)
+    prompt, answer = [int(t) for t in prompt_ids], [int(t) for t in answer_ids]
+    greedy, lengths, done = SamplingConfig(), [], 0
+    while done < len(answer):
+        num_draft = min(num_draft_tokens, max_new_tokens - done - 1)
+        context = torch.tensor(prompt + answer[:done], dtype=torch.long)  # (L,)
+        draft = drafter.propose(context, num_draft, greedy, None) if num_draft > 0 else EMPTY_DRAFT
+        accepted = accepted_length(draft, answer[done:], num_draft)
+        lengths.append(min(accepted + 1, len(answer) - done))
+        done += lengths[-1]
+    return lengths
