@@ -1,6 +1,7 @@
 """Greedy replay of drafters over a bench run's recorded ``ar`` answers: τ by subtask without running the target.
 
-    .venv/bin/python benchmarks/replay_tau.py RUN_DIR --methods "draft:PATH;confidence_threshold=0.3,prompt-lookup"
+    .venv/bin/python benchmarks/replay_tau.py RUN_DIR --methods "draft:PATH;confidence_threshold=0.3,prompt-lookup" \
+        [--num-draft-tokens 5]
 
 RUN_DIR is a greedy ``specdraft bench`` run that holds ``answers/ar.jsonl``; its run.json gives the questions,
 target, dtype, γ and max_new_tokens. Methods use bench's syntax; only drafters whose proposals depend on the context
@@ -31,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
     parser.add_argument("--methods", required=True, help="comma-separated, as for specdraft bench")
+    parser.add_argument("--num-draft-tokens", type=int, help="γ (default: the run's)")
     args = parser.parse_args()
     config = read_run_info(args.run)["config"]
     if config.get("temperature", 0.0) != 0.0:
@@ -41,8 +43,8 @@ def main() -> None:
     questions = {q.question_id: q for q in load_questions(config["questions"])}
     answers = [json.loads(line) for line in (args.run / "answers" / "ar.jsonl").open(encoding="utf-8")]
     ctx = BuildContext(target, tokenizer, config["target"], dtype)
-    methods = [m for m in build_methods(ctx, args.methods.split(","), (config["num_draft_tokens"],), False)
-               if m.drafter is not None]
+    gamma = args.num_draft_tokens or config["num_draft_tokens"]
+    methods = [m for m in build_methods(ctx, args.methods.split(","), (gamma,), False) if m.drafter is not None]
     print(f"| method | {' | '.join(sorted({a['subtask'] for a in answers}))} | overall | nodes/step | seconds |")
     for method in methods:
         tokens, steps, nodes = defaultdict(int), defaultdict(int), [0]
