@@ -29,8 +29,8 @@ Siblings (``siblings`` = k > 0, chain mode, greedy): at every depth the chain re
 draft tokens join the tree as leaves beside the chain's token (a top-k first level, as Medusa's and EAGLE's trees
 have, at every depth). They come from logits the chain computed anyway, so they cost no draft forward, only k more
 tokens in the verify; with the confidence stop the chain ends at a token the drafter was unsure of, so its last
-siblings sit where a second guess is likeliest to be needed. Greedy only, for the same reason as the copy: a draft's runners-up are not
-independent draws from q.
+siblings sit where a second guess is likeliest to be needed. Greedy only, for the same reason as the copy: a
+draft's runners-up are not independent draws from q.
 
 Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.api.load_drafter`): the drafter only
 proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A native
