@@ -23,7 +23,6 @@ from specdraft.bench.methods import BuildContext, build_methods
 from specdraft.bench.questions import conversation_ids, load_questions
 from specdraft.bench.records import read_run_info
 from specdraft.bench.replay import replay
-from specdraft.drafters.base import EMPTY_DRAFT
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model, load_tokenizer
 
@@ -52,7 +51,7 @@ def main() -> None:
 
         def counted(*a, propose=propose, nodes=nodes):
             draft = propose(*a)
-            nodes[0] += len(draft) if draft is not EMPTY_DRAFT else 0
+            nodes[0] += len(draft)
             return draft
 
         method.drafter.propose = counted

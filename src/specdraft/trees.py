@@ -14,7 +14,7 @@ auxiliary mask allows, never a tree node. :func:`retrieve_indices` gives Medusa'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +100,22 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, li
             raise SpecdraftError(f"tree path {p} is listed without its prefix {p[:-1]}")
         parents.append(where[p[:-1]] if len(p) > 1 else -1)
     return torch.tensor(parents, dtype=torch.long), ordered
+
+
+def follow_path(tokens: torch.Tensor, parents: torch.Tensor, wanted: Callable[[int, int], int | None]) -> list[int]:
+    """Walk down from the root, at each step taking the child whose token is ``wanted(row, depth)`` (row 0 is the
+    root, row i + 1 node i; depth = nodes taken so far; None stops). Returns the nodes taken: greedy verification
+    follows the target's argmax this way, greedy replay the recorded answer."""
+    kids, ids = children(parents), tokens.tolist()
+    path: list[int] = []
+    row = 0
+    while (want := wanted(row, len(path))) is not None:
+        match = next((c for c in kids[row] if ids[c] == want), None)
+        if match is None:
+            break
+        path.append(match)
+        row = match + 1
+    return path
 
 
 def insert_path(tokens: torch.Tensor, parents: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,19 +129,13 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logit
         tokens, parents: (N,) the tree (:mod:`specdraft.trees`).
         target_logits: (N + 1, V) logits at the root (row 0) and at every node (row i + 1).
     """
-    from specdraft.trees import children, depths
+    from specdraft.trees import depths, follow_path
 
     argmax = target_logits.argmax(-1).tolist()  # (N + 1,)
-    kids, ids = children(parents), tokens.tolist()
-    path, row = [], 0
-    while True:
-        match = next((c for c in kids[row] if ids[c] == argmax[row]), None)
-        if match is None:
-            break
-        path.append(match)
-        row = match + 1
+    path = follow_path(tokens, parents, lambda row, depth: argmax[row])
+    row = path[-1] + 1 if path else 0
     depth = int(depths(parents).max()) if parents.numel() else 0
-    return TreeVerifyResult(len(ids), len(path), argmax[row], accepted_nodes=tuple(path), depth=depth)
+    return TreeVerifyResult(tokens.shape[0], len(path), argmax[row], accepted_nodes=tuple(path), depth=depth)
 
 
 def verify_tree_sampling(

@@ -22,7 +22,7 @@ from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.drafters.rest import RESTDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
-from specdraft.trees import chain_parents, children
+from specdraft.trees import chain_parents, follow_path
 
 REPLAYABLE = (DraftModelDrafter, PromptLookupDrafter, RESTDrafter)  # proposals are a function of the context
 
@@ -31,15 +31,8 @@ def accepted_length(draft: Draft, continuation: Sequence[int], max_depth: int) -
     """Greedy verification against a known continuation: the depth of the longest root path of ``draft`` (at most
     ``max_depth`` deep) whose tokens are the first tokens of ``continuation``."""
     parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
-    kids = children(parents)  # kids[k + 1]: children of node k; kids[0]: the root's
-    tokens = draft.tokens.tolist()
-    node, depth = -1, 0
-    while depth < min(max_depth, len(continuation)):
-        node = next((c for c in kids[node + 1] if tokens[c] == continuation[depth]), None)
-        if node is None:
-            break
-        depth += 1
-    return depth
+    limit = min(max_depth, len(continuation))
+    return len(follow_path(draft.tokens, parents, lambda row, depth: continuation[depth] if depth < limit else None))
 
 
 def replay(drafter: Drafter, prompt_ids: Sequence[int], answer_ids: Sequence[int], num_draft_tokens: int,

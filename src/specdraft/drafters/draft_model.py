@@ -119,9 +119,9 @@ class DraftModelDrafter:
                 return copied  # a long match: the copy alone, no draft forwards
         chain, alternatives = self._propose_chain(context, num_draft_tokens, sampling, generator)
         tokens, parents = chain.tokens, chain_parents(len(chain))  # greedy: q is None
-        for depth, siblings in enumerate(alternatives):  # each sibling hangs where its chain token does
-            for token in siblings:
-                tokens, parents = insert_path(tokens, parents, torch.cat([chain.tokens[:depth], token.view(1)]))
+        for depth, siblings in enumerate(alternatives):  # leaves beside chain[depth]: never equal to a node there
+            tokens = torch.cat([tokens, siblings])
+            parents = torch.cat([parents, torch.full((len(siblings),), depth - 1, dtype=torch.long)])
         if len(copied):
             tokens, parents = insert_path(tokens, parents, copied.tokens)
         return Draft(tokens) if is_chain(parents) else Draft(tokens, None, parents)

@@ -92,7 +92,7 @@ class HFCausalLM:
             attention_mask=mask, output_hidden_states=return_hidden,
             **({"logits_to_keep": logits_to_keep} if logits_to_keep and self._keeps_logits else {}),
         )
-        logits = out.logits[:, -num_new:].float()  # (B, T or k, V): a model that ignores logits_to_keep returns T
+        logits = out.logits.float()  # (B, T, V), or (B, k, V) when the model took logits_to_keep
         if logits_to_keep > 0:
-            logits = logits[:, -logits_to_keep:]  # (B, k, V)
+            logits = logits[:, -logits_to_keep:]  # (B, k, V) either way
         return (logits, out.hidden_states[-1]) if return_hidden else logits  # hidden: (B, T, D), final-normed
