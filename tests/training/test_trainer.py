@@ -131,3 +131,37 @@ def test_bad_values_name_the_field(tmp_path, kwargs, field):
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(SpecdraftError, match="no training checkpoint"):
         train(_model(), _dataset(), noisy_loss, _config(tmp_path, resume=True))
+
+
+def _stage_configs():
+    from specdraft.heads.train import HeadsConfig
+    from specdraft.training.finetune import FinetuneConfig
+    from specdraft.training.pretrain import PretrainConfig
+
+    return {"pretrain": (PretrainConfig, {"target": "t"}),
+            "finetune": (FinetuneConfig, {"drafter": "d", "target": "t", "data": "x"}),
+            "train-heads": (HeadsConfig, {"kind": "eagle", "target": "t", "data": "x"})}
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune", "train-heads"])
+@pytest.mark.parametrize(("kwargs", "field"), [({"heldout_every": 1}, "heldout_every"),
+                                               ({"export_dtype": "float8"}, "export_dtype"),
+                                               ({"max_seq_len": 0, "seq_len": 0}, "seq_len"),
+                                               ({"batch_size": True}, "batch_size")])
+def test_every_stage_refuses_bad_shared_values_by_name(tmp_path, stage, kwargs, field):
+    cls, required = _stage_configs()[stage]
+    cls(out=str(tmp_path), **required)  # the required fields alone are valid
+    names = set(cls.__dataclass_fields__)
+    kwargs = {k: v for k, v in kwargs.items() if k in names}
+    with pytest.raises(SpecdraftError, match=field):
+        cls(out=str(tmp_path), **required, **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"eval_prompts": -1}, "eval_prompts"),
+                                               ({"target_dtype": "int8"}, "target_dtype"),
+                                               ({"eval_max_new_tokens": 0}, "eval_max_new_tokens")])
+@pytest.mark.parametrize("stage", ["finetune", "train-heads"])
+def test_distillation_stages_refuse_bad_evaluation_values_by_name(tmp_path, stage, kwargs, field):
+    cls, required = _stage_configs()[stage]
+    with pytest.raises(SpecdraftError, match=field):
+        cls(out=str(tmp_path), **required, **kwargs)

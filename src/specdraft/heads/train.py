@@ -32,7 +32,15 @@ from specdraft.heads.eagle import EAGLE
 from specdraft.heads.medusa import MEDUSA
 from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.pretrain import EXPORT_DTYPES
-from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed, train
+from specdraft.training.trainer import (
+    TrainerConfig,
+    TrainResult,
+    barrier,
+    check_choices,
+    check_ints,
+    init_distributed,
+    train,
+)
 
 HEAD_KINDS: dict[str, HeadKind] = {
     "medusa": MEDUSA,
@@ -70,15 +78,10 @@ class HeadsConfig(TrainerConfig):
         super().__post_init__()
         if self.kind not in HEAD_KINDS:
             raise SpecdraftError(f"kind must be one of {', '.join(sorted(HEAD_KINDS))}, got {self.kind!r}")
-        for name in ("num_heads", "max_seq_len", "eval_max_new_tokens", "eval_num_draft_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.eval_prompts < 0 or self.heldout_every < 2:
-            raise SpecdraftError(f"eval_prompts must be >= 0 and heldout_every >= 2, got {self.eval_prompts}, "
-                                 f"{self.heldout_every}")
-        for name in ("target_dtype", "export_dtype"):
-            if getattr(self, name) not in EXPORT_DTYPES:
-                raise SpecdraftError(f"{name} must be one of {', '.join(EXPORT_DTYPES)}, got {getattr(self, name)!r}")
+        check_ints(self, ("num_heads", "max_seq_len", "eval_max_new_tokens", "eval_num_draft_tokens"), 1)
+        check_ints(self, ("eval_prompts",), 0)
+        check_ints(self, ("heldout_every",), 2)
+        check_choices(self, ("target_dtype", "export_dtype"), EXPORT_DTYPES)
         parse_options(self.options)
 
     def kind_options(self) -> dict[str, str]:

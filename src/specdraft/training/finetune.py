@@ -37,7 +37,15 @@ from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
 from specdraft.training.pretrain import EXPORT_DTYPES, export_path
-from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed, train
+from specdraft.training.trainer import (
+    TrainerConfig,
+    TrainResult,
+    barrier,
+    check_choices,
+    check_ints,
+    init_distributed,
+    train,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,27 +83,15 @@ class FinetuneConfig(TrainerConfig):
         if self.share_embeddings and not self.freeze_embeddings:
             raise SpecdraftError("--share-embeddings needs --freeze-embeddings (the exported drafter uses the "
                                  "target's table, so training must not change its copy)")
-        if self.loss not in LOSSES:
-            raise SpecdraftError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise SpecdraftError(f"beta must be in [0, 1], got {self.beta}")
-        if self.weighting not in WEIGHTINGS:
-            raise SpecdraftError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
-        if self.normalization not in NORMALIZATIONS:
-            raise SpecdraftError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                                 f"got {self.normalization!r}")
-        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
-            raise SpecdraftError(f"draft_vocab must be an integer >= 0 (0 = the whole vocabulary), "
-                                 f"got {self.draft_vocab!r}")
-        for name in ("max_seq_len", "eval_max_new_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.eval_prompts < 0 or self.heldout_every < 2:
-            raise SpecdraftError(f"eval_prompts must be >= 0 and heldout_every >= 2, got {self.eval_prompts}, "
-                                 f"{self.heldout_every}")
-        for name in ("target_dtype", "export_dtype"):
-            if getattr(self, name) not in EXPORT_DTYPES:
-                raise SpecdraftError(f"{name} must be one of {', '.join(EXPORT_DTYPES)}, got {getattr(self, name)!r}")
+        check_choices(self, ("loss",), LOSSES)
+        check_choices(self, ("weighting",), WEIGHTINGS)
+        check_choices(self, ("normalization",), NORMALIZATIONS)
+        check_ints(self, ("max_seq_len", "eval_max_new_tokens"), 1)
+        check_ints(self, ("eval_prompts", "draft_vocab"), 0)
+        check_ints(self, ("heldout_every",), 2)
+        check_choices(self, ("target_dtype", "export_dtype"), EXPORT_DTYPES)
         self.num_draft_tokens()
 
     def num_draft_tokens(self) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
-from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, train
+from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, check_choices, check_ints, train
 
 EXPORT_DTYPES = DTYPES  # float32 | bfloat16, the same names as --dtype
 
@@ -51,16 +51,12 @@ class PretrainConfig(TrainerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.drafter()
-        for name in ("seq_len", "max_eval_rows"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        check_ints(self, ("seq_len", "max_eval_rows"), 1)
         for name in ("tokens", "max_docs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.heldout_every < 2:
-            raise SpecdraftError(f"heldout_every must be at least 2, got {self.heldout_every}")
-        if self.export_dtype not in EXPORT_DTYPES:
-            raise SpecdraftError(f"export_dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.export_dtype!r}")
+        check_ints(self, ("heldout_every",), 2)
+        check_choices(self, ("export_dtype",), EXPORT_DTYPES)
 
     def drafter(self) -> DrafterConfig:
         return DrafterConfig(preset=self.preset, num_layers=self.num_layers, hidden_size=self.hidden_size,

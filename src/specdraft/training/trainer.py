@@ -74,21 +74,21 @@ class TrainerConfig:
                                                         "state with FSDP2 instead of replicating it with DDP"})
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "log_every"):
-            _check(self, name, lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
-            _check(self, name, lambda v: isinstance(v, int) and v >= 0, "an integer >= 0")
-        _check(self, "lr", lambda v: v > 0 and math.isfinite(v), "a positive number")
-        _check(self, "min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check(self, "weight_decay", lambda v: v >= 0, ">= 0")
-        _check(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
-        _check(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
-        _check(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps, f"None or in 1 .. steps={self.steps}")
+        check_ints(self, ("steps", "batch_size", "grad_accum", "log_every"), 1)
+        check_ints(self, ("warmup_steps", "eval_every", "checkpoint_every"), 0)
+        check_field(self, "lr", lambda v: v > 0 and math.isfinite(v), "a positive number")
+        check_field(self, "min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
+        check_field(self, "weight_decay", lambda v: v >= 0, ">= 0")
+        check_field(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
+        check_field(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
+        check_field(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps,
+                    f"None or in 1 .. steps={self.steps}")
         if not str(self.out).strip():
             raise SpecdraftError("out must be a folder path, got an empty string")
 
 
-def _check(config, name: str, ok: Callable[[object], bool], what: str) -> None:
+def check_field(config, name: str, ok: Callable[[object], bool], what: str) -> None:
+    """Raise ``SpecdraftError`` naming ``name`` unless ``ok(config.name)`` (a ``TypeError`` in ``ok`` counts as no)."""
     value = getattr(config, name)
     try:
         good = ok(value)
@@ -96,6 +96,19 @@ def _check(config, name: str, ok: Callable[[object], bool], what: str) -> None:
         good = False
     if not good:
         raise SpecdraftError(f"{name} must be {what}, got {value!r}")
+
+
+def check_ints(config, names: tuple[str, ...], minimum: int) -> None:
+    """Every field in ``names`` is an integer >= ``minimum``."""
+    for name in names:
+        check_field(config, name, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum,
+                    f"an integer >= {minimum}")
+
+
+def check_choices(config, names: tuple[str, ...], choices) -> None:
+    """Every field in ``names`` is one of ``choices`` (any container of names)."""
+    for name in names:
+        check_field(config, name, lambda v: v in choices, f"one of {', '.join(choices)}")
 
 
 @dataclass
