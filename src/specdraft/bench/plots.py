@@ -43,10 +43,10 @@ def _speedup_by_subtask(plt, methods: dict, path: Path) -> None:
     ax.set_xticks(range(len(groups)), groups, rotation=20)
     ax.set_ylabel("speed-up over ar (tokens/s ratio)")
     ax.set_title("Speed-up by subtask")
-    if shown:
-        ax.legend(fontsize="small")
+    if shown:  # below the axes: inside, it covered the tallest bars
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.25), ncols=min(len(shown), 3))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
