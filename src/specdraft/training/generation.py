@@ -1,7 +1,8 @@
 """Distillation data (Goel et al. 2024, arXiv 2403.00858, the stage "distillation dataset generation"): the
 target's own responses to real instructions.
 
-Prompts (ShareGPT first turns, or any prompt jsonl) are cut into fixed shards; each shard is generated in batches
+Prompts (ShareGPT first turns, every ShareGPT turn in context, prompt jsonl files: see
+:mod:`specdraft.training.prompt_sources`) are cut into fixed shards; each shard is generated in batches
 with left padding by transformers' ``generate`` and written atomically (temp file, then rename). A shard file that
 exists is complete, so a run killed at any moment (even ``kill -9``) and started again regenerates only missing
 shards: every prompt is answered exactly once. ``manifest.json`` lists the shards and says whether the set is
@@ -9,9 +10,10 @@ complete; it is rewritten after every shard, so the shards of a run stopped part
 (``--allow-incomplete``). Under ``torchrun`` rank r takes the shards with index ≡ r (mod world size).
 
 Output records (one JSON line per response): ``prompt_id``, ``messages``, ``prompt_token_ids``,
-``response_token_ids``, ``response_text``, ``response_index``, ``finish_reason``, ``sampling``, ``target``, and with
-``top_logprobs > 0`` the target's top-k log-probabilities per response token (``top_ids``, ``top_logprobs``: an
-approximation of p for training, labelled as such).
+``response_token_ids``, ``response_text``, ``response_index``, ``finish_reason``, ``sampling``, ``target``,
+``policy`` (who answered: "target", or "draft" with ``drafter``, on-policy data: :mod:`specdraft.training.onpolicy`),
+and with ``top_logprobs > 0`` the target's top-k log-probabilities per response token (``top_ids``,
+``top_logprobs``: an approximation of p for training, labelled as such).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.training import onpolicy
 
 CONFIG_FILE, MANIFEST_FILE = "distill_config.json", "manifest.json"
 
@@ -37,7 +40,9 @@ class DistillDataConfig:
 
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
     out: str = field(metadata={"help": "output folder (shards, manifest)"})
-    prompts: str = field(default="sharegpt", metadata={"help": "'sharegpt' or a prompt jsonl file"})
+    prompts: str = field(default="sharegpt", metadata={
+        "help": "sharegpt (first turns), sharegpt-turns (every turn in context) or a prompt jsonl; comma-separated "
+                "sources are pooled"})
     split: str = field(default="train", metadata={"help": "ShareGPT split: train or heldout"})
     limit: int | None = field(default=None, metadata={"help": "use the first N prompts"})
     responses_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt"})
@@ -50,6 +55,10 @@ class DistillDataConfig:
     shard_size: int = field(default=64, metadata={"help": "prompts per shard file"})
     dtype: str = field(default="bfloat16", metadata={"help": "float32 or bfloat16"})
     seed: int = field(default=0, metadata={"help": "base seed; each shard derives its own"})
+    policy: str = field(default="target", metadata={"help": "who answers: target, draft (on-policy) or mixed (GKD)"})
+    mix_fraction: float = field(default=0.5, metadata={"help": "mixed: share of prompts the drafter answers (λ)"})
+    draft: str | None = field(default=None, metadata={"help": "drafter that answers under --policy draft or mixed"})
+    greedy_response: bool = field(default=False, metadata={"help": "add a greedy response beside the sampled ones"})
 
     def __post_init__(self) -> None:
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates the sampling values
@@ -60,26 +69,19 @@ class DistillDataConfig:
             raise SpecdraftError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.limit is not None and self.limit < 1:
             raise SpecdraftError(f"limit must be >= 1, got {self.limit}")
+        onpolicy.check_policy(self)
 
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
-        skip = {"out", "batch_size"}
-        return {k: v for k, v in asdict(self).items() if k not in skip}
+        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response"}
+        return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self)
 
 
 def load_prompts(config: DistillDataConfig) -> list[tuple[str, list[dict]]]:
-    """(prompt id, chat messages) pairs in a fixed order."""
-    from specdraft.training import data
+    """(prompt id, chat messages) pairs in a fixed order (:mod:`specdraft.training.prompt_sources`)."""
+    from specdraft.training.prompt_sources import load_prompt_sources
 
-    if config.prompts == "sharegpt":
-        records = data.sharegpt_prompts(split=config.split, limit=config.limit)
-        pairs = [(f"sharegpt:{r.id}", r.messages()) for r in records]
-    else:
-        messages = data.prompts_from_jsonl(config.prompts)[: config.limit]
-        pairs = [(f"{Path(config.prompts).name}:{i}", m) for i, m in enumerate(messages)]
-    if not pairs:
-        raise SpecdraftError(f"no prompts from {config.prompts!r}")
-    return pairs
+    return load_prompt_sources(config.prompts, config.split, config.limit)
 
 
 def _check_or_write_config(config: DistillDataConfig, out: Path, overwrite: bool) -> None:
@@ -147,12 +149,14 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
     from specdraft.api import parse_dtype
     from specdraft.models.registry import load_model, load_tokenizer
 
-    model = load_model(config.target, parse_dtype(config.dtype), backend="hf").model
-    tokenizer = load_tokenizer(config.target)
+    target = load_model(config.target, parse_dtype(config.dtype), backend="hf")
+    model, tokenizer = target.model, load_tokenizer(config.target)
+    drafter = onpolicy.load_drafter(config, target, tokenizer) if config.policy != "target" else None
     bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="prompt", disable=not progress, desc="distill-data")
     for index in todo:
         started = time.perf_counter()
-        records = generate_shard(model, tokenizer, shards[index], config, seed=config.seed * 100_003 + index)
+        records = onpolicy.generate_shard(model, tokenizer, shards[index], config, config.seed * 100_003 + index,
+                                          drafter)
         _atomic_write(shard_path(out, index), "".join(json.dumps(r) + "\n" for r in records))
         if after_shard is not None:
             after_shard()

@@ -1,0 +1,146 @@
+"""On-policy distillation data (DistillSpec, GKD): the drafter answers, the target scores every response token."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import load_model
+from specdraft.training.generation import DistillDataConfig, generate_distillation_data, shard_path
+from specdraft.training.onpolicy import draws_from_drafter
+from specdraft.training.teacher import topk_logprobs
+from toys import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return str(save_tiny_checkpoint(root / "target", seed=0)), str(save_tiny_checkpoint(root / "draft", seed=1))
+
+
+def _prompt_file(path, n):
+    lines = [json.dumps({"prompt": " ".join(f"w{(i * 7 + j) % 60}" for j in range(1 + i % 5))}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _records(out):
+    return [json.loads(line) for f in sorted(out.glob("shard-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def _run(target, prompts, out, **kwargs):
+    defaults = dict(max_new_tokens=6, batch_size=3, shard_size=4, dtype="float32", temperature=0.0, top_logprobs=4)
+    config = DistillDataConfig(target=target, out=str(out), prompts=prompts, **(defaults | kwargs))
+    return generate_distillation_data(config, progress=False), _records(out)
+
+
+def test_draft_policy_answers_with_the_drafter_and_stores_the_targets_topk(models, tmp_path):
+    target, draft = models
+    prompts = _prompt_file(tmp_path / "p.jsonl", 7)
+    manifest, records = _run(target, prompts, tmp_path / "on", policy="draft", draft=draft)
+    _, by_drafter = _run(draft, prompts, tmp_path / "q")  # the drafter's own greedy answers, as a target run
+    assert manifest["complete"] and manifest["config"]["policy"] == "draft"
+    assert [r["response_token_ids"] for r in records] == [r["response_token_ids"] for r in by_drafter]
+    assert all(r["policy"] == "draft" and r["drafter"] == draft for r in records)
+    p = load_model(target, torch.float32, backend="hf").model
+    for r in records:
+        top_ids, top_logprobs = topk_logprobs(p, [r["prompt_token_ids"] + r["response_token_ids"]],
+                                              [len(r["prompt_token_ids"])], 4, 0)[0]
+        assert r["top_ids"] == top_ids and len(top_ids) == len(r["response_token_ids"])
+        assert torch.allclose(torch.tensor(r["top_logprobs"]), torch.tensor(top_logprobs), atol=1e-3)
+
+
+def test_drafter_equal_to_target_gives_the_target_data(models, tmp_path):
+    """Scoring by teacher forcing agrees with the log-probs kept while the target generates."""
+    target, _ = models
+    prompts = _prompt_file(tmp_path / "p.jsonl", 6)
+    _, on = _run(target, prompts, tmp_path / "on", policy="draft", draft=target)
+    _, off = _run(target, prompts, tmp_path / "off")
+    assert [r["response_token_ids"] for r in on] == [r["response_token_ids"] for r in off]
+    assert [r["top_ids"] for r in on] == [r["top_ids"] for r in off]
+    for a, b in zip(on, off, strict=True):
+        assert torch.allclose(torch.tensor(a["top_logprobs"]), torch.tensor(b["top_logprobs"]), atol=1e-3)
+    assert {r["policy"] for r in off} == {"target"}
+
+
+def test_mixed_policy_draws_each_prompt_once_reproducibly(models, tmp_path):
+    target, draft = models
+    prompts = _prompt_file(tmp_path / "p.jsonl", 12)
+    manifest, mixed = _run(target, prompts, tmp_path / "mix", policy="mixed", mix_fraction=0.5, draft=draft, seed=3)
+    _, on = _run(target, prompts, tmp_path / "on", policy="draft", draft=draft)
+    _, off = _run(target, prompts, tmp_path / "off")
+    assert manifest["config"]["mix_fraction"] == 0.5
+    policies = [r["policy"] for r in mixed]
+    assert policies == ["draft" if draws_from_drafter(r["prompt_id"], "mixed", 0.5, 3) else "target" for r in mixed]
+    assert 0 < policies.count("draft") < len(mixed)
+    for record, a, b in zip(mixed, on, off, strict=True):
+        same = a if record["policy"] == "draft" else b
+        assert record["response_token_ids"] == same["response_token_ids"] and record["top_ids"] == same["top_ids"]
+    shard_path(tmp_path / "mix", 1).unlink()  # resume: the missing shard is remade with the same draws
+    _, again = _run(target, prompts, tmp_path / "mix", policy="mixed", mix_fraction=0.5, draft=draft, seed=3)
+    assert again == mixed
+
+
+def test_mix_fraction_endpoints_and_rate():
+    ids = [f"p:{i}" for i in range(2000)]
+    assert not any(draws_from_drafter(i, "mixed", 0.0, 0) for i in ids)
+    assert all(draws_from_drafter(i, "mixed", 1.0, 0) for i in ids)
+    assert 0.27 < sum(draws_from_drafter(i, "mixed", 0.3, 0) for i in ids) / len(ids) < 0.33
+    assert [draws_from_drafter(i, "mixed", 0.5, 0) for i in ids] != [draws_from_drafter(i, "mixed", 0.5, 1)
+                                                                      for i in ids]
+
+
+def test_greedy_response_beside_sampled_ones(models, tmp_path):
+    target, draft = models
+    prompts = _prompt_file(tmp_path / "p.jsonl", 5)
+    _, records = _run(target, prompts, tmp_path / "g", policy="draft", draft=draft, temperature=1.0,
+                      responses_per_prompt=2, greedy_response=True)
+    _, greedy = _run(target, prompts, tmp_path / "q", policy="draft", draft=draft)
+    assert len(records) == 15 and [r["response_index"] for r in records] == [0, 1, 2] * 5
+    assert [r["response_token_ids"] for r in records[::3]] == [r["response_token_ids"] for r in greedy]
+    assert [r["sampling"]["temperature"] for r in records[:3]] == [0.0, 1.0, 1.0]
+    assert all(len(r["top_ids"]) == len(r["response_token_ids"]) for r in records)
+
+
+def test_default_settings_keep_the_saved_fields_of_older_folders(models):
+    config = DistillDataConfig(target="t", out="o")
+    assert set(config.data_fields()) == {"target", "prompts", "split", "limit", "responses_per_prompt",
+                                         "max_new_tokens", "temperature", "top_p", "top_k", "top_logprobs",
+                                         "shard_size", "dtype", "seed"}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(policy="student"), "policy must be one of"),
+    (dict(policy="draft"), "--draft"),
+    (dict(policy="mixed", draft="d", mix_fraction=1.5), "mix_fraction"),
+    (dict(temperature=0.0, greedy_response=True), "greedy-response"),
+    (dict(temperature=0.0, responses_per_prompt=3), "responses-per-prompt 1"),
+])
+def test_bad_policy_settings(kwargs, message):
+    with pytest.raises(SpecdraftError, match=message):
+        DistillDataConfig(target="t", out="o", **kwargs)
+
+
+@pytest.mark.slow
+def test_smollm2_shipped_drafter_answers_and_the_target_scores(tmp_path):
+    """The real target and the shipped drafter on two prompts: the records hold the drafter's greedy answers and
+    the target's top-k at every one of their tokens."""
+    from specdraft.api import load_draft_model
+    from specdraft.models.registry import SMOLLM2, load_tokenizer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?"}\n{"prompt": "Give me two tips for sleep."}\n')
+    _, records = _run(SMOLLM2, str(prompts), tmp_path / "on", policy="draft",
+                      draft="smollm2-135m-instruct-drafter", max_new_tokens=12, top_logprobs=8)
+    assert [r["policy"] for r in records] == ["draft", "draft"]
+    target, tokenizer = load_model(SMOLLM2, torch.float32, backend="hf"), load_tokenizer(SMOLLM2)
+    drafter = load_draft_model(target, tokenizer, "smollm2-135m-instruct-drafter", backend="hf").model
+    for r in records:
+        prompt = torch.tensor([r["prompt_token_ids"]])
+        greedy = drafter.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.eos_token_id)
+        assert r["response_token_ids"] == greedy[0, prompt.shape[1]:].tolist()[: len(r["response_token_ids"])]
+        logits = target.model(torch.tensor([r["prompt_token_ids"] + r["response_token_ids"]])).logits[0]
+        rows = logits[len(r["prompt_token_ids"]) - 1 : -1].float().log_softmax(-1)  # (R, V)
+        assert [row[0] for row in r["top_ids"]] == rows.argmax(-1).tolist()
+        assert len(r["top_ids"]) == len(r["response_token_ids"]) and all(len(row) == 8 for row in r["top_ids"])
