@@ -147,7 +147,7 @@ def test_interrupted_rebuild_leaves_a_folder_that_does_not_load(corpus, tmp_path
             raise KeyboardInterrupt  # killed while writing the second file
         real_save(file, array)
 
-    monkeypatch.setattr(datastore.np, "save", dying_save)
+    monkeypatch.setattr(np, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
         datastore.build(tiny_tokenizer(), str(corpus), out)
     with pytest.raises(SpecdraftError, match="no datastore"):

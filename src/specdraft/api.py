@@ -4,121 +4,18 @@
     drafter = load_drafter(target, tokenizer, draft="path/to/drafter")   # or drafter="prompt-lookup"
     ids = encode_prompt(tokenizer, "Why is the sky blue?", chat=True)
     result = generate(target, ids, drafter, GenerationConfig(eos_token_ids=eos_token_ids(tokenizer)))
+
+A thin front: every name here is defined in the module that owns it, and no module of the package imports this one.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from specdraft.decoding import GenerationConfig, GenerationResult, generate
+from specdraft.drafters.loading import load_draft_model, load_drafter
+from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
+from specdraft.prompts import encode_prompt
 
-import torch
-
-from specdraft.compat import check_compatible
-from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
-from specdraft.drafters.options import build, folder_options
-from specdraft.errors import SpecdraftError
-from specdraft.models import CausalLM, load_model, load_tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise SpecdraftError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
-    """The target model and its tokenizer."""
-    return load_model(name_or_path, dtype, backend), load_tokenizer(name_or_path)
-
-
-def load_drafter(
-    target: CausalLM,
-    target_tokenizer,
-    draft: str | None = None,
-    drafter: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    backend: str = "auto",
-    options: dict[str, str] | None = None,
-) -> Drafter | None:
-    """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
-    ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
-    strings). A draft model folder may hold ``drafter_options.json``, the options it was measured best with
-    (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them."""
-    if draft and drafter:
-        raise SpecdraftError("give either a draft model or a training-free drafter, not both")
-    if drafter:
-        if drafter not in TRAINING_FREE:
-            raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(TRAINING_FREE))}")
-        return TRAINING_FREE[drafter](target, target_tokenizer, dict(options or {}))
-    if not draft:
-        if options:
-            raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
-        return None
-    from specdraft.models.registry import resolve
-
-    model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
-    folder = resolve(draft)
-    options = folder_options(folder) | dict(options or {})
-    keep = None
-    if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
-        from specdraft.draft_vocab import draft_subset
-
-        keep = draft_subset(str(folder), model.vocab_size, options.pop("draft_vocab"))
-    return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
-
-
-
-def load_draft_model(
-    target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto"
-) -> CausalLM:
-    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
-    shares the target's token embeddings gets them from ``target``."""
-    from specdraft.models.registry import resolve
-    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
-
-    folder = resolve(draft)
-    shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
-    model = load_model(draft, dtype, backend, embeddings_for(folder, target, draft) if shared else None)
-    try:
-        draft_tokenizer = load_tokenizer(draft)
-    except SpecdraftError:
-        draft_tokenizer = None  # a bare checkpoint: only the vocabulary size can be checked
-    check_compatible(target, target_tokenizer, model, draft_tokenizer)
-    return model
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt; with ``chat`` the text is one user turn in the tokenizer's chat template."""
-    if not text or not text.strip():
-        raise SpecdraftError("empty prompt")
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise SpecdraftError("--chat needs a tokenizer with a chat template; this one has none")
-        messages = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
-
-
-def eos_token_ids(tokenizer, model_name: str | None = None) -> tuple[int, ...]:
-    """End-of-sequence ids: the tokenizer's eos plus the model's generation_config eos ids."""
-    ids = set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if model_name:
-        ids |= _generation_config_eos(model_name)
-    return tuple(sorted(ids))
-
-
-def _generation_config_eos(model_name: str) -> set[int]:
-    from transformers import GenerationConfig
-
-    from specdraft.models.registry import resolve
-
-    try:
-        eos = GenerationConfig.from_pretrained(resolve(model_name), local_files_only=True).eos_token_id
-    except (OSError, ValueError):
-        return set()
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+__all__ = [
+    "DTYPES", "GenerationConfig", "GenerationResult", "encode_prompt", "eos_token_ids", "generate",
+    "load_draft_model", "load_drafter", "load_target", "parse_dtype",
+]

@@ -11,10 +11,12 @@ import sys
 
 import torch
 
-from specdraft.api import DTYPES, encode_prompt, eos_token_ids, load_drafter, load_target, parse_dtype
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, parse_options
+from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
+from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
+from specdraft.prompts import encode_prompt
 from specdraft.sampling import SamplingConfig
 from specdraft.training.commands import add_training_commands
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target
 from specdraft.decoding import GenerationConfig, GenerationResult, generate
 from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import DEFAULT_DRAFTERS, SHIPPED, SMOLLM2
-from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.models.registry import DEFAULT_DRAFTERS, SHIPPED, SMOLLM2, eos_token_ids, load_target
+from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 
 # layer-skip is left out by default: its first use calibrates for minutes, and on this small target it drafts slower
 # than plain decoding; medusa and eagle need trained heads (--drafter-option heads=PATH in generate)

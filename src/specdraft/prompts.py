@@ -1,10 +1,13 @@
 """Built-in chat prompts written for specdraft, one small set per Spec-Bench subtask (Xia et al. 2024): multi-turn
 conversation, translation, summarization, question answering, mathematical reasoning and retrieval-augmented
-generation. Used by ``specdraft demo`` and as a quick benchmark suite."""
+generation. Used by ``specdraft demo`` and as a quick benchmark suite; :func:`encode_prompt` turns a prompt into
+token ids."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from specdraft.errors import SpecdraftError
 
 _ARTICLE = (
     "The town council of Millbrook voted on Tuesday to convert the old railway depot into a public library. "
@@ -48,3 +51,15 @@ BUILTIN_PROMPTS: tuple[Prompt, ...] = (
     Prompt("rag", f"{_PASSAGE}\n\nUsing only the documents above, which river flows through more countries?"),
     Prompt("rag", f"{_PASSAGE}\n\nUsing only the documents above, where does the Rhine begin and end?"),
 )
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt; with ``chat`` the text is one user turn in the tokenizer's chat template."""
+    if not text or not text.strip():
+        raise SpecdraftError("empty prompt")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpecdraftError("--chat needs a tokenizer with a chat template; this one has none")
+        messages = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    return list(tokenizer(text)["input_ids"])

@@ -12,12 +12,14 @@ from specdraft.drafters import TRAINING_FREE
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.heads import WEIGHTS_FILE, save_heads
-from specdraft.heads.eagle import EAGLE, EagleHead, _spec, build_eagle, eagle_loss, num_parameters, target_weights
-from specdraft.heads.train import HEAD_KINDS
+from specdraft.heads.eagle import EagleHead, build_eagle, eagle_loss, eagle_spec, num_parameters
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
+from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
 from specdraft.training.finetune import collate_distill
+from specdraft.training.head_kinds import EAGLE
+from specdraft.training.heads import HEAD_KINDS
 from specdraft.trees import depths
 from specdraft.verification import VerifyResult
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
@@ -27,7 +29,7 @@ PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7, 7, 31, 12], [50, 4, 18, 18, 33, 2, 6
 
 def _head(model, seed: int = 0, **options) -> EagleHead:
     torch.manual_seed(seed)
-    return build_eagle(_spec(model.config, None, {k: str(v) for k, v in options.items()}))
+    return build_eagle(eagle_spec(model.config, None, {k: str(v) for k, v in options.items()}))
 
 
 def _features(model, ids: list[int]) -> torch.Tensor:
@@ -71,9 +73,9 @@ def test_head_sizes_registry_and_options():
     assert HEAD_KINDS["eagle"] is EAGLE
     assert head.loss_settings == {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0}
     with pytest.raises(SpecdraftError, match="unknown eagle option decay"):
-        _spec(model.config, None, {"decay": "0.8"})
+        eagle_spec(model.config, None, {"decay": "0.8"})
     with pytest.raises(SpecdraftError, match="cls_weight must be a number"):
-        _spec(model.config, None, {"cls_weight": "lots"})
+        eagle_spec(model.config, None, {"cls_weight": "lots"})
 
 
 def test_feature_stream_in_pieces_and_as_a_tree_equals_one_forward():
@@ -183,7 +185,7 @@ def test_sampled_marginal_matches_the_target(trained):
 
 def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     model, head = trained
-    spec = _spec(model.config, None, {})
+    spec = eagle_spec(model.config, None, {})
     folder = save_heads(head, "eagle", spec, tmp_path / "heads", "tiny0")
     target = NativeLlama.from_hf(model)
     loaded = TRAINING_FREE["eagle"](target, None, {"heads": str(folder), "top_k": "2", "tree_nodes": "6"})
@@ -204,7 +206,7 @@ def test_bad_heads_folders_and_mismatched_targets_are_clear_errors(trained, tmp_
     model, head = trained
     with pytest.raises(SpecdraftError, match="not a heads folder"):
         EagleDrafter(str(tmp_path / "missing"))
-    folder = save_heads(head, "eagle", _spec(model.config, None, {}), tmp_path / "heads", "tiny0")
+    folder = save_heads(head, "eagle", eagle_spec(model.config, None, {}), tmp_path / "heads", "tiny0")
     weights = folder / WEIGHTS_FILE
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(SpecdraftError, match="corrupt heads weights"):

@@ -13,11 +13,12 @@ from specdraft.drafters import TRAINING_FREE
 from specdraft.drafters.medusa import DEFAULT_TREE, MedusaDrafter, parse_tree
 from specdraft.errors import SpecdraftError
 from specdraft.heads import WEIGHTS_FILE, load_heads, save_heads
-from specdraft.heads.medusa import MEDUSA, MedusaHeads, build_medusa, medusa_loss
+from specdraft.heads.medusa import MedusaHeads, build_medusa, medusa_loss
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
 from specdraft.training.finetune import collate_distill
+from specdraft.training.head_kinds import MEDUSA
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7, 7, 31, 12], [50, 4, 18, 18, 33, 2, 61], [11, 23]]

@@ -14,7 +14,7 @@ from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.heads import save_heads
-from specdraft.heads.eagle import _spec
+from specdraft.heads.eagle import eagle_spec
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
@@ -96,7 +96,7 @@ def test_exported_heads_carry_the_ranking_and_draft_vocab_loads_it(eagle, tmp_pa
     from specdraft.draft_vocab import save_token_ranking
 
     model, head = eagle
-    folder = save_heads(head, "eagle", _spec(model.config, None, {}), tmp_path / "h", "tiny", ranking=rank_tokens(
+    folder = save_heads(head, "eagle", eagle_spec(model.config, None, {}), tmp_path / "h", "tiny", ranking=rank_tokens(
         [[9, 9, 9, 4, 4, 1]], 64))
     drafter = EagleDrafter(str(folder), draft_vocab=2)
     assert drafter.keep.tolist() == [9, 4]

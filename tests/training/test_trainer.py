@@ -134,8 +134,8 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 
 def _stage_configs():
-    from specdraft.heads.train import HeadsConfig
     from specdraft.training.finetune import FinetuneConfig
+    from specdraft.training.heads import HeadsConfig
     from specdraft.training.pretrain import PretrainConfig
 
     return {"pretrain": (PretrainConfig, {"target": "t"}),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from specdraft.api import parse_dtype
 from specdraft.bench.methods import parse_methods
 from specdraft.bench.questions import BUILTIN, CATEGORY_TO_SUBTASK, SUBTASKS
 from specdraft.decoding import GenerationConfig
 from specdraft.drafters import TRAINING_FREE
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import SMOLLM2
+from specdraft.models.registry import SMOLLM2, parse_dtype
 from specdraft.sampling import SamplingConfig
 
 SWEEPABLE = ("num_draft_tokens",)

@@ -4,7 +4,7 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
 :data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.TRAINING_FREE``); the runner never branches on a name.
 
 - ``ar``: plain decoding through specdraft's loop (the baseline; always run).
-- ``draft:PATH``: a draft model (``specdraft.api.load_drafter(..., draft=PATH)``); ``draft:PATH;tree_branching=2;
+- ``draft:PATH``: a draft model (``specdraft.load_drafter(..., draft=PATH)``); ``draft:PATH;tree_branching=2;
   tree_nodes=12`` drafts a dynamic token tree.
 - a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter, optionally with options
   ``NAME:KEY=VALUE;KEY=VALUE`` (quote the semicolons in a shell).
@@ -24,9 +24,9 @@ from typing import Protocol
 
 import torch
 
-from specdraft.api import load_draft_model, load_drafter
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_options
+from specdraft.drafters.loading import load_draft_model, load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from specdraft.api import eos_token_ids, load_target, parse_dtype
 from specdraft.bench.config import BenchConfig
 from specdraft.bench.methods import BuildContext, Method, build_methods
 from specdraft.bench.questions import GENERATED_SOURCES, Question, conversation_ids, load_questions, select_questions
@@ -36,6 +35,7 @@ from specdraft.bench.records import (
 )
 from specdraft.bench.report import write_report
 from specdraft.decoding import GenerationConfig
+from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
 
 WARMUP_TOKENS = 8
 

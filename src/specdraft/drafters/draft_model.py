@@ -32,9 +32,9 @@ tokens in the verify; with the confidence stop the chain ends at a token the dra
 siblings sit where a second guess is likeliest to be needed. Greedy only, for the same reason as the copy: a
 draft's runners-up are not independent draws from q.
 
-Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.api.load_drafter`): the drafter only
-proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A native
-drafter then multiplies by N rows of its LM head instead of all V (most of a small drafter's step); other models
+Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.drafters.loading.load_drafter`): the
+drafter only proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A
+native drafter then multiplies by N rows of its LM head instead of all V (most of a small drafter's step); other models
 compute full logits and are masked (same drafts, no saving).
 """
 

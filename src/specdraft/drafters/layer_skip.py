@@ -255,8 +255,7 @@ def store_cached(target: NativeLlama, skip_ratio: float, calibration: Calibratio
 def builtin_calibration_ids(tokenizer) -> list[list[int]]:
     """The first built-in prompt of each category (:data:`specdraft.prompts.BUILTIN_PROMPTS`; the second of a
     category often repeats the first's passage), in the chat template when there is one."""
-    from specdraft.api import encode_prompt
-    from specdraft.prompts import BUILTIN_PROMPTS
+    from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 
     if tokenizer is None:
         raise SpecdraftError("layer-skip calibration needs the target's tokenizer (or give skip=LAYERS)")

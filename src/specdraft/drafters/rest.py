@@ -1,11 +1,11 @@
 """REST: Retrieval-Based Speculative Decoding (He et al. 2023, arXiv 2311.08252). Training-free and deterministic.
 
-At each step: find the longest suffix of the context (``max_suffix`` down to ``min_suffix`` tokens) that occurs in
-a datastore (:mod:`specdraft.datastore`, an exact-match suffix-array index), read the next ``num_draft_tokens``
+At each step: find the longest suffix of the context (``max_suffix`` down to ``min_suffix`` tokens) that occurs in a
+datastore (:mod:`specdraft.datastore_index`, an exact-match suffix-array index), read the next ``num_draft_tokens``
 tokens after its occurrences (at most ``max_occurrences``, 5000 in REST's DraftRetriever), put them in a trie whose
-nodes count how many retrieved continuations pass through them (the prefix frequency), and keep the most frequent
-nodes, as REST does, as a token tree. The candidates are point masses (q = None), so tree verification keeps the
-output exactly the target's, greedy or sampled.
+nodes count how many retrieved continuations pass through them (the prefix frequency), and keep the most frequent nodes,
+as REST does, as a token tree. The candidates are point masses (q = None), so tree verification keeps the output exactly
+the target's, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdraft.datastore import DEFAULT_SOURCE, Datastore, default_dir, load
+from specdraft.datastore_index import DEFAULT_SOURCE, Datastore, default_dir, load
 from specdraft.drafters.base import EMPTY_DRAFT, Draft
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig

@@ -1,14 +1,11 @@
-"""Self-drafting heads on a frozen target's features (issue #7): Medusa (Cai et al. 2024, arXiv 2401.10774) and
-EAGLE (Li et al. 2024, arXiv 2401.15077).
-
-A kind of heads is a :class:`HeadKind` in :data:`specdraft.heads.train.HEAD_KINDS`: how to describe its
-architecture as JSON (``spec``), build and initialise the module, its training loss and held-out metrics, and a
-drafter for block-efficiency evaluation. Training (``specdraft train-heads --kind NAME``) lives in
-:mod:`specdraft.heads.train`; this module holds the interface and the exported file format:
+"""Self-drafting heads on a frozen target's features: Medusa (Cai et al. 2024, arXiv 2401.10774) and EAGLE (Li et
+al. 2024, arXiv 2401.15077). This package holds the head architectures (one module per kind) and their exported
+file format; training them (``specdraft train-heads --kind NAME``) lives in :mod:`specdraft.training.heads`.
 
 ``<out>/heads/`` holds ``heads.safetensors`` (the trainable weights only; the frozen target is never copied),
 ``heads.json`` (``{"format": 1, "kind": NAME, "spec": {...}, "target": NAME_OR_PATH}``) and a model card
-``README.md``. :func:`save_heads` writes the folder atomically; :func:`load_heads` checks it and rebuilds the module.
+``README.md``. :func:`save_heads` writes the folder atomically; :func:`load_heads` checks it and rebuilds the module
+with the kind's builder (:func:`build_heads`).
 """
 
 from __future__ import annotations
@@ -18,52 +15,33 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.files import replace_folder
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads.json"
 FORMAT = 1
 
 
-@dataclass(frozen=True)
-class HeadKind:
-    """One kind of heads, as the generic trainer and loader see it.
+def _builders() -> dict[str, Callable[[dict], nn.Module]]:
+    """Kind name -> build(spec) -> a fresh module; a new kind of heads adds its builder here."""
+    from specdraft.heads.eagle import build_eagle
+    from specdraft.heads.medusa import build_medusa
 
-    spec(target_config, config, options) -> dict: the JSON architecture (and loss settings) from the frozen
-        target's transformers config, the run's :class:`~specdraft.heads.train.HeadsConfig` and its ``options``
-        (``KEY=VALUE`` strings already split into a dict); it must hold ``vocab_size`` and ``hidden_size``.
-    build(spec) -> nn.Module: a fresh module (deterministic under ``torch.manual_seed``).
-    init(module, target_model): copy what starts from the frozen transformers target (e.g. its LM head).
-    loss(module, target_model, batch) -> (scalar loss, counted positions): ``batch`` as
-        :func:`specdraft.training.finetune.collate_distill` makes it; teacher features come from
-        :func:`specdraft.heads.train.teacher_hidden` (no gradient).
-    metrics(module, target_model, batch) -> {name: (sum, count)}: held-out statistics, pooled over batches as
-        sum / count by the evaluator.
-    drafter(module) -> Drafter or None: a drafter over an in-memory module, for block-efficiency evaluation.
-    """
-
-    spec: Callable[[Any, Any, dict[str, str]], dict]
-    build: Callable[[dict], nn.Module]
-    init: Callable[[nn.Module, nn.Module], None]
-    loss: Callable[[nn.Module, nn.Module, dict], tuple[torch.Tensor, int]]
-    metrics: Callable[[nn.Module, nn.Module, dict], dict[str, tuple[float, int]]]
-    drafter: Callable[[nn.Module], Any] | None = None
+    return {"medusa": build_medusa, "eagle": build_eagle}
 
 
-def get_kind(name: str) -> HeadKind:
-    """The registered kind ``name`` (a clear error naming the known kinds otherwise)."""
-    from specdraft.heads.train import HEAD_KINDS
-
-    if name not in HEAD_KINDS:
-        raise SpecdraftError(f"unknown heads kind {name!r}; known: {', '.join(sorted(HEAD_KINDS))}")
-    return HEAD_KINDS[name]
+def build_heads(kind: str, spec: dict) -> nn.Module:
+    """A fresh module of heads ``kind`` from its spec (``heads.json``'s ``spec``); an unknown kind is a clear error."""
+    builders = _builders()
+    if kind not in builders:
+        raise SpecdraftError(f"unknown heads kind {kind!r}; known: {', '.join(sorted(builders))}")
+    return builders[kind](spec)
 
 
 def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "",
@@ -72,8 +50,6 @@ def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target
     the training data's token ``ranking`` (:mod:`specdraft.draft_vocab`) to ``out``, replacing an old folder only
     once the new one is complete."""
     from safetensors.torch import save_file
-
-    from specdraft.training.checkpoint import _replace_folder
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +65,7 @@ def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target
 
             save_token_ranking(tmp, ranking)
         os.chmod(tmp, 0o755)
-        _replace_folder(tmp, out)
+        replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -127,7 +103,7 @@ def load_heads(path: str | Path, kind: str | None = None) -> tuple[dict, nn.Modu
     meta = read_heads_config(path)
     if kind is not None and meta["kind"] != kind:
         raise SpecdraftError(f"{path} holds {meta['kind']} heads, not {kind} heads")
-    module = get_kind(meta["kind"]).build(meta["spec"])
+    module = build_heads(meta["kind"], meta["spec"])
     try:
         weights = load_file(str(path / WEIGHTS_FILE))
     except (OSError, SafetensorError, ValueError) as exc:
@@ -140,4 +116,4 @@ def load_heads(path: str | Path, kind: str | None = None) -> tuple[dict, nn.Modu
     return meta, module.float().eval()
 
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "HeadKind", "get_kind", "load_heads", "read_heads_config", "save_heads"]
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "build_heads", "load_heads", "read_heads_config", "save_heads"]

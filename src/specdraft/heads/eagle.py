@@ -22,8 +22,8 @@ plus ``cls_weight`` (EAGLE: 0.1) times the cross-entropy of the head's token dis
 softmax(W_lm f_{t+1}).
 EAGLE's optional feature noise (uniform, added to the input features during training) is ``noise`` here.
 
-Registered as the ``eagle`` kind of ``specdraft train-heads`` (:data:`EAGLE`); the exported folder (see
-:mod:`specdraft.heads`) holds only fc and the layer, 2 D^2 + D + (H + 2 K) hd D + H hd D + 3 D F + D
+Trained as the ``eagle`` kind of ``specdraft train-heads`` (:mod:`specdraft.training.head_kinds`); the exported
+folder (see :mod:`specdraft.heads`) holds only fc and the layer, 2 D^2 + D + (H + 2 K) hd D + H hd D + 3 D F + D
 parameters (4.2 M for SmolLM2-135M, whose vocabulary projection alone has 28 M).
 """
 
@@ -36,9 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.heads import HeadKind
 from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _attention_mask, _rope_table, _Step
-from specdraft.models.shared_embeddings import target_weights
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias")
@@ -201,18 +199,18 @@ def eagle_loss(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, ma
     return reg_weight * regression + cls_weight * classification, count
 
 
-# --- the HeadKind for specdraft.heads.train --------------------------------------------------------------------------
+# --- the spec: sizes and loss settings, as stored in heads.json --------------------------------------------------
 
-_LOSS_OPTIONS = {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0}
+LOSS_OPTIONS = {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0}
 
 
-def _spec(target_config, config, options: dict[str, str]) -> dict:
+def eagle_spec(target_config, config, options: dict[str, str]) -> dict:
     """The head's sizes (from the target) and loss settings (``--options 'cls_weight=0.1;reg_weight=1;noise=0'``)."""
-    unknown = sorted(set(options) - set(_LOSS_OPTIONS))
+    unknown = sorted(set(options) - set(LOSS_OPTIONS))
     if unknown:
-        raise SpecdraftError(f"unknown eagle option {', '.join(unknown)}; eagle takes: {', '.join(_LOSS_OPTIONS)}")
+        raise SpecdraftError(f"unknown eagle option {', '.join(unknown)}; eagle takes: {', '.join(LOSS_OPTIONS)}")
     settings = {}
-    for name, default in _LOSS_OPTIONS.items():
+    for name, default in LOSS_OPTIONS.items():
         try:
             settings[name] = float(options.get(name, default))
         except ValueError:
@@ -228,53 +226,5 @@ def build_eagle(spec: dict) -> EagleHead:
         head = EagleHead({key: spec[key] for key in (*_SIZE_KEYS, "rope_theta")})
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecdraftError(f"bad EAGLE head spec {spec!r}: {exc}") from None
-    head.loss_settings = {name: float(spec.get(name, default)) for name, default in _LOSS_OPTIONS.items()}
+    head.loss_settings = {name: float(spec.get(name, default)) for name, default in LOSS_OPTIONS.items()}
     return head
-
-
-def _init(module: EagleHead, target_model) -> None:
-    """Nothing starts from the target: the embeddings and LM head stay the target's, read at every use."""
-
-
-def _pairs(module, target_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher features (B, T + 1, D) of the whole sequences, the sequences (B, T + 1) and the pair mask (B, T)."""
-    from specdraft.heads.train import teacher_hidden
-
-    tokens = torch.cat([batch["input_ids"][:, :1], batch["labels"]], dim=1)  # (B, T + 1)
-    seen = torch.cat([batch["attention_mask"][:, :1], batch["attention_mask"]], dim=1)  # (B, T + 1)
-    features = teacher_hidden(target_model, {"input_ids": tokens, "attention_mask": seen})  # (B, T + 1, D)
-    return features, tokens, batch["mask"]
-
-
-def _loss(module, target_model, batch: dict, generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
-    settings = getattr(getattr(module, "module", module), "loss_settings", _LOSS_OPTIONS)  # DDP wraps the head
-    features, tokens, mask = _pairs(module, target_model, batch)
-    embed, lm_head = target_weights(target_model)
-    return eagle_loss(module, features, tokens, mask, embed, lm_head, settings["cls_weight"], settings["reg_weight"],
-                      settings["noise"], generator)
-
-
-@torch.no_grad()
-def _metrics(module, target_model, batch: dict) -> dict[str, tuple[float, int]]:
-    """Held-out loss, feature regression error and top-1 agreement of the head's next-next token with the target's."""
-    features, tokens, mask = _pairs(module, target_model, batch)
-    embed, lm_head = target_weights(target_model)
-    loss, count = eagle_loss(module, features, tokens, mask, embed, lm_head, **{
-        k: v for k, v in getattr(module, "loss_settings", _LOSS_OPTIONS).items() if k != "noise"})
-    predicted = module(features[:, :-1], F.embedding(tokens[:, 1:], embed))[mask].float()  # (n, D)
-    truth = features[:, 1:][mask].float()  # (n, D)
-    lm_head = lm_head.float()
-    agree = (F.linear(predicted, lm_head).argmax(-1) == F.linear(truth, lm_head).argmax(-1)).sum()
-    return {"heldout_loss": (float(loss) * count, count),
-            "heldout_smooth_l1": (float(F.smooth_l1_loss(predicted, truth, reduction="sum")) / max(truth.shape[-1], 1),
-                                  count),
-            "heldout_top1": (float(agree), count)}
-
-
-def _drafter(module: EagleHead):
-    from specdraft.drafters.eagle import EagleDrafter
-
-    return EagleDrafter.from_module(module)
-
-
-EAGLE = HeadKind(spec=_spec, build=build_eagle, init=_init, loss=_loss, metrics=_metrics, drafter=_drafter)

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.heads import HeadKind
 
 DEFAULT_DECAY = 0.8
 
@@ -104,10 +103,10 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, 
     return total, accuracy, accuracy[0][1]
 
 
-# --- the HeadKind for specdraft.heads.train --------------------------------------------------------------------------
+# --- the spec: sizes and loss settings, as stored in heads.json --------------------------------------------------
 
 
-def _spec(target_config, config, options: dict[str, str]) -> dict:
+def medusa_spec(target_config, config, options: dict[str, str]) -> dict:
     unknown = sorted(set(options) - {"decay", "distill"})
     if unknown:
         raise SpecdraftError(f"unknown medusa option {', '.join(unknown)}; medusa takes: decay, distill")
@@ -135,44 +134,3 @@ def build_medusa(spec: dict) -> MedusaHeads:
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecdraftError(f"bad Medusa heads spec {spec!r}: {exc}") from None
     return heads
-
-
-def _init(module: MedusaHeads, target_model) -> None:
-    module.init_from_lm_head(target_model.get_output_embeddings().weight.detach().float())
-
-
-def _logits(module, target_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Head logits (K, B, T, V) and, for self-distillation, the target's probabilities (B, T, V) (else None)."""
-    from specdraft.heads.train import lm_head_weight, teacher_hidden
-
-    hidden = teacher_hidden(target_model, batch)  # (B, T, D), no gradient
-    heads = getattr(module, "module", module)  # DistributedDataParallel wraps the heads
-    teacher = None
-    if getattr(heads, "distill", False):
-        with torch.no_grad():
-            teacher = torch.softmax(F.linear(hidden, lm_head_weight(target_model)).float(), dim=-1)  # (B, T, V)
-    return module(hidden, lm_head_weight(target_model) if heads.share_lm_head else None), teacher  # (K, B, T, V)
-
-
-def _loss(module, target_model, batch: dict) -> tuple[torch.Tensor, int]:
-    decay = getattr(getattr(module, "module", module), "decay", DEFAULT_DECAY)
-    logits, teacher = _logits(module, target_model, batch)
-    loss, _, count = medusa_loss(logits, batch["labels"], batch["mask"], decay, teacher)
-    return loss, count
-
-
-def _metrics(module, target_model, batch: dict) -> dict[str, tuple[float, int]]:
-    logits, teacher = _logits(module, target_model, batch)
-    decay = getattr(module, "decay", DEFAULT_DECAY)
-    loss, accuracy, count = medusa_loss(logits, batch["labels"], batch["mask"], decay, teacher)
-    metrics = {"heldout_loss": (float(loss) * count, count)}
-    return metrics | {f"head{k}_top1": acc for k, acc in enumerate(accuracy, start=1)}
-
-
-def _drafter(module: MedusaHeads):
-    from specdraft.drafters.medusa import MedusaDrafter
-
-    return MedusaDrafter.from_module(module)
-
-
-MEDUSA = HeadKind(spec=_spec, build=build_medusa, init=_init, loss=_loss, metrics=_metrics, drafter=_drafter)

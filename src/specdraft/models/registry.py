@@ -21,6 +21,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 
 SMOLLM2 = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def load_model(
     """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers.
 
     A checkpoint that shares its target's token embeddings (:mod:`specdraft.models.shared_embeddings`) needs that
-    table as ``embeddings`` (V, D); :func:`specdraft.api.load_draft_model` passes the target's.
+    table as ``embeddings`` (V, D); :func:`specdraft.drafters.loading.load_draft_model` passes the target's.
     """
     from transformers import AutoConfig
 
@@ -173,3 +174,37 @@ def load_tokenizer(name_or_path: str):
         return AutoTokenizer.from_pretrained(where, **_hub_kwargs())
     except (OSError, ValueError, TypeError) as exc:
         raise SpecdraftError(f"cannot load a tokenizer for {name_or_path!r}: {str(exc).splitlines()[0]}") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``float32`` or ``bfloat16``."""
+    if name not in DTYPES:
+        raise SpecdraftError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
+    """The target model and its tokenizer."""
+    return load_model(name_or_path, dtype, backend), load_tokenizer(name_or_path)
+
+
+def eos_token_ids(tokenizer, model_name: str | None = None) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's eos plus the model's generation_config eos ids."""
+    ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model_name:
+        ids |= _generation_config_eos(model_name)
+    return tuple(sorted(ids))
+
+
+def _generation_config_eos(model_name: str) -> set[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(resolve(model_name), local_files_only=True).eos_token_id
+    except (OSError, ValueError):
+        return set()
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.files import replace_folder as _replace_folder
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng", "data")
@@ -142,17 +143,6 @@ def _usual_modes(folder: Path) -> None:
     for path in folder.iterdir():
         if path.is_file():
             os.chmod(path, 0o666 & ~umask)
-
-
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an old ``out`` is first moved aside, then deleted."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def model_card(card: dict) -> str:

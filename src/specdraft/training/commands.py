@@ -98,7 +98,7 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
 
 def _run_train_heads(args: argparse.Namespace) -> None:
-    from specdraft.heads.train import HeadsConfig, train_heads
+    from specdraft.training.heads import HeadsConfig, train_heads
 
     print(train_heads(config_from_args(HeadsConfig, args), command=command_line(args)), flush=True)
 
@@ -139,8 +139,8 @@ def add_training_commands(sub) -> None:
 
 
 def _add_train_heads(sub) -> None:
-    """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.heads.train`)."""
-    from specdraft.heads.train import HeadsConfig
+    """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.training.heads`)."""
+    from specdraft.training.heads import HeadsConfig
 
     p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle) on a frozen target")
     add_config_arguments(p, HeadsConfig)

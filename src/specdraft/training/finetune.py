@@ -455,7 +455,7 @@ def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
 
 def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
-    from specdraft.api import eos_token_ids
+    from specdraft.models.registry import eos_token_ids
 
     need_topk = config.use_stored_topk and config.loss != "ce"
     records = [record for folder in data_folders(config.data)

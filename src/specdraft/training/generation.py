@@ -146,8 +146,7 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
                      after_shard: Callable[[], object] | None = None) -> None:
     from tqdm import tqdm
 
-    from specdraft.api import parse_dtype
-    from specdraft.models.registry import load_model, load_tokenizer
+    from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 
     target = load_model(config.target, parse_dtype(config.dtype), backend="hf")
     model, tokenizer = target.model, load_tokenizer(config.target)

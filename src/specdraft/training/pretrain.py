@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from specdraft.api import DTYPES
 from specdraft.errors import SpecdraftError
+from specdraft.models.registry import DTYPES
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss

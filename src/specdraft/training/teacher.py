@@ -77,8 +77,7 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     """Annotate every shard of ``config.data`` into ``config.out``; returns the output manifest."""
     from tqdm import tqdm
 
-    from specdraft.api import parse_dtype
-    from specdraft.models.registry import load_model, load_tokenizer
+    from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
     from specdraft.training.data import read_jsonl
     from specdraft.training.finetune import load_distill_records
     from specdraft.training.generation import MANIFEST_FILE, _atomic_write

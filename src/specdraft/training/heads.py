@@ -8,9 +8,9 @@ get gradients. The generic trainer (:func:`specdraft.training.trainer.train`) gi
 progress, checkpoints and exact resume. Evaluation reports each kind's held-out metrics and, when the kind has a
 drafter, the block efficiency τ of greedy speculative decoding on held-out prompts.
 
-A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.heads.HeadKind`). The trained heads are
-exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`) with the token ranking of the training responses
-(:mod:`specdraft.draft_vocab`, for drafting with a reduced vocabulary).
+A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.training.head_kinds.HeadKind`). The trained
+heads are exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`) with the token ranking of the training
+responses (:mod:`specdraft.draft_vocab`, for drafting with a reduced vocabulary).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 from specdraft.draft_vocab import rank_tokens
 from specdraft.drafters.options import parse_options
 from specdraft.errors import SpecdraftError
-from specdraft.heads import HeadKind, get_kind, save_heads
-from specdraft.heads.eagle import EAGLE
-from specdraft.heads.medusa import MEDUSA
+from specdraft.heads import load_heads, save_heads
+from specdraft.models.registry import eos_token_ids
 from specdraft.training.checkpoint import hardware, model_card
+from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
 from specdraft.training.pretrain import EXPORT_DTYPES
 from specdraft.training.trainer import (
     TrainerConfig,
@@ -48,6 +48,13 @@ HEAD_KINDS: dict[str, HeadKind] = {
 }
 
 HEADS_FOLDER = "heads"
+
+
+def get_kind(name: str) -> HeadKind:
+    """The registered kind ``name`` (a clear error naming the known kinds otherwise)."""
+    if name not in HEAD_KINDS:
+        raise SpecdraftError(f"unknown heads kind {name!r}; known: {', '.join(sorted(HEAD_KINDS))}")
+    return HEAD_KINDS[name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,19 +94,6 @@ class HeadsConfig(TrainerConfig):
     def kind_options(self) -> dict[str, str]:
         """``options`` as a dict."""
         return parse_options(self.options)
-
-
-@torch.no_grad()
-def teacher_hidden(target_model, batch: dict) -> torch.Tensor:
-    """The frozen target's final-normed hidden states (B, T, D) (its LM head's input) for a right-padded batch."""
-    out = target_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                  use_cache=False)
-    return out.last_hidden_state  # (B, T, D)
-
-
-def lm_head_weight(target_model) -> torch.Tensor:
-    """The frozen target's LM head weight (V, D)."""
-    return target_model.get_output_embeddings().weight
 
 
 # --- evaluation ------------------------------------------------------------------------------------------------------
@@ -161,7 +155,6 @@ def load_target(config: HeadsConfig):
 
 def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     """Train heads of ``config.kind`` on the frozen target and export them; returns ``<out>/heads``."""
-    from specdraft.api import eos_token_ids
     from specdraft.training.finetune import (
         DistillDataset,
         _check_token_ids,
@@ -202,8 +195,6 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
 def _warm_start(module, config: HeadsConfig) -> None:
     """Load ``config.init_heads`` into ``module``: heads of the same kind and shapes, else a clear error (loss
     settings such as Medusa's ``distill`` may differ)."""
-    from specdraft.heads import load_heads
-
     _, start = load_heads(config.init_heads, kind=config.kind)
     try:
         module.load_state_dict(start.state_dict())

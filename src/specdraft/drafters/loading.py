@@ -1,0 +1,69 @@
+"""Build a drafter by name: a draft model folder or name (checked against the target), or a training-free
+drafter from :data:`specdraft.drafters.TRAINING_FREE`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdraft.compat import check_compatible
+from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
+from specdraft.drafters.options import build, folder_options
+from specdraft.errors import SpecdraftError
+from specdraft.models import CausalLM, load_model, load_tokenizer
+
+
+def load_drafter(
+    target: CausalLM,
+    target_tokenizer,
+    draft: str | None = None,
+    drafter: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    options: dict[str, str] | None = None,
+) -> Drafter | None:
+    """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
+    ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
+    strings). A draft model folder may hold ``drafter_options.json``, the options it was measured best with
+    (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them."""
+    if draft and drafter:
+        raise SpecdraftError("give either a draft model or a training-free drafter, not both")
+    if drafter:
+        if drafter not in TRAINING_FREE:
+            raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(TRAINING_FREE))}")
+        return TRAINING_FREE[drafter](target, target_tokenizer, dict(options or {}))
+    if not draft:
+        if options:
+            raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
+        return None
+    from specdraft.models.registry import resolve
+
+    model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
+    folder = resolve(draft)
+    options = folder_options(folder) | dict(options or {})
+    keep = None
+    if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
+        from specdraft.draft_vocab import draft_subset
+
+        keep = draft_subset(str(folder), model.vocab_size, options.pop("draft_vocab"))
+    return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
+
+
+def load_draft_model(
+    target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto"
+) -> CausalLM:
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
+    shares the target's token embeddings gets them from ``target``."""
+    from specdraft.models.registry import resolve
+    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
+
+    folder = resolve(draft)
+    shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
+    model = load_model(draft, dtype, backend, embeddings_for(folder, target, draft) if shared else None)
+    try:
+        draft_tokenizer = load_tokenizer(draft)
+    except SpecdraftError:
+        draft_tokenizer = None  # a bare checkpoint: only the vocabulary size can be checked
+    check_compatible(target, target_tokenizer, model, draft_tokenizer)
+    return model

@@ -1,0 +1,18 @@
+"""Writing folders so that a crash never leaves one that looks complete: build it beside, then rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def replace_folder(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an old ``out`` is first moved aside, then deleted."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,166 @@
+"""The package's dependencies run one way, read from the source with ``ast`` (imports inside functions included):
+
+models, head architectures and the shared core (sampling, trees, verification, ...) at the bottom; drafters; the
+decoding loop; then training, bench and the demo; then the fronts (``cli``, ``api``, the package itself and any
+other front-end package), which nothing below imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import specdraft
+
+PACKAGE = "specdraft"
+SRC = Path(specdraft.__file__).resolve().parent
+
+# Layer of a module, by its longest matching prefix; a module no prefix names is a front (the top layer).
+LAYERS = {
+    "errors": 0, "files": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
+    "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0,
+    "drafters": 1,
+    "decoding": 2,
+    "training": 3, "bench": 3, "demo": 3, "datastore": 3,
+}
+FRONT = 4
+NAMES = {0: "models, heads and core", 1: "drafters", 2: "decoding", 3: "training, bench and tools", FRONT: "fronts"}
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package ``__init__``), for every module of the package."""
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = [PACKAGE, *path.relative_to(SRC).with_suffix("").parts]
+        package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if package else parts)] = (path, package)
+    return found
+
+
+def _targets(node: ast.AST, name: str, package: bool, known: dict) -> list[str]:
+    """The package modules an import statement names (``from X import y`` names X.y when that is a module)."""
+    if isinstance(node, ast.Import):
+        candidates = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            anchor = name.split(".")[: len(name.split(".")) - (0 if package else 1) - (node.level - 1)]
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+        candidates = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+    out = []
+    for candidate in candidates:
+        while candidate and candidate not in known:  # `import specdraft.x.y` names the module specdraft.x.y
+            candidate = candidate.rpartition(".")[0]
+        if candidate and candidate not in (name, PACKAGE):  # the root package is always initialised first anyway
+            out.append(candidate)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its file (top level, functions, TYPE_CHECKING)."""
+    known = modules()
+    graph = {}
+    for name, (path, package) in known.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges.update(_targets(node, name, package, known))
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")[1:]
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in LAYERS:
+            return LAYERS[".".join(parts[:end])]
+    return FRONT
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module ``start`` imports, directly or not -> the module that imports it (for the error message)."""
+    seen, todo = {}, [start]
+    while todo:
+        node = todo.pop()
+        for other in graph[node]:
+            if other not in seen and other != start:
+                seen[other] = node
+                todo.append(other)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_imports():
+    source = "def f():\n    from specdraft.heads import load_heads\nfrom . import options\nimport specdraft.api\n"
+    tree = ast.parse(source)
+    known = {"specdraft.heads": None, "specdraft.drafters": None, "specdraft.drafters.options": None,
+             "specdraft.api": None}
+    found = [t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+             for t in _targets(node, "specdraft.drafters.eagle", False, known)]
+    assert sorted(found) == ["specdraft.api", "specdraft.drafters.options", "specdraft.heads"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_the_package_modules(graph):
+    assert len(graph) > 40  # the walk found the package
+    assert cycles(graph) == [], "import circle(s); move the shared code down a layer instead of importing lazily"
+
+
+def test_every_import_points_down_or_sideways(graph):
+    upward = [f"{name} ({NAMES[layer(name)]}) imports {other} ({NAMES[layer(other)]})"
+              for name, edges in sorted(graph.items()) for other in sorted(edges) if layer(other) > layer(name)]
+    assert upward == []
+
+
+def test_drafters_never_import_training_bench_cli_or_api(graph):
+    forbidden = ("training", "bench", "cli", "api", "demo")
+    bad = []
+    for name in sorted(graph):
+        if name.startswith(f"{PACKAGE}.drafters"):
+            for other, via in sorted(reachable(graph, name).items()):
+                if other.split(".")[1] in forbidden:
+                    bad.append(f"{name} reaches {other} (imported by {via})")
+    assert bad == []
+
+
+def test_api_is_a_front_nothing_below_imports(graph):
+    importers = sorted(name for name, edges in graph.items() if f"{PACKAGE}.api" in edges)
+    assert all(layer(name) == FRONT for name in importers), importers
