@@ -130,8 +130,8 @@ def load_model(
     """
     from transformers import AutoConfig
 
-    from specdraft.models import native_llama
     from specdraft.models.hf import HFCausalLM
+    from specdraft.models.native_llama import NativeLlama, supports
     from specdraft.models.shared_embeddings import EMBEDDING_KEY, SHARED_EMBEDDINGS_FILE, shared_embeddings
 
     if backend not in ("auto", "native", "hf"):
@@ -146,8 +146,8 @@ def load_model(
         raise SpecdraftError(f"{name_or_path} shares its target's token embeddings ({SHARED_EMBEDDINGS_FILE}): "
                              "load it as a drafter of that target (--draft), not on its own")
     extra = {EMBEDDING_KEY: embeddings} if shared else None
-    if backend == "native" or (backend == "auto" and isinstance(where, Path) and native_llama.supports(config)):
-        return native_llama.NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
+    if backend == "native" or (backend == "auto" and isinstance(where, Path) and supports(config)):
+        return NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
     model = _load_hf(where, name_or_path, dtype)
     if shared:
         with torch.no_grad():
