@@ -16,3 +16,13 @@ def replace_folder(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)

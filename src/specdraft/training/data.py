@@ -29,6 +29,7 @@ from specdraft.errors import SpecdraftError
 T = TypeVar("T")
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MANIFEST_FILE = "manifest.json"  # of a distill-data folder: shards, config, completeness
 HELDOUT_FRACTION = 0.02
 SPLITS = ("train", "heldout", "all")
 

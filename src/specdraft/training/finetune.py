@@ -128,8 +128,7 @@ def data_folders(spec: str) -> list[str]:
 
 def load_distill_records(folder: str | Path, allow_incomplete: bool = False, need_topk: bool = False) -> list[dict]:
     """The records of a distill-data folder, checked; an unfinished folder is refused unless ``allow_incomplete``."""
-    from specdraft.training.data import read_jsonl
-    from specdraft.training.generation import MANIFEST_FILE
+    from specdraft.training.data import MANIFEST_FILE, read_jsonl
 
     folder = Path(folder)
     try:

@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.files import write_text_atomic as _atomic_write
 from specdraft.sampling import SamplingConfig
 from specdraft.training import onpolicy
+from specdraft.training.data import MANIFEST_FILE
 
-CONFIG_FILE, MANIFEST_FILE = "distill_config.json", "manifest.json"
+CONFIG_FILE = "distill_config.json"
 
 
 @dataclass(frozen=True)
@@ -100,15 +102,6 @@ def _check_or_write_config(config: DistillDataConfig, out: Path, overwrite: bool
     _atomic_write(path, json.dumps(config.data_fields(), indent=1))
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.jsonl"
 
@@ -155,7 +148,7 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
     for index in todo:
         started = time.perf_counter()
         records = onpolicy.generate_shard(model, tokenizer, shards[index], config, config.seed * 100_003 + index,
-                                          drafter)
+                                          generate_shard, drafter)
         _atomic_write(shard_path(out, index), "".join(json.dumps(r) + "\n" for r in records))
         if after_shard is not None:
             after_shard()

@@ -75,20 +75,23 @@ def draws_from_drafter(prompt_id: str, policy: str, mix_fraction: float, seed: i
 
 def load_drafter(config, target, tokenizer):
     """The transformers drafter that generates (checked against the target; shared embeddings taken from it)."""
-    from specdraft.api import load_draft_model, parse_dtype
+    from specdraft.drafters.loading import load_draft_model
+    from specdraft.models.registry import parse_dtype
 
     return load_draft_model(target, tokenizer, config.draft, parse_dtype(config.dtype), backend="hf").model.eval()
 
 
 @torch.inference_mode()
 def generate_shard(target_model, tokenizer, prompts: list[tuple[str, list[dict]]], config, seed: int,
-                   drafter_model=None) -> list[dict]:
+                   respond, drafter_model=None) -> list[dict]:
     """Records for one shard under ``config.policy``, in prompt order (each prompt's responses together).
 
     Args:
         target_model: the transformers target (p).
         drafter_model: the transformers drafter (q); needed when some prompt draws from it.
         seed: the shard's seed (the sampling of each generate call derives from it, as for target data).
+        respond: ``respond(model, tokenizer, prompts, config, seed) -> records``, a model's responses to a batch of
+            prompts (:func:`specdraft.training.generation.generate_shard`).
     """
     from_draft = [draws_from_drafter(pid, config.policy, config.mix_fraction, config.seed) for pid, _ in prompts]
     if any(from_draft) and drafter_model is None:
@@ -100,7 +103,7 @@ def generate_shard(target_model, tokenizer, prompts: list[tuple[str, list[dict]]
             continue
         model = drafter_model if uses_draft else target_model
         records = _responses(model, tokenizer, [prompts[i] for i in chosen], config, seed + (7919 if uses_draft else 0),
-                             score_with=target_model if uses_draft else None)
+                             respond, score_with=target_model if uses_draft else None)
         per_prompt = len(records) // len(chosen)
         for slot, i in enumerate(chosen):
             by_prompt[i] = records[slot * per_prompt : (slot + 1) * per_prompt]
@@ -111,11 +114,9 @@ def generate_shard(target_model, tokenizer, prompts: list[tuple[str, list[dict]]
     return [record for i in range(len(prompts)) for record in by_prompt[i]]
 
 
-def _responses(model, tokenizer, prompts: list, config, seed: int, score_with=None) -> list[dict]:
+def _responses(model, tokenizer, prompts: list, config, seed: int, respond, score_with=None) -> list[dict]:
     """``model``'s responses (greedy first with ``greedy_response``, then the sampled ones), in prompt order; with
     ``score_with``, the generator's logits are not kept and that model's top-k log-probs are stored instead."""
-    from specdraft.training import generation
-
     plain = replace(config, top_logprobs=0) if score_with is not None else config
     greedy = replace(plain, temperature=0.0, responses_per_prompt=1, greedy_response=False)
     runs = [greedy] if config.greedy_response else []
@@ -123,7 +124,7 @@ def _responses(model, tokenizer, prompts: list, config, seed: int, score_with=No
     per_prompt = sum(run.responses_per_prompt for run in runs)
     merged: list[list[dict]] = [[] for _ in prompts]
     for run in runs:
-        records = generation.generate_shard(model, tokenizer, prompts, run, seed)
+        records = respond(model, tokenizer, prompts, run, seed)
         for n, record in enumerate(records):
             record["response_index"] = len(merged[n // run.responses_per_prompt])
             merged[n // run.responses_per_prompt].append(record)

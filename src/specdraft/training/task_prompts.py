@@ -136,7 +136,7 @@ def build_task_prompts(per_task: int, seed: int = 0, conversations: Iterable[dic
 
 def write_task_prompts(path: str | Path, prompts: list[TaskPrompt]) -> Path:
     """One JSON object a line (``category``, ``prompt``): the prompt file ``distill-data --prompts`` reads."""
-    from specdraft.training.generation import _atomic_write
+    from specdraft.files import write_text_atomic as _atomic_write
 
     path = Path(path)
     if not prompts:

@@ -77,10 +77,10 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     """Annotate every shard of ``config.data`` into ``config.out``; returns the output manifest."""
     from tqdm import tqdm
 
+    from specdraft.files import write_text_atomic as _atomic_write
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
-    from specdraft.training.data import read_jsonl
+    from specdraft.training.data import MANIFEST_FILE, read_jsonl
     from specdraft.training.finetune import load_distill_records
-    from specdraft.training.generation import MANIFEST_FILE, _atomic_write
 
     load_distill_records(config.data, config.allow_incomplete)  # checks the folder and every record
     source = json.loads((Path(config.data) / MANIFEST_FILE).read_text())
