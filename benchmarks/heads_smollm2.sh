@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Medusa and EAGLE heads for SmolLM2-135M-Instruct (issue #7), exactly as run on the 2-core CPU, and the benchmark
+# Medusa and EAGLE heads for SmolLM2-135M-Instruct, exactly as run on the 2-core CPU, and the benchmark
 # behind docs/results.md's heads section. Needs the distillation data of benchmarks/smollm2_drafter.sh step (b).
 # Each training step resumes when rerun with --resume. Usage: benchmarks/heads_smollm2.sh RUNS_DIR
 set -euo pipefail

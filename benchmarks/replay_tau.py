@@ -16,35 +16,33 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
-from specdraft.api import parse_dtype
 from specdraft.bench.methods import BuildContext, build_methods
 from specdraft.bench.questions import conversation_ids, load_questions
 from specdraft.bench.records import read_run_info
 from specdraft.bench.replay import replay
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import load_model, load_tokenizer
+from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path)
-    parser.add_argument("--methods", required=True, help="comma-separated, as for specdraft bench")
-    parser.add_argument("--num-draft-tokens", type=int, help="γ (default: the run's)")
-    args = parser.parse_args()
-    config = read_run_info(args.run)["config"]
+def replay_methods(run: Path, specs: list[str], num_draft_tokens: int | None = None,
+                   on_method: Callable[[str, dict[str, float], float, float], None] | None = None) -> dict[str, dict]:
+    """τ by subtask and overall ({spec: {subtask | "overall": τ}}) of each replayable method in ``specs``, replayed
+    over the greedy run's ``ar`` answers; ``on_method(name, taus, nodes per step, seconds)`` after each method."""
+    config = read_run_info(run)["config"]
     if config.get("temperature", 0.0) != 0.0:
         raise SpecdraftError("replay needs a greedy run")
     tokenizer = load_tokenizer(config["target"])
     dtype = parse_dtype(config["dtype"])
     target = load_model(config["target"], dtype)
     questions = {q.question_id: q for q in load_questions(config["questions"])}
-    answers = [json.loads(line) for line in (args.run / "answers" / "ar.jsonl").open(encoding="utf-8")]
+    answers = [json.loads(line) for line in (run / "answers" / "ar.jsonl").open(encoding="utf-8")]
     ctx = BuildContext(target, tokenizer, config["target"], dtype)
-    gamma = args.num_draft_tokens or config["num_draft_tokens"]
-    methods = [m for m in build_methods(ctx, args.methods.split(","), (gamma,), False) if m.drafter is not None]
-    print(f"| method | {' | '.join(sorted({a['subtask'] for a in answers}))} | overall | nodes/step | seconds |")
+    gamma = num_draft_tokens or config["num_draft_tokens"]
+    methods = [m for m in build_methods(ctx, specs, (gamma,), False) if m.drafter is not None]
+    results = {}
     for method in methods:
         tokens, steps, nodes = defaultdict(int), defaultdict(int), [0]
         propose = method.drafter.propose
@@ -65,10 +63,27 @@ def main() -> None:
                 for key in (record["subtask"], "overall"):
                     tokens[key] += sum(lengths)
                     steps[key] += len(lengths)
-        keys = sorted(k for k in tokens if k != "overall") + ["overall"]
-        cells = " | ".join(f"{tokens[k] / steps[k]:.2f}" for k in keys)
-        print(f"| {method.name} | {cells} | {nodes[0] / steps['overall']:.1f} | {time.perf_counter() - started:.0f} |",
-              flush=True)
+        results[method.name] = {key: tokens[key] / steps[key] for key in tokens}
+        if on_method is not None:
+            on_method(method.name, results[method.name], nodes[0] / steps["overall"], time.perf_counter() - started)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("--methods", required=True, help="comma-separated, as for specdraft bench")
+    parser.add_argument("--num-draft-tokens", type=int, help="γ (default: the run's)")
+    args = parser.parse_args()
+    answers = [json.loads(line) for line in (args.run / "answers" / "ar.jsonl").open(encoding="utf-8")]
+    subtasks = sorted({a["subtask"] for a in answers})
+    print(f"| method | {' | '.join(subtasks)} | overall | nodes/step | seconds |")
+
+    def show(name: str, taus: dict[str, float], nodes: float, seconds: float) -> None:
+        cells = " | ".join(f"{taus[k]:.2f}" for k in [*subtasks, "overall"])
+        print(f"| {name} | {cells} | {nodes:.1f} | {seconds:.0f} |", flush=True)
+
+    replay_methods(args.run, args.methods.split(","), args.num_draft_tokens, show)
 
 
 if __name__ == "__main__":

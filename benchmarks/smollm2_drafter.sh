@@ -33,7 +33,7 @@ $sd finetune --drafter pt-small/model --target $T --data dd-topk32 --allow-incom
     --loss tvdpp --out ft-small-tvdpp --steps 100 --batch-size 16 --lr 1e-3 --warmup-steps 10 --bf16 \
     --target-dtype bfloat16 --checkpoint-every 25 --eval-prompts 4 --eval-max-new-tokens 64 --export-dtype bfloat16
 
-# (d) session 5: drafters made of the target's own layers (its embeddings, first decoder layers, final norm and tied
+# (d) drafters made of the target's own layers (its embeddings, first decoder layers, final norm and tied
 #     LM head), two sizes (layers 0-1 and 0-2), fine-tuned by forward-KL distillation on a greedy distillation set of
 #     all 5,880 train-split prompts whose top-32 log-probabilities are stored during generation (no teacher pass).
 #     Embeddings stay frozen and are shared with the target at load time (the shipped file holds only the layers);
@@ -51,7 +51,7 @@ for layers in 0,1 0,1,2; do
 done
 wait
 
-# (e) session 6: Spec-Bench-shaped distillation prompts (translation, summarization, qa, math_reasoning, rag; built
+# (e) Spec-Bench-shaped distillation prompts (translation, summarization, qa, math_reasoning, rag; built
 #     from the ShareGPT train split and this project's own word-problem templates, never from Spec-Bench), greedy
 #     responses with their top-32, then the shipped layers 0-1 drafter of (d) fine-tuned further on both sets.
 OMP_NUM_THREADS=2 $sd task-prompts --out task-prompts.jsonl --per-task 500
