@@ -256,6 +256,9 @@ def replay_table(spec: ReplayTable, runs: Path) -> str:
 
 
 def report(runs: Path, replay: bool, only: str | None) -> str:
+    """Every table of the report (or only the one named ``only``) as markdown, each under a heading with its name."""
+    if only is not None and only not in {spec.name for spec in REPORT}:
+        raise ValueError(f"no table named {only!r}")
     parts = []
     for spec in REPORT:
         if only and spec.name != only:
@@ -296,6 +299,8 @@ def main() -> None:
     parser.add_argument("--rename", action="append", default=[],
                         help="OLD=>NEW method display name (method names may hold '=')")
     args = parser.parse_args()
+    if args.only and not args.report:
+        parser.error("--only needs --report")
     if args.report:
         print(report(args.report, args.replay, args.only), end="")
         return

@@ -51,7 +51,7 @@ def test_a_subtask_table_and_a_missing_run(tables, tmp_path):
     text = tables.report(tmp_path, replay=False, only="training-free")
     assert "| method | translation | qa | overall |" in text
     assert "| REST | 1.36 | 1.36 | 1.36 |" in text
-    assert "(missing:" in tables.report(tmp_path, replay=False, only="specbench-64")
+    assert "(missing:" in tables.report(tmp_path, replay=False, only="length-64")
 
 
 def test_a_training_table_reads_the_last_evaluation(tables, tmp_path):
@@ -64,6 +64,8 @@ def test_a_training_table_reads_the_last_evaluation(tables, tmp_path):
     assert "| stage (c), ShareGPT answers | (missing: ft-l01-fkl) |" in text
 
 
-def test_every_report_table_has_a_unique_name(tables):
+def test_every_report_table_has_a_unique_name(tables, tmp_path):
     names = [spec.name for spec in tables.REPORT]
     assert len(names) == len(set(names)) > 10
+    with pytest.raises(ValueError, match="no table named"):
+        tables.report(tmp_path, replay=False, only="no-such-table")
