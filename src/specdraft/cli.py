@@ -208,6 +208,32 @@ def _run_build_datastore(args: argparse.Namespace) -> None:
           f"({time.perf_counter() - started:.1f} s with loading and saving)")
 
 
+def _add_export(sub) -> None:
+    from specdraft.export import FORMATS
+    from specdraft.export.base import GGUF_TYPES
+
+    p = sub.add_parser("export", help="export a drafter for another engine (transformers, llama.cpp, vLLM)")
+    p.add_argument("drafter", help="drafter name (e.g. smollm2-135m-instruct-drafter) or checkpoint folder")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS), help="what to write")
+    p.add_argument("--out", required=True, help="output folder (hf, speculators) or .gguf file (gguf)")
+    p.add_argument("--target", help="target name or folder (default: the one the drafter names, else SmolLM2)")
+    p.add_argument("--target-gguf", help="gguf: the target's GGUF file, whose tokenizer metadata is copied "
+                                         "(default: the built-in target's)")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default="bf16", help="gguf: weight type of the matrices")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="speculators: γ, draft tokens per step")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export once the new one is done")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from specdraft.export import ExportConfig, export
+
+    out = export(ExportConfig(drafter=args.drafter, format=args.format, out=args.out, target=args.target,
+                              target_gguf=args.target_gguf, gguf_type=args.gguf_type,
+                              num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite))
+    print(f"exported {args.drafter} as {args.format} to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding for chat LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -215,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_build_datastore(sub)
+    _add_export(sub)
     add_training_commands(sub)
     return parser
 

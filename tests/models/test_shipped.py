@@ -15,7 +15,7 @@ FOLDER = SHIPPED[SMOLLM2_DRAFTER]
 
 
 def test_shipped_drafter_is_a_small_bf16_llama_with_a_model_card():
-    assert resolve(SMOLLM2_DRAFTER) == FOLDER and DEFAULT_DRAFTERS[SMOLLM2] == SMOLLM2_DRAFTER
+    assert DEFAULT_DRAFTERS[SMOLLM2] == SMOLLM2_DRAFTER
     weights = FOLDER / "model.safetensors"
     assert weights.stat().st_size <= 40 * 2**20
     with safe_open(str(weights), "pt") as f:
@@ -24,6 +24,22 @@ def test_shipped_drafter_is_a_small_bf16_llama_with_a_model_card():
     assert config["model_type"] == "llama" and config["vocab_size"] == 49152 and config["num_hidden_layers"] <= 4
     card = (FOLDER / "README.md").read_text()
     assert "Budget" in card and "Measured" in card
+
+
+def test_shipped_drafter_resolves_to_a_standalone_copy_with_the_targets_table():
+    """The package ships the drafter without the embedding table; its name resolves to a copy in the cache folder
+    that holds the table, so that transformers loads it on its own."""
+    from specdraft.models.shared_embeddings import EMBEDDING_KEY, shared_embeddings
+    from specdraft.models.standalone import checkpoint_table
+
+    folder = resolve(SMOLLM2_DRAFTER)
+    assert shared_embeddings(folder) is None and folder != FOLDER
+    table = checkpoint_table(folder)
+    assert table.dtype == torch.bfloat16 and list(table.shape) == [49152, 576]
+    torch.testing.assert_close(table, checkpoint_table(resolve(SMOLLM2)).bfloat16())
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert EMBEDDING_KEY in f.keys()
+    assert (folder / "drafter_options.json").read_bytes() == (FOLDER / "drafter_options.json").read_bytes()
 
 
 def test_shipped_drafter_loads_with_its_target():
@@ -104,3 +120,30 @@ def test_shipped_eagle_heads_with_smollm2_are_lossless_and_draft():
     drafter = load_drafter(target, tokenizer, drafter="eagle", options={"heads": SMOLLM2_EAGLE})
     assert (drafter.top_k, drafter.tree_nodes, drafter.keep.numel()) == (2, 4, 8192)  # the shipped defaults
     _assert_lossless_and_drafting(target, tokenizer, drafter)
+
+
+@pytest.mark.slow
+def test_shipped_drafter_loads_alone_in_transformers_and_assists_losslessly(capfd):
+    """``AutoModelForCausalLM.from_pretrained`` on the folder the name resolves to: no missing or unexpected weight,
+    no warning; as transformers' ``assistant_model`` (γ 4, fp32) the output equals plain greedy ``generate`` on
+    held-out ShareGPT prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.api import encode_prompt
+    from specdraft.bench.questions import SHAREGPT_HELDOUT, load_questions
+    from specdraft.models.registry import load_tokenizer
+
+    assistant, info = AutoModelForCausalLM.from_pretrained(resolve(SMOLLM2_DRAFTER), dtype=torch.float32,
+                                                           output_loading_info=True)
+    captured = capfd.readouterr()
+    assert not any(info.values()), info
+    assert not any(word in captured.err for word in ("MISSING", "corrupt", "initialized", "UNEXPECTED"))
+    target = AutoModelForCausalLM.from_pretrained(resolve(SMOLLM2), dtype=torch.float32)
+    tokenizer = load_tokenizer(SMOLLM2)
+    gc = assistant.generation_config
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = 4, "constant", 0.0
+    for question in load_questions(SHAREGPT_HELDOUT)[:4]:
+        ids = torch.tensor([encode_prompt(tokenizer, question.turns[0], chat=True)])  # (1, N)
+        kwargs = {"max_new_tokens": 64, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
+        plain = target.generate(ids, **kwargs)
+        assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), plain), question.question_id

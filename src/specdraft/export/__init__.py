@@ -1,0 +1,8 @@
+"""Exports of a drafter for the engines users serve with: ``hf`` (a standalone transformers checkpoint), ``gguf``
+(a llama.cpp draft model), ``speculators`` (vLLM's speculators format). Each format registers itself in
+:data:`FORMATS`; :func:`export` runs one."""
+
+from specdraft.export import gguf, hf, speculators
+from specdraft.export.base import FORMATS, CheckedDrafter, ExportConfig, export, register
+
+__all__ = ["FORMATS", "CheckedDrafter", "ExportConfig", "export", "gguf", "hf", "register", "speculators"]

@@ -1,0 +1,116 @@
+"""What every export format shares: its settings, the registry of formats, and the checked drafter.
+
+A format is a function ``(ExportConfig, CheckedDrafter) -> Path`` registered under its name with
+:func:`register`; ``specdraft export --format NAME`` looks it up in :data:`FORMATS` and never branches on a name.
+Before any format runs, :func:`check_drafter` loads the target and the drafter and refuses a pair that cannot
+speculate together (vocabulary, special tokens, tokenizer, and for a drafter that shares its target's embeddings,
+the table's fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+GGUF_TYPES = ("bf16", "q8_0")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Settings of one export (``specdraft export``)."""
+
+    drafter: str = field(metadata={"help": "drafter name or checkpoint folder"})
+    format: str = field(metadata={"help": "export format, a key of FORMATS"})
+    out: str = field(metadata={"help": "output path (a folder, or a .gguf file for gguf)"})
+    target: str | None = field(default=None, metadata={
+        "help": "target name or folder; default: the target named by the drafter, else smollm2-135m-instruct"})
+    target_gguf: str | None = field(default=None, metadata={
+        "help": "gguf: the target's GGUF file, whose tokenizer metadata the export copies (default: the built-in's)"})
+    gguf_type: str = field(default="bf16", metadata={"help": "gguf: weight type of the matrices, bf16 or q8_0"})
+    num_draft_tokens: int = field(default=4, metadata={"help": "speculators: γ, draft tokens per target forward"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing export (once the new one is done)"})
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise SpecdraftError(f"unknown export format {self.format!r}; known: {', '.join(sorted(FORMATS))}")
+        if self.gguf_type not in GGUF_TYPES:
+            raise SpecdraftError(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}")
+        if self.num_draft_tokens < 1:
+            raise SpecdraftError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not self.out or not str(self.out).strip():
+            raise SpecdraftError("out is empty")
+
+
+@dataclass(frozen=True)
+class CheckedDrafter:
+    """A drafter checked against its target.
+
+    ``folder``: its checkpoint folder; ``table``: (V, D) the target's embedding table when the drafter shares it
+    (None when the drafter stores its own); ``tokenizer``: the tokenizer both sides share.
+    """
+
+    name: str
+    folder: Path
+    target_name: str
+    config: dict
+    tokenizer: object
+    table: torch.Tensor | None
+
+
+ExportFn = Callable[[ExportConfig, CheckedDrafter], Path]
+FORMATS: dict[str, ExportFn] = {}
+
+
+def register(name: str) -> Callable[[ExportFn], ExportFn]:
+    """Register an export format under ``name`` (``specdraft export --format NAME``)."""
+
+    def decorator(fn: ExportFn) -> ExportFn:
+        FORMATS[name] = fn
+        return fn
+
+    return decorator
+
+
+def default_target(folder: Path) -> str:
+    """The target a drafter folder names (``shared_embeddings.json``), else the built-in SmolLM2."""
+    from specdraft.models.registry import SMOLLM2
+    from specdraft.models.shared_embeddings import shared_embeddings
+
+    record = shared_embeddings(folder)
+    return record["target"] if record is not None else SMOLLM2
+
+
+def check_drafter(config: ExportConfig) -> CheckedDrafter:
+    """Load the target and the drafter and check that they can speculate together (raises SpecdraftError)."""
+    from specdraft.api import load_draft_model, load_target
+    from specdraft.models.registry import load_tokenizer, resolve
+    from specdraft.models.shared_embeddings import shared_embeddings, target_weights
+
+    folder = resolve(config.drafter)
+    if not isinstance(folder, Path):
+        raise SpecdraftError(f"export needs a local drafter folder, got hub id {config.drafter!r}")
+    target_name = config.target or default_target(folder)
+    target, tokenizer = load_target(target_name, torch.float32)
+    load_draft_model(target, tokenizer, config.drafter)  # vocabulary, special tokens, tokenizer, embeddings checks
+    try:
+        tokenizer = load_tokenizer(config.drafter)
+    except SpecdraftError:
+        pass  # a bare checkpoint: it speculates with the target's tokenizer
+    table = target_weights(target)[0] if shared_embeddings(folder) is not None else None
+    drafter_config = json.loads((folder / "config.json").read_text())
+    return CheckedDrafter(config.drafter, folder, target_name, drafter_config, tokenizer, table)
+
+
+def export(config: ExportConfig) -> Path:
+    """Export ``config.drafter`` in ``config.format`` to ``config.out``; refuses an existing ``out`` unless
+    ``config.overwrite`` (then the old export is replaced only once the new one is complete)."""
+    out = Path(config.out).expanduser()
+    if out.exists() and not config.overwrite:
+        raise SpecdraftError(f"{out} exists; pass --overwrite to replace it")
+    return FORMATS[config.format](config, check_drafter(config))

@@ -1,0 +1,192 @@
+"""``--format gguf``: a llama.cpp draft model (``llama-server -md drafter.gguf``).
+
+llama.cpp pairs a draft model with a target only when both speak the same vocabulary, so the export copies every
+``tokenizer.*`` field of the target's GGUF verbatim (tokens, types, merges, special ids, chat template) after
+checking that the drafter's tokenizer has exactly those tokens, and reads the written file back to confirm the
+tokenizer metadata equals the target's. Weights are written with the ``gguf`` package in llama.cpp's Llama layout
+(tensor names from ``gguf``'s own map; Q and K rows permuted for llama.cpp's rotary embedding, as its
+``convert_hf_to_gguf.py`` does); matrices in bf16 or q8_0, norms in f32.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.export.base import CheckedDrafter, ExportConfig, register
+
+TOKENIZER_PREFIX = "tokenizer."
+QUANT_TYPES = {"bf16": "BF16", "q8_0": "Q8_0"}
+FILE_TYPES = {"bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+
+
+def target_gguf(config: ExportConfig, target_name: str) -> Path:
+    """The target's GGUF: ``config.target_gguf``, the built-in model's file, or the one .gguf in its folder."""
+    from specdraft.models.registry import BUILTINS, _package_dir, resolve
+
+    if config.target_gguf:
+        path = Path(config.target_gguf).expanduser()
+    elif target_name in BUILTINS:
+        builtin = BUILTINS[target_name]
+        path = _package_dir(builtin.package) / builtin.gguf_file
+    else:
+        folder = resolve(target_name)
+        found = sorted(Path(folder).glob("*.gguf")) if isinstance(folder, Path) else []
+        if len(found) != 1:
+            raise SpecdraftError(f"gguf export needs the target's GGUF (its tokenizer metadata is copied): "
+                                 f"pass --target-gguf for target {target_name!r}")
+        path = found[0]
+    if not path.is_file():
+        raise SpecdraftError(f"target GGUF not found: {path}")
+    return path
+
+
+def tokenizer_fields(path: Path) -> dict[str, tuple]:
+    """``{key: (value, types)}`` of the ``tokenizer.*`` fields of a GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"cannot read GGUF {path}: {exc}") from None
+    return {k: (f.contents(), list(f.types)) for k, f in reader.fields.items() if k.startswith(TOKENIZER_PREFIX)}
+
+
+def check_vocabulary(fields: dict[str, tuple], tokenizer, vocab_size: int, path: Path) -> None:
+    """Refuse a drafter whose tokenizer is not the target GGUF's: same size, same token at every id."""
+    tokens = fields.get("tokenizer.ggml.tokens", (None,))[0]
+    if not tokens:
+        raise SpecdraftError(f"{path} holds no tokenizer.ggml.tokens")
+    if len(tokens) != vocab_size:
+        raise SpecdraftError(f"vocabulary mismatch: target GGUF {path.name} has {len(tokens)} tokens, "
+                             f"the drafter {vocab_size}")
+    mine = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
+    wrong = [i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b]
+    if wrong:
+        i = wrong[0]
+        raise SpecdraftError(f"tokenizer mismatch: {len(wrong)} token(s) differ from target GGUF {path.name}, "
+                             f"first at id {i}: {mine[i]!r} vs {tokens[i]!r}")
+    for key, attr in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        theirs, ours = fields.get(key, (None,))[0], getattr(tokenizer, attr, None)
+        if theirs is not None and ours is not None and int(theirs) != int(ours):
+            raise SpecdraftError(f"special token mismatch: {attr} is {ours} in the drafter, {theirs} in {path.name}")
+
+
+def permute_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(n_head * head_dim, D) Q or K rows from transformers' rotary layout (halves) to llama.cpp's (pairs)."""
+    rows, cols = weight.shape
+    return weight.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gguf_tensors(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Drafter tensors under llama.cpp's names, Q and K permuted; ``output.weight`` only when the head is untied."""
+    import gguf
+
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    out = {}
+    for key, value in tensors.items():
+        if key == "lm_head.weight" and config.get("tie_word_embeddings", False):
+            continue
+        base, _, suffix = key.rpartition(".")
+        name = name_map.get_name(base)
+        if name is None or suffix != "weight":
+            raise SpecdraftError(f"gguf export: tensor {key!r} has no place in llama.cpp's Llama layout")
+        value = value.float()
+        if base.endswith("self_attn.q_proj"):
+            value = permute_rows(value, heads)
+        elif base.endswith("self_attn.k_proj"):
+            value = permute_rows(value, kv_heads)
+        out[f"{name}.weight"] = value
+    return out
+
+
+def check_architecture(config: dict) -> None:
+    """Refuse what the writer does not map: other architectures, rope scaling, biases."""
+    if config.get("model_type") != "llama":
+        raise SpecdraftError(f"gguf export supports Llama drafters, got model_type {config.get('model_type')!r}")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise SpecdraftError(f"gguf export: rope scaling {rope.get('rope_type')!r} is not supported")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise SpecdraftError("gguf export: biases are not supported")
+
+
+def write_gguf(path: Path, name: str, config: dict, tensors: dict[str, torch.Tensor], fields: dict[str, tuple],
+               gguf_type: str) -> None:
+    """Write the GGUF file: llama hyper-parameters, the target's tokenizer fields, the tensors."""
+    import gguf
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, (value, types) in fields.items():
+        writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
+    for key, value in tensors.items():
+        data, qtype = _encode(value, gguf_type)
+        writer.add_tensor(key, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _encode(value: torch.Tensor, gguf_type: str) -> tuple[np.ndarray, object]:
+    """A tensor as GGUF data: f32 for vectors, else bf16 or q8_0 (bf16 where a row is not whole q8_0 blocks)."""
+    import gguf
+
+    array = value.numpy().astype(np.float32)
+    if array.ndim == 1:
+        return array, gguf.GGMLQuantizationType.F32
+    qtype = getattr(gguf.GGMLQuantizationType, QUANT_TYPES[gguf_type])
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if array.shape[-1] % block:
+        qtype = gguf.GGMLQuantizationType.BF16
+    return gguf.quants.quantize(array, qtype), qtype
+
+
+@register("gguf")
+def export_gguf(config: ExportConfig, drafter: CheckedDrafter) -> Path:
+    from specdraft.models.standalone import standalone_tensors
+
+    check_architecture(drafter.config)
+    source = target_gguf(config, drafter.target_name)
+    fields = tokenizer_fields(source)
+    check_vocabulary(fields, drafter.tokenizer, drafter.config["vocab_size"], source)
+    tensors = gguf_tensors(standalone_tensors(drafter.folder, drafter.table), drafter.config)
+    out = Path(config.out).expanduser()
+    if out.is_dir():
+        raise SpecdraftError(f"{out} is a folder; gguf export writes a file (e.g. {out / 'drafter.gguf'})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        write_gguf(tmp, Path(drafter.name).name, drafter.config, tensors, fields, config.gguf_type)
+        written = tokenizer_fields(tmp)
+        if {k: v[0] for k, v in written.items()} != {k: v[0] for k, v in fields.items()}:
+            raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
