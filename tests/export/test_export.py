@@ -141,7 +141,7 @@ def test_an_existing_export_is_kept_until_the_new_one_is_complete(toys, tmp_path
 
 
 def _tokenizer_fields(path):
-    from specdraft.export.gguf import tokenizer_fields
+    from specdraft.models.gguf_files import tokenizer_fields
 
     return {k: v[0] for k, v in tokenizer_fields(path).items()}
 
@@ -171,7 +171,7 @@ def test_gguf_export_has_the_targets_tokenizer_metadata_and_the_drafters_weights
 def test_gguf_export_refuses_a_tokenizer_mismatch_and_a_folder(toys, tmp_path):
     with pytest.raises(SpecdraftError, match="tokenizer mismatch: 1 token"):
         _export(toys, "shared", "gguf", tmp_path / "d.gguf", target_gguf=str(toys["gguf_other"]))
-    with pytest.raises(SpecdraftError, match="pass --target-gguf"):
+    with pytest.raises(SpecdraftError, match="no GGUF file for target"):
         _export(toys, "shared", "gguf", tmp_path / "d.gguf")
     with pytest.raises(SpecdraftError, match="is a folder"):
         _export(toys, "shared", "gguf", tmp_path, target_gguf=str(toys["gguf"]), overwrite=True)

@@ -18,42 +18,10 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.export.base import CheckedDrafter, ExportConfig, register
+from specdraft.models.gguf_files import same_tokenizer, target_gguf_file, tokenizer_fields
 
-TOKENIZER_PREFIX = "tokenizer."
 QUANT_TYPES = {"bf16": "BF16", "q8_0": "Q8_0"}
 FILE_TYPES = {"bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
-
-
-def target_gguf(config: ExportConfig, target_name: str) -> Path:
-    """The target's GGUF: ``config.target_gguf``, the built-in model's file, or the one .gguf in its folder."""
-    from specdraft.models.registry import BUILTINS, _package_dir, resolve
-
-    if config.target_gguf:
-        path = Path(config.target_gguf).expanduser()
-    elif target_name in BUILTINS:
-        builtin = BUILTINS[target_name]
-        path = _package_dir(builtin.package) / builtin.gguf_file
-    else:
-        folder = resolve(target_name)
-        found = sorted(Path(folder).glob("*.gguf")) if isinstance(folder, Path) else []
-        if len(found) != 1:
-            raise SpecdraftError(f"gguf export needs the target's GGUF (its tokenizer metadata is copied): "
-                                 f"pass --target-gguf for target {target_name!r}")
-        path = found[0]
-    if not path.is_file():
-        raise SpecdraftError(f"target GGUF not found: {path}")
-    return path
-
-
-def tokenizer_fields(path: Path) -> dict[str, tuple]:
-    """``{key: (value, types)}`` of the ``tokenizer.*`` fields of a GGUF file."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise SpecdraftError(f"cannot read GGUF {path}: {exc}") from None
-    return {k: (f.contents(), list(f.types)) for k, f in reader.fields.items() if k.startswith(TOKENIZER_PREFIX)}
 
 
 def check_vocabulary(fields: dict[str, tuple], tokenizer, vocab_size: int, path: Path) -> None:
@@ -172,7 +140,7 @@ def export_gguf(config: ExportConfig, drafter: CheckedDrafter) -> Path:
     from specdraft.models.standalone import standalone_tensors
 
     check_architecture(drafter.config)
-    source = target_gguf(config, drafter.target_name)
+    source = target_gguf_file(drafter.target_name, config.target_gguf)
     fields = tokenizer_fields(source)
     check_vocabulary(fields, drafter.tokenizer, drafter.config["vocab_size"], source)
     tensors = gguf_tensors(standalone_tensors(drafter.folder, drafter.table), drafter.config)
@@ -183,8 +151,7 @@ def export_gguf(config: ExportConfig, drafter: CheckedDrafter) -> Path:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         write_gguf(tmp, Path(drafter.name).name, drafter.config, tensors, fields, config.gguf_type)
-        written = tokenizer_fields(tmp)
-        if {k: v[0] for k, v in written.items()} != {k: v[0] for k, v in fields.items()}:
+        if not same_tokenizer(tmp, source):
             raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
         os.replace(tmp, out)
     finally:

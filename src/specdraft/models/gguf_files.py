@@ -1,0 +1,46 @@
+"""GGUF files of targets: where a target's GGUF is, and its tokenizer metadata (``tokenizer.*`` fields), which a
+llama.cpp draft model must share with its target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+
+TOKENIZER_PREFIX = "tokenizer."
+
+
+def target_gguf_file(target: str, explicit: str | Path | None = None) -> Path:
+    """The GGUF of ``target``: ``explicit`` when given, the built-in model's file, or the one .gguf in its folder."""
+    from specdraft.models.registry import BUILTINS, _package_dir, resolve
+
+    if explicit:
+        path = Path(explicit).expanduser()
+    elif target in BUILTINS:
+        path = _package_dir(BUILTINS[target].package) / BUILTINS[target].gguf_file
+    else:
+        folder = resolve(target)
+        found = sorted(Path(folder).glob("*.gguf")) if isinstance(folder, Path) else []
+        if len(found) != 1:
+            raise SpecdraftError(f"no GGUF file for target {target!r}: a built-in target, or a folder holding "
+                                 "exactly one .gguf, or pass its GGUF file (--target-gguf)")
+        path = found[0]
+    if not path.is_file():
+        raise SpecdraftError(f"target GGUF not found: {path}")
+    return path
+
+
+def tokenizer_fields(path: str | Path) -> dict[str, tuple]:
+    """``{key: (value, [value type, item type])}`` of the ``tokenizer.*`` fields of a GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"cannot read GGUF {path}: {exc}") from None
+    return {k: (f.contents(), list(f.types)) for k, f in reader.fields.items() if k.startswith(TOKENIZER_PREFIX)}
+
+
+def same_tokenizer(a: str | Path, b: str | Path) -> bool:
+    """Whether two GGUF files carry equal tokenizer metadata."""
+    return {k: v[0] for k, v in tokenizer_fields(a).items()} == {k: v[0] for k, v in tokenizer_fields(b).items()}
