@@ -234,6 +234,43 @@ def _run_export(args: argparse.Namespace) -> None:
     print(f"exported {args.drafter} as {args.format} to {out}")
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
+    p.add_argument("--target", required=True, help="built-in name, checkpoint folder or cached hub id")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--draft", help="draft model: built-in name, checkpoint folder or cached hub id")
+    how.add_argument("--drafter", choices=sorted(TRAINING_FREE), help="training-free drafter")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--served-model-name", help="model id clients ask for (default: --target)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting sequences; more answer 429")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted")
+    p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-n", type=int, default=4, help="most completions per request")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SpecdraftError(f"serve needs {' and '.join(missing)}: pip install 'specdraft[serve]'")
+    from specdraft.serve import ServeConfig, run_server
+
+    options = tuple(parse_options(args.drafter_option).items())
+    run_server(ServeConfig(
+        target=args.target, draft=args.draft, drafter=args.drafter, drafter_options=options, dtype=args.dtype,
+        served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
+        max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+        max_n=args.max_n, host=args.host, port=args.port,
+    ))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding for chat LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_build_datastore(sub)
     _add_export(sub)
+    _add_serve(sub)
     add_training_commands(sub)
     return parser
 

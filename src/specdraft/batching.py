@@ -1,0 +1,288 @@
+"""Batched speculative decoding: several sequences share every target forward, each accepting its own number of
+draft tokens (ragged), each with its own cache row, positions, drafter, sampling settings and generator.
+
+One step of :class:`BatchDecoder` is :func:`specdraft.decoding.generate`'s step for every active sequence at once:
+each drafter proposes (a chain, a token tree, or nothing: plain decoding is the same loop with empty drafts), the
+uncached tail and the draft of every row are fed in one ragged forward
+(:func:`specdraft.models.batched_llama.batched_forward`), and each row is verified on its own logits with
+:mod:`specdraft.verification`, so every row is lossless exactly as batch-1 decoding is (Leviathan et al. 2023,
+Alg. 1; SpecInfer, Miao et al. 2024, for trees). Sequences join (:meth:`BatchDecoder.add`, which prefills the
+prompt) and leave (:meth:`BatchDecoder.remove`) between steps: continuous batching as in Orca (Yu et al. 2022).
+
+Drafters keep per-generation state, so every sequence has its own drafter instance. A drafter that drafts through
+the target's own KV cache (layer-skip) cannot share the batched cache and fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specdraft.decoding import GenerationConfig, GenerationResult, _check_inputs, _fit_tree, _verify
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.base import CausalLM
+from specdraft.models.batched_llama import batched_forward, new_batched_cache, supports_batching
+from specdraft.sampling import check_finite, warp
+from specdraft.stats import GenerationStats
+from specdraft.stopping import Stopper
+from specdraft.trees import chain_parents, verify_layout
+from specdraft.verification import VerifyResult, verify_tree_greedy, verify_tree_sampling
+
+
+class _UnsharedCache:
+    """What a drafter's ``begin`` gets for the target's cache in batched decoding: using it is an error."""
+
+    def __getattr__(self, name: str):
+        raise SpecdraftError("this drafter drafts on the target's KV cache, which batched decoding does not share; "
+                             "use it at batch size 1 (specdraft generate)")
+
+
+@dataclass
+class BatchSequence:
+    """One sequence of a batch: its settings, drafter and generator, and what it has generated so far."""
+
+    prompt: torch.Tensor  # (L,)
+    config: GenerationConfig
+    drafter: Drafter
+    generator: torch.Generator | None
+    stopper: Stopper
+    context: torch.Tensor  # (N,) prompt and committed tokens
+    generated: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str | None = None
+    row: int = -1
+    started: float = 0.0
+    hidden: torch.Tensor | None = None  # (L - 1, D) the prompt's features, for a drafter that reads them
+    tag: object = None  # the caller's handle (a request, an index)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats)
+
+
+@dataclass
+class _Fed:
+    """What one row feeds this step: its draft (fitted), tail length, layout and tokens."""
+
+    draft: Draft
+    tail: int
+    offsets: torch.Tensor  # (T_i,)
+    mask: torch.Tensor  # (T_i, T_i) bool
+    tokens: torch.Tensor  # (T_i,)
+
+
+_ROOM = 64  # cache slots beyond ``capacity`` for what one step feeds (tail, draft or tree, auxiliary, padding)
+
+
+class BatchDecoder:
+    """Continuous batching over one target: up to ``max_batch`` sequences of up to ``capacity`` positions each
+    (prompt and generated tokens; a step's draft lives in ``_ROOM`` extra slots)."""
+
+    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None) -> None:
+        if not supports_batching(target):
+            raise SpecdraftError(f"batched decoding needs a native Llama target; {target.name!r} is not one "
+                                 "(load it with backend auto or native)")
+        self.target, self.tokenizer = target, tokenizer
+        self.capacity = min(capacity, target.max_context)
+        self.cache = new_batched_cache(target, max_batch, self.capacity + _ROOM)
+        self.rows: list[BatchSequence] = []  # row i of the cache holds rows[i]
+
+    @property
+    def free_rows(self) -> int:
+        return self.cache.max_rows - len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter | None = None,
+            config: GenerationConfig | None = None, generator: torch.Generator | None = None) -> BatchSequence:
+        """Check a new sequence, give it a free row and prefill its prompt (all but the last token)."""
+        config = config or GenerationConfig()
+        drafter = drafter or NoDrafter()
+        prompt = _check_inputs(prompt_ids, self.target, drafter, config.max_new_tokens)
+        if prompt.numel() + config.max_new_tokens > self.capacity:
+            raise SpecdraftError(f"prompt too long: {prompt.numel()} prompt tokens + max_new_tokens "
+                                 f"{config.max_new_tokens} exceed the batch's context of {self.capacity}")
+        if config.num_draft_tokens >= _ROOM // 2:
+            raise SpecdraftError(f"num_draft_tokens must be below {_ROOM // 2} in batched decoding, "
+                                 f"got {config.num_draft_tokens}")
+        if not self.free_rows:
+            raise SpecdraftError(f"the batch is full ({self.cache.max_rows} sequences)")
+        stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, self.tokenizer)
+        seq = BatchSequence(prompt, config, drafter, generator, stopper, prompt, row=len(self.rows),
+                            started=time.perf_counter())
+        drafter.begin(self.target, _UnsharedCache())
+        self.cache.lengths[seq.row] = 0
+        self.rows.append(seq)
+        if prompt.shape[0] > 1:
+            want_hidden = bool(getattr(drafter, "needs_hidden", False))
+            out = batched_forward(self.target, self.cache, prompt[None, :-1], [prompt.shape[0] - 1], seq.row,
+                                  return_hidden=want_hidden, want_logits=False)
+            seq.hidden = out[1][0] if want_hidden else None  # (L - 1, D)
+        seq.stats.prefill_seconds = time.perf_counter() - seq.started
+        return seq
+
+    def remove(self, seq: BatchSequence) -> None:
+        """Drop ``seq`` from the batch (finished or abandoned); the last row moves into its place."""
+        if seq.row < 0 or seq.row >= len(self.rows) or self.rows[seq.row] is not seq:
+            return
+        last = self.rows.pop()
+        if last is not seq:
+            self.cache.move_row(last.row, seq.row)
+            self.rows[seq.row], last.row = last, seq.row
+        else:
+            self.cache.lengths[seq.row] = 0
+        seq.row = -1
+
+    def _propose(self, seq: BatchSequence) -> _Fed:
+        """The row's draft, fitted as batch-1 decoding fits it, and the layout of what it feeds."""
+        config = seq.config
+        num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(seq.generated) - 1)
+        draft = seq.drafter.propose(seq.context, num_draft, config.sampling, seq.generator) if num_draft > 0 \
+            else EMPTY_DRAFT
+        if draft.is_tree:
+            room = _ROOM - 2  # nodes and auxiliary tokens beside the one-token tail
+            draft = _fit_tree(draft, num_draft, room, self.target.max_context - 1 - seq.context.shape[0])
+        elif len(draft) > num_draft:
+            draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
+        tail = seq.context[self.cache.lengths[seq.row] :]  # (T0,) uncached; its last token is the root
+        parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+        offsets, mask = verify_layout(tail.shape[0], parents, draft.aux)
+        fed = [tail, draft.tokens] + ([draft.aux.tokens] if draft.aux is not None else [])
+        return _Fed(draft, tail.shape[0], offsets, mask, torch.cat(fed))
+
+    def _verify_row(self, seq: BatchSequence, fed: _Fed, logits: torch.Tensor, hidden: torch.Tensor | None,
+                    start: int) -> tuple[VerifyResult, list[int]]:
+        """Verify one row on its logits (T, V), keep its accepted path in the cache; (result, accepted tokens)."""
+        draft, tail, sampling = fed.draft, fed.tail, seq.config.sampling
+        rows = logits[tail - 1 : tail + len(draft)]  # (N + 1, V): the root, then every node
+        check_finite(rows, "target")
+        if draft.is_tree:
+            if sampling.greedy:
+                result = verify_tree_greedy(draft.tokens, draft.parents, rows)
+            else:
+                result = verify_tree_sampling(draft.tokens, draft.parents, draft.q, warp(rows, sampling),
+                                              seq.generator)
+            nodes = list(result.accepted_nodes)
+            if draft.aux is not None:
+                result = replace(result, aux_logits=logits[tail + len(draft) : fed.tokens.shape[0]])
+        else:
+            result = _verify(draft, rows, sampling, seq.generator)
+            nodes = list(range(result.num_accepted))
+        first_node = start + tail
+        self.cache.compact(seq.row, first_node, [first_node + node for node in nodes])
+        if hidden is not None:  # features of the tail and the accepted nodes: (T0 + m, D)
+            features = hidden[list(range(tail)) + [tail + node for node in nodes]]
+            if seq.hidden is not None:
+                features, seq.hidden = torch.cat([seq.hidden, features]), None
+            result = replace(result, hidden=features)
+        return result, draft.tokens[nodes].tolist()
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[BatchSequence, list[int]]]:
+        """One draft-verify step of every active sequence. Returns (sequence, tokens it committed) for each; the
+        sequences that finished (``finish_reason`` set) have left the batch."""
+        if not self.rows:
+            return []
+        tick = time.perf_counter()
+        feds = [self._propose(seq) for seq in self.rows]
+        tock = time.perf_counter()
+        starts = [self.cache.lengths[seq.row] for seq in self.rows]
+        want_hidden = any(getattr(seq.drafter, "needs_hidden", False) for seq in self.rows)
+        input_ids, offsets, mask = _pad([fed.tokens for fed in feds], [fed.offsets for fed in feds],
+                                        [fed.mask for fed in feds])
+        out = batched_forward(self.target, self.cache, input_ids, [fed.tokens.shape[0] for fed in feds], 0,
+                              offsets, mask, return_hidden=want_hidden)
+        logits, hidden = (out[0], out[1]) if want_hidden else (out, None)  # (n, T, V), (n, T, D)
+        verified = time.perf_counter()
+        committed, done = [], []
+        for i, (seq, fed) in enumerate(zip(list(self.rows), feds, strict=True)):
+            reads = hidden is not None and getattr(seq.drafter, "needs_hidden", False)
+            result, accepted = self._verify_row(seq, fed, logits[i], hidden[i] if reads else None, starts[i])
+            new = accepted + [result.next_token]
+            keep, seq.finish_reason = seq.stopper.scan(seq.generated, new)
+            seq.generated += new[:keep]
+            seq.context = torch.cat([seq.context, torch.tensor(new[:keep], dtype=torch.long)])
+            seq.drafter.observe(result)
+            seq.stats.record_step(result, keep, draft_s=(tock - tick) / len(feds), verify_s=verified - tock)
+            committed.append((seq, new[:keep]))
+            if seq.finish_reason is not None:
+                done.append(seq)
+        now = time.perf_counter()
+        for seq in done:
+            seq.stats.decode_seconds = now - seq.started
+            self.remove(seq)
+        return committed
+
+
+def _pad(tokens: list[torch.Tensor], offsets: list[torch.Tensor], masks: list[torch.Tensor]):
+    """Right-pad the rows to a common T: padding takes the next slots of its row and attends causally.
+
+    Returns input_ids (n, T), offsets (n, T), local mask (n, T, T) bool.
+    """
+    steps = max(t.shape[0] for t in tokens)
+    batch = len(tokens)
+    input_ids = torch.zeros(batch, steps, dtype=torch.long)
+    offset = torch.arange(steps).repeat(batch, 1)  # (n, T)
+    local = torch.ones(steps, steps, dtype=torch.bool).tril().repeat(batch, 1, 1)  # (n, T, T)
+    for i, (ids, off, mask) in enumerate(zip(tokens, offsets, masks, strict=True)):
+        size = ids.shape[0]
+        input_ids[i, :size], offset[i, :size] = ids, off
+        local[i, :size, :size] = mask
+        local[i, :size, size:] = False
+    return input_ids, offset, local
+
+
+def generate_batch(
+    target: CausalLM,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    drafters: Sequence[Drafter | None] | Callable[[], Drafter | None] | None = None,
+    config: GenerationConfig | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    tokenizer=None,
+    batch_size: int | None = None,
+) -> list[GenerationResult]:
+    """Generate from ``target`` after every prompt, ``batch_size`` sequences at a time (default: all at once);
+    a finished sequence's row goes to the next prompt. ``drafters``: one per prompt, or a factory called once per
+    prompt (drafters keep per-generation state), or None for plain decoding. Row i's output equals
+    ``generate(target, prompts[i], drafters[i], config, generators[i], tokenizer)`` (greedy: token for token in
+    fp32; sampling: in distribution)."""
+    config = config or GenerationConfig()
+    count = len(prompts)
+    if count == 0:
+        return []
+    make = drafters if callable(drafters) else (lambda i: None if drafters is None else drafters[i])
+    drafter_of = (lambda i: make()) if callable(drafters) else make
+    generators = generators or [None] * count
+    capacity = max(len(p) for p in prompts) + config.max_new_tokens
+    decoder = BatchDecoder(target, min(batch_size or count, count), capacity, tokenizer)
+    results: list[GenerationResult | None] = [None] * count
+    waiting = list(range(count))
+    while waiting or decoder.rows:
+        while waiting and decoder.free_rows:
+            i = waiting.pop(0)
+            decoder.add(prompts[i], drafter_of(i), config, generators[i]).tag = i
+        for seq, _ in decoder.step():
+            if seq.finish_reason is not None:
+                results[seq.tag] = seq.result()
+    return results  # type: ignore[return-value]
+
+
+def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
+    """Fresh drafter instances for new sequences, copied from an unused ``prototype``: per-generation state is
+    copied, while its models, heads and tensors (weights, tables) are shared, not copied."""
+    if prototype is None:
+        return lambda: None
+    shared: dict[int, object] = {}
+
+    def collect(obj, depth: int) -> None:
+        for value in getattr(obj, "__dict__", {}).values():
+            if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                shared[id(value)] = value
+            elif depth < 3 and hasattr(value, "__dict__") and not isinstance(value, type):
+                collect(value, depth + 1)
+
+    collect(prototype, 0)
+    return lambda: copy.deepcopy(prototype, dict(shared))

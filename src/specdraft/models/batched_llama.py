@@ -1,0 +1,197 @@
+"""Ragged batched forwards of :class:`~specdraft.models.native_llama.NativeLlama` for batched speculative decoding.
+
+Every row of a :class:`BatchedKVCache` is one sequence with its own length: one forward feeds row i ``T_i`` new
+tokens (its uncached context tail, then its draft chain or tree), right-padded to a common T. Token t of row i is
+written to slot ``length_i + t`` and sits at position ``length_i + offsets[i, t]``; it attends every cached slot of
+its row and the new tokens its local mask allows (causal by default, a tree mask for a token tree). Padding tokens
+attend causally too (never an empty row, which would put NaN into slots later masked by a zero weight), and nothing
+real ever attends a padding slot, so a row's result is that of its batch-1 forward.
+
+Rows are kept dense: the ``active`` sequences are rows 0 .. n-1, so every layer attends a view of the cache, not a
+gathered copy; a sequence that leaves is replaced by the last row (:meth:`BatchedKVCache.move_row`). Rollback is
+free as in the batch-1 static cache: a row's length moves back, stale slots are overwritten later.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.errors import SpecdraftError
+
+
+class BatchedKVCache:
+    """Preallocated keys and values for ``max_rows`` sequences of up to ``capacity`` positions, with per-row lengths.
+
+    Tensors are allocated outside inference mode so that forwards in either mode can write them.
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, num_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (max_rows, num_kv_heads, capacity, head_dim)  # (R, K, S, hd)
+        with torch.inference_mode(False):
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_rows, self.capacity = max_rows, capacity
+        self.lengths = [0] * max_rows  # valid positions of every row
+        self._slots: torch.Tensor | None = None  # (n, T) slots the forward in progress writes
+        self._rows: torch.Tensor | None = None  # (n, 1) rows it writes
+        self._end = 0  # slots every row of the forward attends: max length + T
+
+    def crop(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` positions of ``row`` (free: nothing is copied)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise SpecdraftError(f"cannot crop row {row} of length {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    def compact(self, row: int, start: int, slots: list[int]) -> None:
+        """Keep positions ``0 .. start - 1`` of ``row`` and move the given slots (each >= start, increasing) after
+        them: after tree verification, only the accepted path stays."""
+        if not 0 <= start <= self.lengths[row] or any(not start <= s < self.lengths[row] for s in slots):
+            raise SpecdraftError(f"cannot compact row {row} of length {self.lengths[row]} to {start} + {slots}")
+        if slots != list(range(start, start + len(slots))):
+            index = torch.tensor(slots, dtype=torch.long, device=self.keys[0].device)
+            for tensors in (self.keys, self.values):
+                for layer in tensors:
+                    layer[row, :, start : start + len(slots)] = layer[row].index_select(1, index)  # (K, m, hd)
+        self.lengths[row] = start + len(slots)
+
+    def move_row(self, source: int, target: int) -> None:
+        """Copy row ``source`` (its valid positions) into row ``target``; ``source`` becomes empty."""
+        if source != target:
+            length = self.lengths[source]
+            for tensors in (self.keys, self.values):
+                for layer in tensors:
+                    layer[target, :, :length] = layer[source, :, :length]
+            self.lengths[target] = length
+        self.lengths[source] = 0
+
+    def begin_forward(self, first_row: int, num_new: list[int], steps: int) -> None:
+        """Reserve slots for a forward over rows ``first_row ..`` feeding ``num_new[i]`` real tokens (of ``steps``)."""
+        rows = range(first_row, first_row + len(num_new))
+        lengths = torch.tensor([self.lengths[r] for r in rows], dtype=torch.long)  # (n,)
+        if int(lengths.max()) + steps > self.capacity:
+            raise SpecdraftError(f"batched KV cache capacity {self.capacity} exceeded: a row holds "
+                                 f"{int(lengths.max())} positions and {steps} more are fed")
+        self._slots = lengths[:, None] + torch.arange(steps)  # (n, T)
+        self._rows = torch.tensor(list(rows), dtype=torch.long)[:, None]  # (n, 1)
+        self._end = int(lengths.max()) + steps
+        self._first = first_row
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's new keys and values (n, T, K, hd) in the reserved slots; return the rows' keys and
+        values so far, each (n, K, max length + T, hd), views into the cache."""
+        self.keys[layer][self._rows, :, self._slots] = keys  # index (n, T) -> (n, T, K, hd)
+        self.values[layer][self._rows, :, self._slots] = values
+        rows = slice(self._first, self._first + keys.shape[0])
+        return self.keys[layer][rows, :, : self._end], self.values[layer][rows, :, : self._end]
+
+    def end_forward(self, num_new: list[int]) -> None:
+        """Mark each row's ``num_new[i]`` fed tokens valid (a verify then crops or compacts them)."""
+        for i, count in enumerate(num_new):
+            self.lengths[self._first + i] += count
+        self._slots = self._rows = None
+
+
+def new_batched_cache(model, max_rows: int, capacity: int) -> BatchedKVCache:
+    """An empty batched cache for ``model`` (a NativeLlama)."""
+    if capacity < 1:
+        raise SpecdraftError(f"KV cache capacity must be at least 1, got {capacity}")
+    if max_rows < 1:
+        raise SpecdraftError(f"batch size must be at least 1, got {max_rows}")
+    config = model.config
+    return BatchedKVCache(config.num_hidden_layers, max_rows, config.num_key_value_heads, capacity, config.head_dim,
+                          model.dtype, model.embed_weight.device)
+
+
+def supports_batching(model) -> bool:
+    """Whether ``model`` runs ragged batched forwards (the native Llama does; other models decode one at a time)."""
+    return all(hasattr(model, name) for name in ("layers", "embed_weight", "lm_head_weight", "rope_cos"))
+
+
+def _rope(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (n, T, 1, hd/2) of the positions (n, T)."""
+    return model.rope_cos[positions].unsqueeze(2), model.rope_sin[positions].unsqueeze(2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' half-split layout. x: (n, T, heads, hd); cos, sin: (n, T, 1, hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope, mask: torch.Tensor) -> torch.Tensor:
+    """One pre-norm Llama block over (n, T, D) with grouped-query attention of the folded queries (as the batch-1
+    path does) under the per-row mask (n, 1, G*T, S)."""
+    batch, steps, _ = hidden.shape
+    heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    groups = heads // kv_heads
+    normed = F.rms_norm(hidden, layer.attn_norm.shape, layer.attn_norm, layer.eps)  # (n, T, D)
+    qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias).view(batch, steps, -1, head_dim)  # (n, T, H+2K, hd)
+    rotated = _rotate(qkv[:, :, : heads + kv_heads], *rope)  # (n, T, H+K, hd)
+    queries, new_keys = rotated.split((heads, kv_heads), dim=2)  # (n, T, H, hd), (n, T, K, hd)
+    keys, values = cache.write(index, new_keys, qkv[:, :, heads + kv_heads :])  # (n, K, S, hd)
+    folded = queries.reshape(batch, steps, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # (n, K, G, T, hd)
+    folded = folded.reshape(batch, kv_heads, groups * steps, head_dim)  # (n, K, G*T, hd)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # (n, K, G*T, hd)
+    out = out.reshape(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, steps, -1)
+    hidden = hidden + F.linear(out, layer.o_weight, layer.o_bias)  # (n, T, D)
+    normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
+    gate, up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # (n, T, F) each
+    return hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)  # (n, T, D)
+
+
+def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int, groups: int) -> torch.Tensor:
+    """Row i, token t sees its row's cached slots ``< lengths[i]`` and the new slots its local mask allows.
+
+    Args:
+        lengths: (n,) cached positions per row; local: (n, T, T) bool among the new tokens; end: slots attended.
+    Returns:
+        (n, 1, G*T, end) bool.
+    """
+    batch, steps, _ = local.shape
+    slots = torch.arange(end)  # (S,)
+    mask = (slots[None, None, :] < lengths[:, None, None]).expand(batch, steps, end).clone()  # (n, T, S)
+    new = lengths[:, None] + torch.arange(steps)  # (n, T) slots of the new tokens
+    mask.scatter_(2, new[:, None, :].expand(batch, steps, steps), local)
+    return mask.repeat(1, groups, 1).unsqueeze(1)  # (n, 1, G*T, S)
+
+
+@torch.no_grad()
+def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_new: list[int], first_row: int = 0,
+                    offsets: torch.Tensor | None = None, local_mask: torch.Tensor | None = None,
+                    return_hidden: bool = False, want_logits: bool = True):
+    """A ragged forward of rows ``first_row .. first_row + n - 1``.
+
+    Args:
+        input_ids: (n, T) ids; row i's first ``num_new[i]`` are real, the rest padding.
+        num_new: real tokens per row; each row's length grows by it (verification crops or compacts it back).
+        offsets: (n, T) position of each token minus its row's length, default ``0 .. T-1`` (a tree gives depths).
+        local_mask: (n, T, T) bool among the new tokens, default causal; padding rows should stay causal.
+        return_hidden: also return the final-normed hidden states (n, T, D).
+        want_logits: False skips the LM head (a prefill) and returns None in place of the logits.
+
+    Returns:
+        (n, T, V) float32 logits (or None), and the hidden states when asked.
+    """
+    batch, steps = input_ids.shape
+    if batch != len(num_new) or first_row + batch > cache.max_rows or min(num_new) < 1 or max(num_new) > steps:
+        raise SpecdraftError(f"batched forward: input {tuple(input_ids.shape)} does not match rows {num_new}")
+    lengths = torch.tensor(cache.lengths[first_row : first_row + batch], dtype=torch.long)  # (n,)
+    cache.begin_forward(first_row, num_new, steps)
+    offsets = torch.arange(steps).expand(batch, steps) if offsets is None else offsets  # (n, T)
+    positions = lengths[:, None] + offsets  # (n, T)
+    if int(positions.max()) >= model.max_context:
+        raise SpecdraftError(f"positions must lie in 0 .. {model.max_context - 1}")
+    if local_mask is None:
+        local_mask = torch.ones(steps, steps, dtype=torch.bool).tril().expand(batch, steps, steps)
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    mask = _full_mask(lengths, local_mask, cache._end, groups).to(model.embed_weight.device)
+    rope = _rope(model, positions.to(model.rope_cos.device))
+    hidden = F.embedding(input_ids, model.embed_weight)  # (n, T, D)
+    for index, layer in enumerate(model.layers):
+        hidden = _layer(layer, hidden, cache, index, rope, mask)
+    cache.end_forward(num_new)
+    hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
+    logits = F.linear(hidden, model.lm_head_weight).float() if want_logits else None  # (n, T, V)
+    return (logits, hidden) if return_hidden else logits

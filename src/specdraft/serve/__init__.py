@@ -1,0 +1,33 @@
+"""``specdraft serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) that decodes many requests together,
+speculatively, with continuous batching (:mod:`specdraft.batching`). Needs the ``serve`` extra."""
+
+from __future__ import annotations
+
+from specdraft.serve.config import ServeConfig
+
+
+def build_server_app(config: ServeConfig):
+    """Load the target and drafter named by ``config`` and build the app (not yet serving)."""
+    from specdraft.api import eos_token_ids, load_drafter, load_target, parse_dtype
+    from specdraft.batching import drafter_factory
+    from specdraft.serve.app import build_app
+    from specdraft.serve.engine import Engine
+
+    dtype = parse_dtype(config.dtype)
+    target, tokenizer = load_target(config.target, dtype)
+    prototype = load_drafter(target, tokenizer, config.draft, config.drafter, dtype,
+                             options=dict(config.drafter_options))
+    capacity = config.max_prompt_tokens + config.max_tokens
+    engine = Engine(target, tokenizer, drafter_factory(prototype), config.max_batch, capacity, config.max_queue)
+    return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
+
+
+def run_server(config: ServeConfig) -> None:
+    """Serve until SIGTERM or SIGINT; in-flight requests get a few seconds to finish, then the engine stops."""
+    import uvicorn
+
+    app = build_server_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+
+
+__all__ = ["ServeConfig", "build_server_app", "run_server"]

@@ -1,0 +1,42 @@
+"""Settings of ``specdraft serve``, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdraft.errors import SpecdraftError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server loads and the limits it enforces."""
+
+    target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
+    draft: str | None = field(default=None, metadata={"help": "draft model, or None"})
+    drafter: str | None = field(default=None, metadata={"help": "training-free drafter name, or None"})
+    drafter_options: tuple[tuple[str, str], ...] = field(default=(), metadata={"help": "drafter KEY=VALUE options"})
+    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model id clients ask for (default target)"})
+    num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens per target forward"})
+    max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
+    max_queue: int = field(default=64, metadata={"help": "waiting sequences beyond the batch; more answer 429"})
+    max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted"})
+    max_tokens: int = field(default=512, metadata={"help": "largest max_tokens accepted"})
+    max_n: int = field(default=4, metadata={"help": "most completions per request (n)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+
+    def __post_init__(self) -> None:
+        if self.draft and self.drafter:
+            raise SpecdraftError("give either a draft model or a training-free drafter, not both")
+        for name in ("num_draft_tokens", "max_batch", "max_prompt_tokens", "max_tokens", "max_n"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise SpecdraftError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.port <= 65535:
+            raise SpecdraftError(f"port must be in 0 .. 65535, got {self.port}")
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.target
