@@ -22,8 +22,8 @@ LAYERS = {
     "errors": 0, "files": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0,
     "drafters": 1,
-    "decoding": 2,
-    "training": 3, "bench": 3, "demo": 3, "datastore": 3,
+    "decoding": 2, "batching": 2,
+    "training": 3, "bench": 3, "demo": 3, "datastore": 3, "serve": 3,
 }
 FRONT = 4
 NAMES = {0: "models, heads and core", 1: "drafters", 2: "decoding", 3: "training, bench and tools", FRONT: "fronts"}

@@ -8,8 +8,9 @@ from specdraft.serve.config import ServeConfig
 
 def build_server_app(config: ServeConfig):
     """Load the target and drafter named by ``config`` and build the app (not yet serving)."""
-    from specdraft.api import eos_token_ids, load_drafter, load_target, parse_dtype
     from specdraft.batching import drafter_factory
+    from specdraft.drafters.loading import load_drafter
+    from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
     from specdraft.serve.app import build_app
     from specdraft.serve.engine import Engine
 
