@@ -67,7 +67,10 @@ class Request:
 
     def emit(self, event: Event) -> None:
         if self.loop is not None and self.events is not None and not self.cancelled:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening any more
+                self.cancelled = True
 
 
 class Engine:
@@ -142,8 +145,11 @@ class Engine:
             try:
                 drafter = self.make_drafter()
                 seq = self.decoder.add(request.prompt_ids, drafter, request.config, request.generator(index))
-            except SpecdraftError as exc:
-                request.emit(Event(index, error=str(exc), status=400))
+            except Exception as exc:  # a bad request must not stop the engine: it gets the error
+                bad_input = isinstance(exc, SpecdraftError)
+                if not bad_input:
+                    log.exception("admitting a sequence failed")
+                request.emit(Event(index, error=str(exc), status=400 if bad_input else 500))
                 request.cancelled = True
                 continue
             seq.tag = (request, index)
