@@ -9,8 +9,8 @@ import time
 import httpx
 import openai
 import pytest
+from running import RunningServer, free_port
 
-from conftest import RunningServer, free_port
 from specdraft.api import eos_token_ids, load_target
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import PromptLookupDrafter
