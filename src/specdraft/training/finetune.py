@@ -16,6 +16,8 @@ N tokens and renormalised, so q is trained over exactly the support it drafts fr
 Evaluation (every ``eval_every`` steps and at the end) reports the held-out loss, TVD (1 − TVD is the expected
 acceptance rate) and forward KL against the real target, and the block efficiency τ of greedy speculative decoding
 with the real decoder (:func:`specdraft.decoding.generate`) on prompts whose responses were held out.
+
+On-policy options (OSD's ``only_mismatched``, DistillSpec's ``regenerate_every``): :mod:`specdraft.training.onpolicy`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from specdraft.draft_vocab import DraftVocab, rank_tokens
 from specdraft.errors import SpecdraftError
+from specdraft.training import onpolicy
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
 from specdraft.training.pretrain import EXPORT_DTYPES, export_path
@@ -77,6 +80,13 @@ class FinetuneConfig(TrainerConfig):
     share_embeddings: bool = field(default=False, metadata={
         "help": "export without the embeddings, which must be the target's: the drafter then loads them from the "
                 "target (needs --freeze-embeddings)"})
+    only_mismatched: bool = field(default=False, metadata={
+        "help": "train only where argmax q differs from argmax p (OSD: the drafts greedy verification rejects)"})
+    regenerate_every: int = field(default=0, metadata={
+        "help": "every N steps the current drafter answers a pool of training prompts (on-policy; 0 = never)"})
+    regenerate_prompts: int = field(default=256, metadata={"help": "prompts in the regenerated pool"})
+    regenerate_temperature: float = field(default=1.0, metadata={"help": "drafter sampling when regenerating"})
+    regenerate_max_new_tokens: int = field(default=128, metadata={"help": "response cap when regenerating"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,6 +102,7 @@ class FinetuneConfig(TrainerConfig):
         check_ints(self, ("eval_prompts", "draft_vocab"), 0)
         check_ints(self, ("heldout_every",), 2)
         check_choices(self, ("target_dtype", "export_dtype"), EXPORT_DTYPES)
+        onpolicy.check_regeneration(self)
         self.num_draft_tokens()
 
     def num_draft_tokens(self) -> tuple[int, ...]:
@@ -275,8 +286,12 @@ def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None
         elif config.loss != "ce":
             target = target_logits(target_model, batch)[mask]  # (n, V)
             target = target if keep is None else target[:, keep]  # (n, N)
-        loss = _kd_value(config, draft, target, batch["labels"][mask], keep, vocab_size, generator)
-        return loss, draft.shape[0]
+        labels = batch["labels"][mask]  # (n,)
+        if config.only_mismatched:  # OSD: only the positions whose draft greedy verification would reject
+            draft, target, labels = onpolicy.mismatched(draft, target, labels)
+            if draft.shape[0] == 0:
+                return draft.sum(), 0
+        return _kd_value(config, draft, target, labels, keep, vocab_size, generator), draft.shape[0]
 
     return kd_loss
 
@@ -470,13 +485,17 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
                              keep)
+    regenerate = onpolicy.regenerator(config, train_records, need_topk, target_model, tokenizer)  # appends a pool
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
                    make_kd_loss(config, target_model, keep), config, lambda items: collate_distill(items, pad_id),
-                   evaluate)
+                   evaluate, after_step=regenerate)
     out = export_path(config.out)
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
-        data = (f"`{config.data}`: {len(train_records)} target responses for training, {len(heldout)} held out"
-                + ("; p approximated from the stored top-k log-probabilities" if need_topk else ""))
+        trained = len(train_records) - (regenerate.size if regenerate else 0)
+        data = (f"`{config.data}`: {trained} responses for training, {len(heldout)} held out"
+                + ("; p approximated from the stored top-k log-probabilities" if need_topk else "")
+                + (f"; {regenerate.size} of them answered afresh by the drafter every {config.regenerate_every} steps"
+                   if regenerate else ""))
         export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
                   EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings, ranking=ranking,
                   options={"draft_vocab": config.draft_vocab} if keep is not None else None)

@@ -106,12 +106,16 @@ def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.jsonl"
 
 
-def generate_distillation_data(config: DistillDataConfig, overwrite: bool = False, progress: bool = True) -> dict:
-    """Generate (or finish) the distillation set; returns the manifest. Rank/world from torchrun's environment."""
+def generate_distillation_data(config: DistillDataConfig, overwrite: bool = False, progress: bool = True,
+                               prompts: list | None = None, models: tuple | None = None) -> dict:
+    """Generate (or finish) the distillation set; returns the manifest. Rank/world from torchrun's environment.
+
+    ``prompts`` ((id, messages) pairs) and ``models`` ((target, tokenizer, drafter or None), transformers models
+    already loaded) replace ``config.prompts`` and loading by name (``finetune --regenerate-every``)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = load_prompts(config)
+    prompts = load_prompts(config) if prompts is None else prompts
     if rank == 0:
         _check_or_write_config(config, out, overwrite)
         for stale in out.glob(".*.tmp"):  # left by a killed run: never part of the data
@@ -121,7 +125,7 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
     todo = [i for i in range(len(shards)) if i % world == rank and not shard_path(out, i).is_file()]
     if todo:  # rank 0 rewrites the manifest after each of its shards: a run stopped part-way can still be used
         update = (lambda: write_manifest(out, len(shards), config)) if rank == 0 else None
-        _generate_shards(config, out, shards, todo, progress and rank == 0, update)
+        _generate_shards(config, out, shards, todo, progress and rank == 0, update, models)
     _barrier(world)
     return write_manifest(out, len(shards), config) if rank == 0 else {}
 
@@ -136,14 +140,16 @@ def _barrier(world: int) -> None:
 
 
 def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: list[int], progress: bool,
-                     after_shard: Callable[[], object] | None = None) -> None:
+                     after_shard: Callable[[], object] | None = None, models: tuple | None = None) -> None:
     from tqdm import tqdm
 
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 
-    target = load_model(config.target, parse_dtype(config.dtype), backend="hf")
-    model, tokenizer = target.model, load_tokenizer(config.target)
-    drafter = onpolicy.load_drafter(config, target, tokenizer) if config.policy != "target" else None
+    if models is None:
+        target = load_model(config.target, parse_dtype(config.dtype), backend="hf")
+        tokenizer = load_tokenizer(config.target)
+        models = target.model, tokenizer, onpolicy.load_drafter(config, target, tokenizer)
+    model, tokenizer, drafter = models
     bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="prompt", disable=not progress, desc="distill-data")
     for index in todo:
         started = time.perf_counter()
@@ -200,7 +206,8 @@ def _generate_batch(model, tokenizer, batch: list[list[int]], config: DistillDat
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])  # (B, W)
     greedy = config.temperature == 0
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=config.max_new_tokens,
+        input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+        max_new_tokens=config.max_new_tokens,
         do_sample=not greedy, temperature=None if greedy else config.temperature,
         top_p=None if greedy else config.top_p, top_k=None if greedy else (config.top_k or None),
         num_return_sequences=config.responses_per_prompt, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,

@@ -49,7 +49,8 @@ def topk_logprobs(model, sequences: list[list[int]], starts: list[int], k: int, 
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (B, W, V)
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits  # (B, W, V)
     out = []
     for row, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
         rows = logits[row, start - 1 : len(seq) - 1].float()  # (R, V): position j predicts token j + 1

@@ -47,6 +47,7 @@ from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
 EvalFn = Callable[[nn.Module], dict[str, float]]
+StepHook = Callable[[int, nn.Module], None]  # after_step(step, model): e.g. refresh data in place (same size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -396,8 +397,9 @@ def _evaluate_on_rank0(run: _Run, evaluate: EvalFn | None, device: torch.device,
 
 
 def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, collate: Callable | None = None,
-          evaluate: EvalFn | None = None) -> TrainResult:
-    """Train ``model`` in place on ``dataset`` (indexable) with ``loss_fn``; see the module docstring."""
+          evaluate: EvalFn | None = None, after_step: StepHook | None = None) -> TrainResult:
+    """Train ``model`` in place on ``dataset`` (indexable) with ``loss_fn``; see the module docstring.
+    ``after_step(step, model)`` runs on every process after each optimizer step, before evaluation and checkpoint."""
     rank, world, device = init_distributed()
     collate = collate or torch.utils.data.default_collate
     out = Path(config.out)
@@ -419,7 +421,7 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     log = RunLog(out, rank == 0)
     try:
-        result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world)
+        result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world, after_step)
     finally:
         log.close()
     if sharded:
@@ -428,7 +430,7 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
 
 
 def _loop(run: _Run, wrapped, dataset, collate, loss_fn, evaluate, config: TrainerConfig, device, log: RunLog,
-          world: int) -> TrainResult:
+          world: int, after_step: StepHook | None = None) -> TrainResult:
     from tqdm import tqdm
 
     main = log.enabled
@@ -443,6 +445,8 @@ def _loop(run: _Run, wrapped, dataset, collate, loss_fn, evaluate, config: Train
         rate = run.tokens / max(run.wall_seconds, 1e-9)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
+        if after_step is not None:
+            after_step(run.step, run.model)
         if main and (run.step % config.log_every == 0 or run.step == last):
             log.write("train", {"step": run.step, "tokens": run.tokens, "lr": run.scheduler.get_last_lr()[0],
                                 "loss": loss, "grad_norm": norm, "tokens_per_s": rate, "wall_s": run.wall_seconds})
