@@ -51,6 +51,26 @@ def test_draft_policy_answers_with_the_drafter_and_stores_the_targets_topk(model
         assert torch.allclose(torch.tensor(r["top_logprobs"]), torch.tensor(top_logprobs), atol=1e-3)
 
 
+def test_a_drafter_with_a_draft_vocabulary_answers_inside_it(models, tmp_path):
+    """A drafter trained over N tokens answers as it drafts: from those N only (its other logits are untrained)."""
+    import shutil
+
+    from specdraft.draft_vocab import save_token_ranking
+
+    _, draft = models
+    restricted = tmp_path / "draft-n8"
+    shutil.copytree(draft, restricted)
+    ranking = torch.randperm(64, generator=torch.Generator().manual_seed(0))  # (V,)
+    save_token_ranking(restricted, ranking)
+    (restricted / "drafter_options.json").write_text('{"draft_vocab": 8}')
+    prompts = _prompt_file(tmp_path / "p.jsonl", 6)
+    _, inside = _run(models[0], prompts, tmp_path / "in", policy="draft", draft=str(restricted), temperature=1.0)
+    _, free = _run(models[0], prompts, tmp_path / "free", policy="draft", draft=draft, temperature=1.0)
+    keep = set(ranking[:8].tolist())
+    assert all(t in keep for r in inside for t in r["response_token_ids"])
+    assert not all(t in keep for r in free for t in r["response_token_ids"])
+
+
 def test_drafter_equal_to_target_gives_the_target_data(models, tmp_path):
     """Scoring by teacher forcing agrees with the log-probs kept while the target generates."""
     target, _ = models
@@ -124,23 +144,27 @@ def test_bad_policy_settings(kwargs, message):
 
 @pytest.mark.slow
 def test_smollm2_shipped_drafter_answers_and_the_target_scores(tmp_path):
-    """The real target and the shipped drafter on two prompts: the records hold the drafter's greedy answers and
-    the target's top-k at every one of their tokens."""
+    """The real target and the shipped drafter on two prompts: the records hold the drafter's greedy answers from
+    its draft vocabulary and the target's top-k at every one of their tokens."""
     from specdraft.api import load_draft_model
-    from specdraft.models.registry import SMOLLM2, load_tokenizer
+    from specdraft.draft_vocab import draft_subset
+    from specdraft.models.registry import SMOLLM2, load_tokenizer, resolve
 
+    drafter_name = "smollm2-135m-instruct-drafter"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "What is the capital of France?"}\n{"prompt": "Give me two tips for sleep."}\n')
-    _, records = _run(SMOLLM2, str(prompts), tmp_path / "on", policy="draft",
-                      draft="smollm2-135m-instruct-drafter", max_new_tokens=12, top_logprobs=8)
+    _, records = _run(SMOLLM2, str(prompts), tmp_path / "on", policy="draft", draft=drafter_name, max_new_tokens=12,
+                      top_logprobs=8)
     assert [r["policy"] for r in records] == ["draft", "draft"]
     target, tokenizer = load_model(SMOLLM2, torch.float32, backend="hf"), load_tokenizer(SMOLLM2)
-    drafter = load_draft_model(target, tokenizer, "smollm2-135m-instruct-drafter", backend="hf").model
+    drafter = load_draft_model(target, tokenizer, drafter_name, backend="hf").model
+    keep = draft_subset(str(resolve(drafter_name)), 49152, 8192)  # (N,): the shipped draft_vocab
     for r in records:
-        prompt = torch.tensor([r["prompt_token_ids"]])
-        greedy = drafter.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.eos_token_id)
-        assert r["response_token_ids"] == greedy[0, prompt.shape[1]:].tolist()[: len(r["response_token_ids"])]
+        ids = list(r["prompt_token_ids"])
+        for _ in r["response_token_ids"]:  # greedy over the draft vocabulary, one full forward a token
+            ids.append(int(keep[drafter(torch.tensor([ids])).logits[0, -1, keep].argmax()]))
+        assert r["response_token_ids"] == ids[len(r["prompt_token_ids"]):]
         logits = target.model(torch.tensor([r["prompt_token_ids"] + r["response_token_ids"]])).logits[0]
-        rows = logits[len(r["prompt_token_ids"]) - 1 : -1].float().log_softmax(-1)  # (R, V)
+        rows = logits[len(r["prompt_token_ids"]) - 1 : -1].float()  # (R, V)
         assert [row[0] for row in r["top_ids"]] == rows.argmax(-1).tolist()
         assert len(r["top_ids"]) == len(r["response_token_ids"]) and all(len(row) == 8 for row in r["top_ids"])

@@ -485,7 +485,7 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
                              keep)
-    regenerate = onpolicy.regenerator(config, train_records, need_topk, target_model, tokenizer)  # appends a pool
+    regenerate = onpolicy.regenerator(config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
                    make_kd_loss(config, target_model, keep), config, lambda items: collate_distill(items, pad_id),
                    evaluate, after_step=regenerate)

@@ -75,13 +75,34 @@ def draws_from_drafter(prompt_id: str, policy: str, mix_fraction: float, seed: i
 
 def load_drafter(config, target, tokenizer):
     """The transformers drafter that generates (checked against the target; shared embeddings taken from it), or
-    None when the target answers every prompt."""
+    None when the target answers every prompt. A drafter that ships a ``draft_vocab`` option answers from that
+    vocabulary only, as it drafts (:func:`restrict_to`)."""
+    from specdraft.draft_vocab import draft_subset
     from specdraft.drafters.loading import load_draft_model
-    from specdraft.models.registry import parse_dtype
+    from specdraft.drafters.options import folder_options
+    from specdraft.models.registry import parse_dtype, resolve
 
     if config.policy == "target":
         return None
-    return load_draft_model(target, tokenizer, config.draft, parse_dtype(config.dtype), backend="hf").model.eval()
+    model = load_draft_model(target, tokenizer, config.draft, parse_dtype(config.dtype), backend="hf").model.eval()
+    folder = resolve(config.draft)
+    vocab = folder_options(folder).get("draft_vocab")
+    keep = draft_subset(str(folder), model.config.vocab_size, vocab) if vocab else None  # (N,) or None
+    if keep is not None:
+        restrict_to(model, keep)
+    return model
+
+
+def restrict_to(model, keep: torch.Tensor):
+    """Make ``model``'s logits -inf outside ``keep`` (N,) token ids, so that greedy and sampled generation (every
+    warper keeps -inf) stay inside the draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856). A drafter
+    trained over N tokens only has untrained logits elsewhere: left free, its own answers drift into them. Returns
+    the hook handle (``.remove()`` undoes it)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    mask = torch.full((vocab,), float("-inf"))  # (V,)
+    mask[keep.cpu()] = 0.0
+    return model.get_output_embeddings().register_forward_hook(
+        lambda module, inputs, output: output + mask.to(output.device, output.dtype))
 
 
 @torch.inference_mode()
@@ -191,7 +212,8 @@ def check_regeneration(config) -> None:
         raise SpecdraftError("--regenerate-every needs the whole drafter on every process: drop --fsdp")
 
 
-def regenerator(config, records: list[dict], need_topk: bool, target_model, tokenizer) -> Regenerator | None:
+def regenerator(config, records: list[dict], need_topk: bool, target_model, tokenizer,
+                keep: torch.Tensor | None = None) -> Regenerator | None:
     """``finetune``'s pool (appended to ``records``), refilled as of the checkpoint on resume; None when
     ``regenerate_every`` is 0."""
     from pathlib import Path
@@ -201,7 +223,7 @@ def regenerator(config, records: list[dict], need_topk: bool, target_model, toke
     if not config.regenerate_every:
         return None
     topk = len(records[0]["top_ids"][0]) if need_topk else 0
-    pool = Regenerator(config, records, topk, target_model, tokenizer)
+    pool = Regenerator(config, records, topk, target_model, tokenizer, keep)
     if config.resume:
         pool.restore(load_training_state(Path(config.out) / CHECKPOINT_FILE)["step"])
     return pool
@@ -220,8 +242,9 @@ class Regenerator:
     last folder at or before its checkpoint's step.
     """
 
-    def __init__(self, config, records: list[dict], topk: int, target_model, tokenizer) -> None:
-        self.config, self.records, self.topk = config, records, topk
+    def __init__(self, config, records: list[dict], topk: int, target_model, tokenizer,
+                 keep: torch.Tensor | None = None) -> None:
+        self.config, self.records, self.topk, self.keep = config, records, topk, keep
         if any("messages" not in record for record in records):
             raise SpecdraftError("--regenerate-every needs the chat messages of each prompt in the data (records "
                                  "made by distill-data have them)")
@@ -265,12 +288,15 @@ class Regenerator:
         prompts = [(pid, record["messages"]) for pid, record in self._pool_prompts(step)]
         was_training = drafter.training
         drafter.eval()
+        hook = None if self.keep is None else restrict_to(drafter, self.keep)  # answers as it drafts
         try:
             with torch.random.fork_rng(devices=[]):  # generation seeds the global generator; training must not see it
                 generate_distillation_data(data, progress=False, prompts=prompts,
                                            models=(self.target_model, self.tokenizer, drafter))
         finally:
             drafter.train(was_training)
+            if hook is not None:
+                hook.remove()
         self._fill(self.folder(step))
 
     def _fill(self, folder) -> None:
