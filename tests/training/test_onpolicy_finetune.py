@@ -104,3 +104,17 @@ def test_only_mismatched_loss_counts_the_rejected_positions_only(setup):
 def test_bad_on_policy_finetune_settings(kwargs, message):
     with pytest.raises(SpecdraftError, match=message):
         FinetuneConfig(drafter="d", target="t", data="x", out="o", **kwargs)
+
+
+def test_draft_vocabulary_ranked_as_another_drafter_does(setup, tmp_path):
+    """Runs on different data can train the same draft vocabulary: the one the starting drafter ships."""
+    import shutil
+
+    from specdraft.draft_vocab import load_token_ranking, save_token_ranking
+
+    shutil.copytree(setup / "draft", tmp_path / "ranked")  # a drafter folder with its token ranking
+    ranking = torch.randperm(64, generator=torch.Generator().manual_seed(3))  # (V,)
+    save_token_ranking(tmp_path / "ranked", ranking)
+    out = _finetune(setup, tmp_path / "ft", steps=1, regenerate_every=0, draft_vocab=8,
+                    draft_vocab_from=str(tmp_path / "ranked"))
+    assert torch.equal(load_token_ranking(out, 64), ranking)

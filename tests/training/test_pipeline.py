@@ -430,7 +430,7 @@ def test_finetune_pools_several_data_folders(run, tmp_path):
          "--no-bf16", "--heldout-every", 8, "--eval-prompts", 1, "--eval-max-new-tokens", 4, "--no-progress")
     total = len(load_distill_records(run / "data")) + 16
     card = (tmp_path / "fine" / "model" / "README.md").read_text()
-    train, heldout = (int(n) for n in re.search(r"(\d+) target responses for training, (\d+) held out", card).groups())
+    train, heldout = (int(n) for n in re.search(r"(\d+) responses for training, (\d+) held out", card).groups())
     assert train + heldout == total
     assert data_folders(" a, b ,a,") == ["a", "b"]
     with pytest.raises(SpecdraftError, match="names no folder"):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.draft_vocab import DraftVocab, rank_tokens
+from specdraft.draft_vocab import DraftVocab, load_token_ranking, rank_tokens
 from specdraft.errors import SpecdraftError
 from specdraft.training import onpolicy
 from specdraft.training.checkpoint import export_hf, hardware
@@ -77,6 +77,9 @@ class FinetuneConfig(TrainerConfig):
     draft_vocab: int = field(default=0, metadata={
         "help": "train q over the N most frequent response tokens only, as drafted with the draft_vocab=N option "
                 "(FR-Spec; 0 = the whole vocabulary)"})
+    draft_vocab_from: str = field(default="", metadata={
+        "help": "rank the draft vocabulary as this drafter does (its stored token ranking) instead of by the "
+                "training responses: runs on different data then train the same N tokens"})
     share_embeddings: bool = field(default=False, metadata={
         "help": "export without the embeddings, which must be the target's: the drafter then loads them from the "
                 "target (needs --freeze-embeddings)"})
@@ -469,7 +472,7 @@ def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
 
 def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
-    from specdraft.models.registry import eos_token_ids
+    from specdraft.models.registry import eos_token_ids, resolve
 
     need_topk = config.use_stored_topk and config.loss != "ce"
     records = [record for folder in data_folders(config.data)
@@ -478,7 +481,8 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     drafter, target_model, target, tokenizer = load_models(config)
     _check_token_ids(records, target.vocab_size, config.data)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ranking = rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size)  # (V,)
+    ranking = (load_token_ranking(resolve(config.draft_vocab_from), target.vocab_size) if config.draft_vocab_from
+               else rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size))  # (V,)
     keep = ranking[: config.draft_vocab] if 0 < config.draft_vocab < target.vocab_size else None  # (N,)
     rank, world, device = init_distributed()
     target_model.to(device)
