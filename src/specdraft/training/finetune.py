@@ -17,7 +17,8 @@ Evaluation (every ``eval_every`` steps and at the end) reports the held-out loss
 acceptance rate) and forward KL against the real target, and the block efficiency τ of greedy speculative decoding
 with the real decoder (:func:`specdraft.decoding.generate`) on prompts whose responses were held out.
 
-On-policy options (OSD's ``only_mismatched``, DistillSpec's ``regenerate_every``): :mod:`specdraft.training.onpolicy`.
+On-policy options: OSD's ``only_mismatched`` (:mod:`specdraft.training.onpolicy`), DistillSpec's ``regenerate_every``
+(:mod:`specdraft.training.regenerate`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from specdraft.draft_vocab import DraftVocab, load_token_ranking, rank_tokens
 from specdraft.errors import SpecdraftError
-from specdraft.training import onpolicy
+from specdraft.training import onpolicy, regenerate
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
 from specdraft.training.pretrain import EXPORT_DTYPES, export_path
@@ -105,7 +106,7 @@ class FinetuneConfig(TrainerConfig):
         check_ints(self, ("eval_prompts", "draft_vocab"), 0)
         check_ints(self, ("heldout_every",), 2)
         check_choices(self, ("target_dtype", "export_dtype"), EXPORT_DTYPES)
-        onpolicy.check_regeneration(self)
+        regenerate.check_regeneration(self)
         self.num_draft_tokens()
 
     def num_draft_tokens(self) -> tuple[int, ...]:
@@ -489,17 +490,17 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
                              keep)
-    regenerate = onpolicy.regenerator(config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
+    pool = regenerate.regenerator(config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
                    make_kd_loss(config, target_model, keep), config, lambda items: collate_distill(items, pad_id),
-                   evaluate, after_step=regenerate)
+                   evaluate, after_step=pool)
     out = export_path(config.out)
     if rank == 0 and (config.stop_after is None or result.steps == config.steps):
-        trained = len(train_records) - (regenerate.size if regenerate else 0)
+        trained = len(train_records) - (pool.size if pool else 0)
         data = (f"`{config.data}`: {trained} responses for training, {len(heldout)} held out"
                 + ("; p approximated from the stored top-k log-probabilities" if need_topk else "")
-                + (f"; {regenerate.size} of them answered afresh by the drafter every {config.regenerate_every} steps"
-                   if regenerate else ""))
+                + (f"; {pool.size} of them answered afresh by the drafter every {config.regenerate_every} steps"
+                   if pool else ""))
         export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
                   EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings, ranking=ranking,
                   options={"draft_vocab": config.draft_vocab} if keep is not None else None)

@@ -14,9 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from specdraft.errors import SpecdraftError
+from specdraft.training.scoring import score_records
 
 
 @dataclass(frozen=True)
@@ -38,39 +37,10 @@ class TeacherTopkConfig:
             raise SpecdraftError("distill-topk writes a new folder: --out must differ from --data")
 
 
-@torch.inference_mode()
-def topk_logprobs(model, sequences: list[list[int]], starts: list[int], k: int, pad_id: int) -> list[tuple]:
-    """Teacher-forced top-k of log p at the positions predicting tokens ``starts[i]..`` of each sequence.
-
-    Returns per sequence (top_ids (R, k) list, top_logprobs (R, k) list), R = len(sequence) - starts[i].
-    """
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id)  # (B, W) right-padded
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
-    device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits  # (B, W, V)
-    out = []
-    for row, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
-        rows = logits[row, start - 1 : len(seq) - 1].float()  # (R, V): position j predicts token j + 1
-        top = torch.log_softmax(rows, -1).topk(k, dim=-1)  # (R, k)
-        out.append((top.indices.tolist(), [[round(v, 4) for v in r] for r in top.values.tolist()]))
-    return out
-
-
 def annotate_shard(model, records: list[dict], config: TeacherTopkConfig, pad_id: int) -> list[dict]:
     """Records with ``top_ids`` / ``top_logprobs`` added, batched by length."""
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_token_ids"])
-                   + len(records[i]["response_token_ids"]))
     out = [dict(r) for r in records]
-    for begin in range(0, len(order), config.batch_size):
-        batch = order[begin : begin + config.batch_size]
-        seqs = [records[i]["prompt_token_ids"] + records[i]["response_token_ids"] for i in batch]
-        starts = [len(records[i]["prompt_token_ids"]) for i in batch]
-        for i, (top_ids, top_logprobs) in zip(batch, topk_logprobs(model, seqs, starts, config.k, pad_id),
-                                              strict=True):
-            out[i]["top_ids"], out[i]["top_logprobs"] = top_ids, top_logprobs
+    score_records(model, out, config.k, pad_id, config.batch_size)
     return out
 
 
