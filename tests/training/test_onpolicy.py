@@ -102,6 +102,34 @@ def test_mixed_policy_draws_each_prompt_once_reproducibly(models, tmp_path):
     assert again == mixed
 
 
+def test_torchrun_two_ranks_make_the_same_mixed_data_as_one_process(models, tmp_path):
+    """The mixed policy's draws and the drafter's answers do not depend on the rank that makes a shard (the CLI,
+    under torchrun)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    target, draft = models
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    prompts = _prompt_file(tmp_path / "p.jsonl", 9)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "specdraft.cli", "distill-data", "--target", target, "--out", str(tmp_path / "ranks"), "--prompts",
+           prompts, "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "6", "--dtype", "float32",
+           "--temperature", "0", "--top-logprobs", "4", "--policy", "mixed", "--mix-fraction", "0.5", "--draft",
+           draft, "--seed", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, single = _run(target, prompts, tmp_path / "one", policy="mixed", mix_fraction=0.5, draft=draft, seed=3,
+                     shard_size=2)
+    ranks = _records(tmp_path / "ranks")
+    assert [(r["prompt_id"], r["policy"], r["response_token_ids"], r["top_ids"]) for r in ranks] == [
+        (r["prompt_id"], r["policy"], r["response_token_ids"], r["top_ids"]) for r in single]
+    assert {r["policy"] for r in ranks} == {"draft", "target"}
+
+
 def test_mix_fraction_endpoints_and_rate():
     ids = [f"p:{i}" for i in range(2000)]
     assert not any(draws_from_drafter(i, "mixed", 0.0, 0) for i in ids)
