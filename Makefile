@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdraft-installed
 
-.PHONY: demo test test-slow lint bench setup
+.PHONY: demo test test-slow lint bench setup engines test-engines
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# llama.cpp (from the llama-cpp-python sdist) and the speculators checker, built once into ~/.cache/specdraft/engines
+engines: $(STAMP)
+	$(PY) tools/build_engines.py
+
+test-engines: $(STAMP)
+	$(PY) -m pytest -q -m engines
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -166,3 +166,23 @@ def sample_second_tokens(target, prompt: list[int], drafter, sampling, trials: i
         counts[result.token_ids[1]] += 1
         accepted += sum(result.stats.accept_lengths[1:2])
     return counts, accepted
+
+
+def write_target_gguf(path, tokens, eos=2):
+    """A GGUF holding only the tokenizer metadata of a target (all the export reads from it)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(eos)
+    writer.add_chat_template("{{ messages }}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -15,7 +15,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.export import FORMATS, ExportConfig, export
 from specdraft.export.speculators import check_config
 from specdraft.models.shared_embeddings import EMBEDDING_KEY, drop_embeddings, write_shared_embeddings
-from toys import save_tiny_checkpoint, tiny_llama, tiny_tokenizer
+from toys import save_tiny_checkpoint, tiny_llama, tiny_tokenizer, write_target_gguf
 
 
 def _shared_drafter(path, target_path, seed=1):
@@ -29,26 +29,6 @@ def _shared_drafter(path, target_path, seed=1):
     drop_embeddings(path / "model.safetensors")
     write_shared_embeddings(path, str(target_path), target.get_input_embeddings().weight)
     (path / "drafter_options.json").write_text(json.dumps({"confidence_threshold": 0.3}))
-    return path
-
-
-def write_target_gguf(path, tokens, eos=2):
-    """A GGUF holding only the tokenizer metadata of a target (all the export reads from it)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(eos)
-    writer.add_chat_template("{{ messages }}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     return path
 
 

@@ -11,6 +11,8 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
 - ``hf``: transformers' ``model.generate`` on the same weights and dtype.
 - ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
   ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
+- ``llama.cpp``: llama.cpp's plain decoding of the target's GGUF; ``llama.cpp-draft:DRAFT.gguf``: llama.cpp's own
+  speculative decoding with that draft model, γ draft tokens (:mod:`specdraft.bench.llamacpp`).
 
 With a sweep over num_draft_tokens, each speculative method becomes one variant per γ named ``NAME@γ=K``.
 """
@@ -203,6 +205,28 @@ def _build_hf_assisted(ctx: BuildContext, spec: str, arg: str | None, gammas, sw
     return _variants(spec, gammas, sweep, lambda name, k: HFMethod(name, model, assistant, k, ratio, spec))
 
 
+def _build_llama_cpp(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    from specdraft.bench.llamacpp import LlamaCppMethod, LlamaServer
+    from specdraft.models.gguf_files import target_gguf_file
+
+    return [LlamaCppMethod(spec, LlamaServer(target_gguf_file(ctx.target_name)), base=spec)]
+
+
+def _build_llama_cpp_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    from pathlib import Path
+
+    from specdraft.bench.llamacpp import LlamaCppMethod, LlamaServer, draft_param_ratio
+    from specdraft.models.gguf_files import same_tokenizer, target_gguf_file
+
+    target, draft = target_gguf_file(ctx.target_name), Path(arg).expanduser()
+    if not draft.is_file():
+        raise SpecdraftError(f"{spec}: no GGUF file at {draft} (make one with specdraft export DRAFTER --format gguf)")
+    if not same_tokenizer(draft, target):
+        raise SpecdraftError(f"{spec}: the draft GGUF's tokenizer metadata differs from the target's {target.name}")
+    server, ratio = LlamaServer(target, draft), draft_param_ratio(draft, target)
+    return _variants(spec, gammas, sweep, lambda name, k: LlamaCppMethod(name, server, k, ratio, spec))
+
+
 @dataclass(frozen=True)
 class MethodKind:
     """How to build one kind of method; ``needs_path``: the spec is ``KIND:PATH``."""
@@ -217,6 +241,8 @@ METHOD_KINDS: dict[str, MethodKind] = {
     "draft": MethodKind(_build_draft, needs_path=True),
     "hf": MethodKind(_build_hf),
     "hf-assisted": MethodKind(_build_hf_assisted, needs_path=True),
+    "llama.cpp": MethodKind(_build_llama_cpp),
+    "llama.cpp-draft": MethodKind(_build_llama_cpp_draft, needs_path=True),
 }
 BASELINE = "ar"
 
@@ -227,7 +253,8 @@ def _kind(spec: str) -> tuple[MethodKind, str | None]:
                                       if name in TRAINING_FREE else None)
     if kind is None:
         known = [*METHOD_KINDS, *TRAINING_FREE]
-        raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} (draft and hf-assisted take :PATH)")
+        raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} "
+                             "(draft, hf-assisted and llama.cpp-draft take :PATH)")
     if kind.needs_path and not arg:
         raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
     if not kind.needs_path and not kind.takes_options and arg:

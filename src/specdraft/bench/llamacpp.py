@@ -1,0 +1,197 @@
+"""llama.cpp as a benchmarked method: ``llama.cpp`` (its plain decoding of the target's GGUF) and
+``llama.cpp-draft:DRAFT.gguf`` (its own speculative decoding with a draft model, e.g. ``specdraft export --format
+gguf``).
+
+Each method drives one ``llama-server`` subprocess on a free localhost port, started once and stopped when the
+method is garbage-collected or the process exits. Prompts go in as token ids (the same ids every other method gets;
+no second tokenisation), with the prompt cache off so every answer pays its own prefill. The server returns the
+generated token ids and its own counters: ``prompt_ms`` (prefill), ``draft_n`` / ``draft_n_accepted`` (draft tokens
+proposed / accepted). Greedy is llama.cpp's greedy sampler (``temperature`` 0); drafts are γ tokens
+(``speculative.n_max``, ``speculative.p_min`` 0: no confidence cut-off, like ``hf-assisted``).
+
+The binaries come from ``make engines`` (llama.cpp from the ``llama-cpp-python`` sdist, built once into the cache
+folder); ``$SPECDRAFT_LLAMA_CPP_BIN`` names another folder holding ``llama-server``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdraft.decoding import GenerationConfig
+from specdraft.errors import SpecdraftError
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+CONTEXT = 8192  # tokens of KV cache per server (prompt and answer of the longest turn)
+START_TIMEOUT = 180.0  # seconds to wait for a server to load its models
+
+
+def llama_cpp_bin_dir() -> Path:
+    """Folder of the llama.cpp binaries: ``$SPECDRAFT_LLAMA_CPP_BIN``, else the cache build of ``make engines``."""
+    from specdraft.models.registry import cache_dir
+
+    if os.environ.get("SPECDRAFT_LLAMA_CPP_BIN"):
+        return Path(os.environ["SPECDRAFT_LLAMA_CPP_BIN"]).expanduser()
+    source = cache_dir() / "engines" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    return source / "build" / "bin"
+
+
+def find_binary(name: str) -> Path:
+    """A llama.cpp program (``llama-server``, ...) from the engines build, else from PATH."""
+    path = llama_cpp_bin_dir() / name
+    if path.is_file() and os.access(path, os.X_OK):
+        return path
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise SpecdraftError(f"llama.cpp's {name} is not built (looked in {llama_cpp_bin_dir()} and PATH): run "
+                         "`make engines` once")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen, log) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    log.close()
+
+
+class LlamaServer:
+    """A ``llama-server`` subprocess serving ``model`` (with draft model ``draft`` when given) on localhost."""
+
+    def __init__(self, model: Path, draft: Path | None = None, threads: int | None = None,
+                 context: int = CONTEXT) -> None:
+        threads = threads or torch.get_num_threads()
+        self.port = _free_port()
+        command = [str(find_binary("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+                   "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(context),
+                   "-np", "1", "--temp", "0", "--no-webui"]
+        if draft is not None:
+            command += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads),
+                        "--spec-draft-p-min", "0"]
+        self.command = command
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=True)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.log)
+        self._wait_ready()
+
+    def _log_tail(self, lines: int = 8) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return " | ".join(self.log.read().strip().splitlines()[-lines:])
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SpecdraftError(f"llama-server exited ({self.process.returncode}): {self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        self.close()
+        raise SpecdraftError(f"llama-server did not start within {START_TIMEOUT:.0f} s: {self._log_tail()}")
+
+    def complete(self, payload: dict) -> dict:
+        """POST /completion and return its JSON answer."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=3600) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise SpecdraftError(f"llama-server answered {exc.code}: {exc.read()[:300]!r}") from None
+        except (urllib.error.URLError, ConnectionError) as exc:
+            raise SpecdraftError(f"llama-server is unreachable ({exc}): {self._log_tail()}") from None
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def completion_payload(prompt_ids: Sequence[int], config: GenerationConfig, num_draft_tokens: int | None,
+                       seed: int) -> dict:
+    """The /completion request for one turn: token ids in, token ids and counters out, no prompt cache."""
+    s = config.sampling
+    payload = {"prompt": [int(t) for t in prompt_ids], "n_predict": config.max_new_tokens, "cache_prompt": False,
+               "return_tokens": True, "stream": False, "seed": seed, "min_p": 0.0, "repeat_penalty": 1.0,
+               "temperature": 0.0 if s.greedy else s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+    if num_draft_tokens is not None:
+        payload |= {"speculative.n_max": num_draft_tokens, "speculative.n_min": 0, "speculative.p_min": 0.0}
+    return payload
+
+
+@dataclass
+class LlamaCppMethod:
+    """llama.cpp answering through ``server``; ``num_draft_tokens`` is γ when the server has a draft model."""
+
+    name: str
+    server: LlamaServer
+    num_draft_tokens: int | None = None
+    param_ratio: float | None = None
+    base: str = ""
+
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator):
+        from specdraft.bench.methods import TurnResult
+
+        seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
+        payload = completion_payload(prompt_ids, config, self.num_draft_tokens, seed)
+        start = time.perf_counter()
+        answer = self.server.complete(payload)
+        wall = time.perf_counter() - start
+        return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
+
+
+def turn_result(answer: dict, wall: float, eos_token_ids: Sequence[int], drafting: bool, make):
+    """A TurnResult from llama-server's answer: its tokens, prefill time and draft counters.
+
+    Target forwards (decoding_steps) are the tokens less the accepted draft tokens: every forward after the
+    prefill commits its accepted drafts plus one token of the target's own, and the prefill commits the first.
+    """
+    tokens = [int(t) for t in answer.get("tokens") or []]
+    stop = answer.get("stop_type")
+    if stop == "eos" and eos_token_ids and (not tokens or tokens[-1] not in eos_token_ids):
+        tokens.append(int(eos_token_ids[0]))  # a server that leaves the end-of-sequence token out
+    timings = answer.get("timings") or {}
+    proposed = int(timings.get("draft_n", 0)) if drafting else None
+    accepted = int(timings.get("draft_n_accepted", 0)) if drafting else None
+    return make(token_ids=tokens, wall_time=wall, finish_reason="eos" if stop == "eos" else "length",
+                decoding_steps=len(tokens) - (accepted or 0),
+                prefill_seconds=float(timings["prompt_ms"]) / 1000 if "prompt_ms" in timings else None,
+                draft_tokens_proposed=proposed, draft_tokens_accepted=accepted)
+
+
+def draft_param_ratio(draft: Path, target: Path) -> float | None:
+    """Parameters of the draft GGUF over the target GGUF's (element counts of their tensors); None for a target
+    file without tensors."""
+    from gguf import GGUFReader
+
+    def count(path: Path) -> int:
+        return sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+
+    target_params = count(target)
+    return count(draft) / target_params if target_params else None

@@ -1,0 +1,155 @@
+"""The llama.cpp methods without llama.cpp: a stand-in ``llama-server`` (a Python script speaking the same HTTP
+API) checks the process handling, the request (token ids in, no prompt cache, γ), the parsing of its answer and
+counters, and that ``bench`` writes the llama.cpp rows beside specdraft's. tests/engines/ runs the real one."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from specdraft.bench.llamacpp import LlamaServer, completion_payload, find_binary, turn_result
+from specdraft.bench.methods import TurnResult, parse_methods
+from specdraft.cli import main
+from specdraft.decoding import GenerationConfig
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig
+from toys import save_tiny_checkpoint, tiny_tokenizer, write_target_gguf
+
+FAKE_SERVER = r'''
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+args = sys.argv[1:]
+port, drafting = int(args[args.index("--port") + 1]), "-md" in args
+if "--fail" in open(args[args.index("-m") + 1], "rb").read(64).decode("latin-1"):
+    print("error: failed to load model", flush=True)
+    sys.exit(1)
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"status": "ok"})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["cache_prompt"] is False and req["return_tokens"] is True
+        last, n = req["prompt"][-1], req["n_predict"]
+        tokens = [(last + 1 + i) % 60 + 3 for i in range(n)]
+        stop = "limit"
+        if 2 in req["prompt"][-3:]:  # a prompt ending near </s>: answer 2 tokens, then end of sequence
+            tokens, stop = tokens[:2] + [2], "eos"
+        timings = {"prompt_n": len(req["prompt"]), "prompt_ms": 1.5, "predicted_n": len(tokens), "predicted_ms": 3.0}
+        if drafting:
+            timings |= {"draft_n": 2 * req["speculative.n_max"], "draft_n_accepted": 3}
+        self._send({"tokens": tokens, "content": "", "stop_type": stop, "timings": timings, "echo": req})
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_bin(tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    script = folder / "llama-server"
+    script.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    script.chmod(0o755)
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP_BIN", str(folder))
+    return folder
+
+
+def _gguf(path, tokens=None):
+    return write_target_gguf(path, tokens or tiny_tokenizer().convert_ids_to_tokens(list(range(64))))
+
+
+def test_a_missing_build_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP_BIN", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SpecdraftError, match="make engines"):
+        find_binary("llama-server")
+
+
+def test_the_request_sends_token_ids_and_gamma_and_no_prompt_cache():
+    greedy = GenerationConfig(16, 4, eos_token_ids=(2,))
+    payload = completion_payload([1, 5, 9], greedy, 3, seed=7)
+    assert payload["prompt"] == [1, 5, 9] and payload["n_predict"] == 16 and payload["temperature"] == 0.0
+    assert payload["cache_prompt"] is False and payload["speculative.n_max"] == 3 and payload["min_p"] == 0.0
+    assert "speculative.n_max" not in completion_payload([1], greedy, None, seed=7)
+    sampled = GenerationConfig(16, 4, SamplingConfig(temperature=0.7, top_k=5, top_p=0.9))
+    payload = completion_payload([1], sampled, None, 7)
+    assert (payload["temperature"], payload["top_k"], payload["top_p"]) == (0.7, 5, 0.9)
+
+
+def test_the_answer_becomes_a_turn_with_llama_cpps_counters():
+    answer = {"tokens": [5, 6, 7, 8, 2], "stop_type": "eos",
+              "timings": {"prompt_ms": 12.0, "draft_n": 8, "draft_n_accepted": 3}}
+    turn = turn_result(answer, 0.5, (2,), True, TurnResult)
+    assert turn.token_ids == [5, 6, 7, 8, 2] and turn.finish_reason == "eos" and turn.prefill_seconds == 0.012
+    assert (turn.draft_tokens_proposed, turn.draft_tokens_accepted, turn.decoding_steps) == (8, 3, 2)
+    plain = turn_result({"tokens": [5, 6], "stop_type": "eos", "timings": {}}, 0.1, (2,), False, TurnResult)
+    assert plain.token_ids == [5, 6, 2] and plain.draft_tokens_proposed is None and plain.decoding_steps == 3
+
+
+def test_method_specs_parse():
+    assert parse_methods("llama.cpp,llama.cpp-draft:/x/d.gguf") == ["ar", "llama.cpp", "llama.cpp-draft:/x/d.gguf"]
+    with pytest.raises(SpecdraftError, match="needs a draft model"):
+        parse_methods("llama.cpp-draft")
+    with pytest.raises(SpecdraftError, match="takes no argument"):
+        parse_methods("llama.cpp:/x")
+
+
+def test_a_server_that_fails_to_start_reports_its_log(fake_bin, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("--fail")
+    with pytest.raises(SpecdraftError, match="failed to load model"):
+        LlamaServer(bad)
+
+
+def test_the_server_runs_and_stops(fake_bin, tmp_path):
+    server = LlamaServer(_gguf(tmp_path / "t.gguf"), threads=1)
+    answer = server.complete({"prompt": [1, 4], "n_predict": 3, "cache_prompt": False, "return_tokens": True})
+    assert answer["tokens"] == [8, 9, 10]
+    process = server.process
+    server.close()
+    assert process.poll() is not None
+
+
+def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path):
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    draft = _gguf(tmp_path / "draft.gguf")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["w1 w2 w3", "w4 w5"]}) + "\n"
+                         + json.dumps({"question_id": 2, "category": "rag", "turns": ["w7 w8"]}) + "\n")
+    out = tmp_path / "run"
+    code = main(["bench", "--target", str(target), "--questions", str(questions), "--out", str(out), "--methods",
+                 f"ar,llama.cpp,llama.cpp-draft:{draft}", "--dtype", "float32", "--max-new-tokens", "6",
+                 "--num-draft-tokens", "2"])
+    assert code == 0
+    methods = json.loads((out / "summary.json").read_text())["methods"]
+    assert list(methods) == ["ar", "llama.cpp", f"llama.cpp-draft:{draft}"]
+    drafted = methods[f"llama.cpp-draft:{draft}"]["overall"]
+    assert drafted["acceptance_rate"] == pytest.approx(3 / 4) and drafted["num_draft_tokens"] == 2
+    assert methods["llama.cpp"]["overall"]["greedy_equal"] is False  # reported, not assumed
+    assert os.path.getsize(out / "summary.md") > 0
+
+
+def test_a_draft_gguf_with_another_tokenizer_is_refused(fake_bin, tmp_path):
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    tokens = tiny_tokenizer().convert_ids_to_tokens(list(range(64)))
+    other = _gguf(tmp_path / "other.gguf", [*tokens[:5], "zz", *tokens[6:]])
+    code = main(["bench", "--target", str(target), "--questions", "builtin", "--out", str(tmp_path / "r"),
+                 "--methods", f"llama.cpp-draft:{other}", "--max-new-tokens", "4"])
+    assert code == 2

@@ -1,0 +1,91 @@
+"""The exports in the real engines (``make engines`` first; ``make test-engines`` runs these): llama.cpp loads the
+GGUF export of the shipped drafter and accepts its drafts about as often as specdraft does (within 5 points, greedy,
+γ 4, on held-out ShareGPT prompts), transformers' assisted generation with the hf export equals plain greedy in
+fp32, and the speculators package accepts the speculators export. Skipped when an engine is not built."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.export import ExportConfig, export
+from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER, cache_dir
+
+pytestmark = pytest.mark.engines
+ROOT = Path(__file__).resolve().parents[2]
+SPECULATORS_PYTHON = cache_dir() / "engines" / "speculators-0.4.0" / "bin" / "python"
+PLAIN = "draft_vocab=0;confidence_threshold=0;prompt_lookup=0;prompt_lookup_alone=0"  # llama.cpp's kind of draft
+
+
+@pytest.fixture(scope="module")
+def llama_server():
+    from specdraft.bench.llamacpp import find_binary
+
+    try:
+        return find_binary("llama-server")
+    except SpecdraftError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    out = {"hf": export(ExportConfig(SMOLLM2_DRAFTER, "hf", str(root / "hf")))}
+    for kind in ("bf16", "q8_0"):
+        out[kind] = export(ExportConfig(SMOLLM2_DRAFTER, "gguf", str(root / f"drafter-{kind}.gguf"), gguf_type=kind))
+    out["speculators"] = export(ExportConfig(SMOLLM2_DRAFTER, "speculators", str(root / "speculators")))
+    return out
+
+
+@pytest.mark.parametrize("gguf_type", ["bf16", "q8_0"])
+def test_llama_cpp_accepts_the_gguf_export_within_5_points_of_specdraft(llama_server, exports, tmp_path, gguf_type):
+    from specdraft.bench.config import BenchConfig
+    from specdraft.bench.runner import run_bench
+
+    draft = f"draft:{SMOLLM2_DRAFTER};{PLAIN}"
+    llama = f"llama.cpp-draft:{exports[gguf_type]}"
+    config = BenchConfig(out=str(tmp_path / "run"), target=SMOLLM2, methods=(draft, llama),
+                         questions="sharegpt-heldout", per_category=6, max_new_tokens=64, num_draft_tokens=4,
+                         dtype="float32")
+    methods = run_bench(config, progress=False, plots=False)["methods"]
+    ours, theirs = methods[draft]["overall"], methods[llama]["overall"]
+    assert ours["greedy_equal"] is True
+    assert abs(ours["acceptance_rate"] - theirs["acceptance_rate"]) <= 0.05, (ours, theirs)
+
+
+def test_transformers_assisted_generation_with_the_hf_export_equals_plain_greedy(exports):
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.api import encode_prompt
+    from specdraft.bench.questions import SHAREGPT_HELDOUT, load_questions
+    from specdraft.models.registry import load_tokenizer, resolve
+
+    assistant = AutoModelForCausalLM.from_pretrained(exports["hf"], dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(resolve(SMOLLM2), dtype=torch.float32)
+    tokenizer = load_tokenizer(SMOLLM2)
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    for question in load_questions(SHAREGPT_HELDOUT)[4:7]:
+        ids = torch.tensor([encode_prompt(tokenizer, question.turns[0], chat=True)])  # (1, N)
+        kwargs = {"max_new_tokens": 64, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
+        assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), target.generate(ids, **kwargs))
+
+
+def test_the_speculators_package_accepts_the_speculators_export(exports):
+    if not SPECULATORS_PYTHON.is_file():
+        pytest.skip(f"no speculators environment at {SPECULATORS_PYTHON}: run `make engines`")
+    done = subprocess.run([str(SPECULATORS_PYTHON), str(ROOT / "tools" / "check_speculators.py"),
+                           str(exports["speculators"])], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    checked = json.loads(done.stdout.strip().splitlines()[-1])
+    assert checked["algorithm"] == "independent" and checked["proposal_methods"][0]["speculative_tokens"] == 4
+    bad = Path(exports["speculators"]).with_name("bad")
+    bad.mkdir()
+    config = json.loads((exports["speculators"] / "config.json").read_text())
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = "four"
+    (bad / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([str(SPECULATORS_PYTHON), str(ROOT / "tools" / "check_speculators.py"), str(bad)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "speculative_tokens" in done.stderr

@@ -1,0 +1,117 @@
+"""Build the engines specdraft measures against, once, into the cache folder (``make engines``).
+
+- llama.cpp: the source in PyPI's ``llama-cpp-python`` sdist (its ``vendor/llama.cpp``), built with cmake (Release,
+  native CPU flags) for the programs the benchmark and the docs use. A build whose programs are all present is
+  reused as it is; an interrupted one is resumed (cmake rebuilds only what is missing).
+- speculators: the ``speculators`` package (0.4.0, the last release with independent draft models) in a separate
+  virtual environment, because it needs transformers 4.x; it reuses this environment's torch and pydantic
+  through a .pth file. ``tools/check_speculators.py`` runs there.
+
+Usage: python tools/build_engines.py [--only llama.cpp|speculators] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+PROGRAMS = ("llama-server", "llama-speculative-simple", "llama-cli", "llama-bench", "llama-completion")
+SPECULATORS = "0.4.0"
+SPECULATORS_PINS = ("loguru", "pydantic-settings", "typer-slim", "transformers==4.57.6", "tokenizers==0.22.1",
+                    "huggingface-hub==0.36.0")
+
+
+def engines_dir() -> Path:
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft")) / "engines"
+
+
+def llama_cpp_source() -> Path:
+    return engines_dir() / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def _missing(bin_dir: Path) -> list[str]:
+    return [p for p in PROGRAMS if not os.access(bin_dir / p, os.X_OK)]
+
+
+def _fetch_sdist(root: Path) -> None:
+    """Download and unpack the llama-cpp-python sdist (pip, from PyPI) unless it is already unpacked."""
+    if llama_cpp_source().is_dir():
+        return
+    archive = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not archive.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], check=True)
+    tmp = root / f".unpack-{os.getpid()}"
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp, filter="data")
+    os.replace(tmp / archive.name.removesuffix(".tar.gz"), root / archive.name.removesuffix(".tar.gz"))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_llama_cpp(jobs: int) -> Path:
+    root = engines_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    bin_dir = llama_cpp_source() / "build" / "bin"
+    if not _missing(bin_dir):
+        print(f"llama.cpp: already built in {bin_dir}")
+        return bin_dir
+    _fetch_sdist(root)
+    source, build = llama_cpp_source(), llama_cpp_source() / "build"
+    started = time.monotonic()
+    with open(root / "build.log", "a") as log:
+        if not (build / "CMakeCache.txt").is_file():
+            generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+            subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
+                            "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], check=True, stdout=log, stderr=subprocess.STDOUT)
+        print(f"llama.cpp: building {', '.join(_missing(bin_dir))} with {jobs} jobs (log: {root / 'build.log'})")
+        subprocess.run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *PROGRAMS], check=True,
+                       stdout=log, stderr=subprocess.STDOUT)
+    if _missing(bin_dir):
+        sys.exit(f"llama.cpp: the build finished without {', '.join(_missing(bin_dir))}; see {root / 'build.log'}")
+    print(f"llama.cpp: built in {bin_dir} in {time.monotonic() - started:.0f} s")
+    return bin_dir
+
+
+def build_speculators() -> Path:
+    venv = engines_dir() / f"speculators-{SPECULATORS}"
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import speculators"]
+    if python.is_file() and subprocess.run(check, capture_output=True).returncode == 0:
+        print(f"speculators: already installed in {venv}")
+        return venv
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    shared = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    Path(site, "specdraft-shared.pth").write_text(shared + "\n")  # torch, pydantic, safetensors from this venv
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", f"speculators=={SPECULATORS}",
+                    *SPECULATORS_PINS], check=True)
+    print(f"speculators: installed in {venv}")
+    return venv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("llama.cpp", "speculators"))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args()
+    engines_dir().mkdir(parents=True, exist_ok=True)
+    with open(engines_dir() / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time
+        if args.only in (None, "llama.cpp"):
+            build_llama_cpp(args.jobs)
+        if args.only in (None, "speculators"):
+            build_speculators()
+
+
+if __name__ == "__main__":
+    main()
