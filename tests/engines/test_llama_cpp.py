@@ -66,7 +66,8 @@ def test_transformers_assisted_generation_with_the_hf_export_equals_plain_greedy
     assistant = AutoModelForCausalLM.from_pretrained(exports["hf"], dtype=torch.float32)
     target = AutoModelForCausalLM.from_pretrained(resolve(SMOLLM2), dtype=torch.float32)
     tokenizer = load_tokenizer(SMOLLM2)
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    gc = assistant.generation_config
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = 4, "constant", 0.0
     for question in load_questions(SHAREGPT_HELDOUT)[4:7]:
         ids = torch.tensor([encode_prompt(tokenizer, question.turns[0], chat=True)])  # (1, N)
         kwargs = {"max_new_tokens": 64, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
