@@ -26,7 +26,6 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -143,27 +142,6 @@ def completion_payload(prompt_ids: Sequence[int], config: GenerationConfig, num_
     if num_draft_tokens is not None:
         payload |= {"speculative.n_max": num_draft_tokens, "speculative.n_min": 0, "speculative.p_min": 0.0}
     return payload
-
-
-@dataclass
-class LlamaCppMethod:
-    """llama.cpp answering through ``server``; ``num_draft_tokens`` is γ when the server has a draft model."""
-
-    name: str
-    server: LlamaServer
-    num_draft_tokens: int | None = None
-    param_ratio: float | None = None
-    base: str = ""
-
-    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator):
-        from specdraft.bench.methods import TurnResult
-
-        seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
-        payload = completion_payload(prompt_ids, config, self.num_draft_tokens, seed)
-        start = time.perf_counter()
-        answer = self.server.complete(payload)
-        wall = time.perf_counter() - start
-        return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
 
 
 def turn_result(answer: dict, wall: float, eos_token_ids: Sequence[int], drafting: bool, make):

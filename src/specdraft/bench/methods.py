@@ -150,6 +150,28 @@ class HFMethod:
         return TurnResult(token_ids=tokens, wall_time=wall, finish_reason=reason, decoding_steps=self.calls)
 
 
+@dataclass
+class LlamaCppMethod:
+    """llama.cpp answering through a ``llama-server`` (:mod:`specdraft.bench.llamacpp`); ``num_draft_tokens`` is γ
+    when the server has a draft model."""
+
+    name: str
+    server: object  # a specdraft.bench.llamacpp.LlamaServer
+    num_draft_tokens: int | None = None
+    param_ratio: float | None = None
+    base: str = ""
+
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
+        from specdraft.bench.llamacpp import completion_payload, turn_result
+
+        seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
+        payload = completion_payload(prompt_ids, config, self.num_draft_tokens, seed)
+        start = time.perf_counter()
+        answer = self.server.complete(payload)
+        wall = time.perf_counter() - start
+        return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What a method builder needs: the loaded target, its tokenizer, dtype, and lazily the transformers copy."""
@@ -206,7 +228,7 @@ def _build_hf_assisted(ctx: BuildContext, spec: str, arg: str | None, gammas, sw
 
 
 def _build_llama_cpp(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    from specdraft.bench.llamacpp import LlamaCppMethod, LlamaServer
+    from specdraft.bench.llamacpp import LlamaServer
     from specdraft.models.gguf_files import target_gguf_file
 
     return [LlamaCppMethod(spec, LlamaServer(target_gguf_file(ctx.target_name)), base=spec)]
@@ -215,7 +237,7 @@ def _build_llama_cpp(ctx: BuildContext, spec: str, arg: str | None, gammas, swee
 def _build_llama_cpp_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
     from pathlib import Path
 
-    from specdraft.bench.llamacpp import LlamaCppMethod, LlamaServer, draft_param_ratio
+    from specdraft.bench.llamacpp import LlamaServer, draft_param_ratio
     from specdraft.models.gguf_files import same_tokenizer, target_gguf_file
 
     target, draft = target_gguf_file(ctx.target_name), Path(arg).expanduser()
