@@ -167,8 +167,13 @@ def test_incomplete_or_missing_manifest(run, tmp_path):
                                                   ('{"prompt_token_ids": [1, 999], "response_token_ids": [5]}\n',
                                                    "outside the target's vocabulary")])
 def test_empty_or_malformed_data_files(run, tmp_path, content, message):
+    """Shards of bad records whose manifest agrees (made by another tool): each record is checked."""
     data = _data_copy(run, tmp_path)
     (data / "shard-00001.jsonl").write_text(content)
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["sha256"]
+    manifest["shards"]["shard-00001.jsonl"] = len(content.splitlines())
+    (data / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecdraftError, match=message):
         _finetune(run, tmp_path / "out", data=str(data))
     _assert_nothing_complete(tmp_path / "out")
@@ -338,11 +343,16 @@ def test_distill_topk_matches_the_log_probs_stored_during_generation(run, tmp_pa
         assert a["top_ids"] == b["top_ids"]
         torch.testing.assert_close(torch.tensor(b["top_logprobs"]), torch.tensor(a["top_logprobs"]), atol=2e-4,
                                    rtol=0)
-    first = tmp_path / "topk" / "shard-00000.jsonl"
-    first.write_text("sentinel\n")  # a present shard is kept, not recomputed
+    first, second = tmp_path / "topk" / "shard-00000.jsonl", tmp_path / "topk" / "shard-00001.jsonl"
+    kept, redone = first.stat().st_mtime_ns, second.read_text()
+    second.write_text(redone[: len(redone) // 2])  # cut short from outside: set aside and annotated again
     _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "topk", "--target", run / "target",
          "--k", 4, "--dtype", "float32")
-    assert first.read_text() == "sentinel\n"
+    assert first.stat().st_mtime_ns == kept and second.read_text() == redone
+    assert (tmp_path / "topk" / "shard-00001.jsonl.damaged").read_text() == redone[: len(redone) // 2]
+    with pytest.raises(SpecdraftError, match=r"other inputs or settings: k \(4 -> 3\)"):
+        _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "topk", "--target", run / "target",
+             "--k", 3, "--dtype", "float32")
     with pytest.raises(SpecdraftError, match="must differ"):
         _cli("distill-topk", "--data", tmp_path / "plain", "--out", tmp_path / "plain", "--target", run / "target")
 
@@ -435,3 +445,18 @@ def test_finetune_pools_several_data_folders(run, tmp_path):
     assert data_folders(" a, b ,a,") == ["a", "b"]
     with pytest.raises(SpecdraftError, match="names no folder"):
         data_folders(" , ")
+
+
+def test_pretrain_tokenises_only_what_its_steps_need(run, tmp_path):
+    from specdraft.models.registry import load_tokenizer
+    from specdraft.training.pretrain import load_corpus
+
+    rng = random.Random(1)
+    (tmp_path / "big.txt").write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(20))
+                                                  for _ in range(3000)))
+    tokenizer = load_tokenizer(str(run / "target"))
+    config = _pretrain_config(run, tmp_path / "p", source=str(tmp_path / "big.txt"), steps=3, max_eval_rows=2)
+    train_rows, heldout_rows, docs = load_corpus(config, tokenizer)
+    assert docs == 256 and train_rows.shape[0] >= 3 * 4 and heldout_rows.shape[0] == 2  # one block of documents
+    everything = _pretrain_config(run, tmp_path / "p", source=str(tmp_path / "big.txt"), steps=10_000)
+    assert load_corpus(everything, tokenizer)[2] == 3000  # a corpus smaller than the run needs is used whole

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, json_error
 from specdraft.prompts import BUILTIN_PROMPTS
 
 BUILTIN = "builtin"
@@ -62,7 +62,7 @@ def _parse_line(text: str, where: str) -> Question:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecdraftError(f"{where}: not valid JSON ({exc.msg})") from None
+        raise SpecdraftError(f"{where}: not valid JSON ({json_error(exc)})") from None
     if not isinstance(obj, dict):
         raise SpecdraftError(f"{where}: expected a JSON object")
     missing = [k for k in ("question_id", "category", "turns") if k not in obj]

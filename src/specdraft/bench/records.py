@@ -24,7 +24,7 @@ from pathlib import Path
 
 from specdraft.bench.methods import Method, TurnResult
 from specdraft.bench.questions import Question
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, json_error
 
 ANSWERS_DIR = "answers"
 RUN_FILE = "run.json"
@@ -173,4 +173,4 @@ def read_run_info(out: Path) -> dict:
     except FileNotFoundError:
         raise SpecdraftError(f"no benchmark run in {out} (missing {RUN_FILE})") from None
     except json.JSONDecodeError as exc:
-        raise SpecdraftError(f"{path} is not valid JSON ({exc.msg})") from None
+        raise SpecdraftError(f"{path} is not valid JSON ({json_error(exc)})") from None

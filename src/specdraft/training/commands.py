@@ -10,18 +10,19 @@ library function. Register them with :func:`add_training_commands`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import tomllib
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export
 from specdraft.training.drafter_config import InitDrafterConfig
-from specdraft.training.finetune import FinetuneConfig, finetune
-from specdraft.training.generation import MANIFEST_FILE, DistillDataConfig, generate_distillation_data
-from specdraft.training.pretrain import PretrainConfig, export_path, pretrain
+from specdraft.training.finetune import FinetuneConfig, data_inputs, finetune
+from specdraft.training.generation import DistillDataConfig, distill_changes, generate_distillation_data
+from specdraft.training.pretrain import PretrainConfig, export_path, pretrain, source_inputs
 from specdraft.training.teacher import TeacherTopkConfig, annotate_topk
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
@@ -33,7 +34,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in fields(cls):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
         required = f.default is MISSING and f.default_factory is MISSING
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         elif f.type in _TYPES:
             default = None if required else f.default
@@ -104,7 +105,8 @@ def _run_train_heads(args: argparse.Namespace) -> None:
 
 
 def _run_train_drafter(args: argparse.Namespace) -> None:
-    print(train_drafter(load_pipeline_file(args.config), command=command_line(args)), flush=True)
+    print(train_drafter(load_pipeline_file(args.config), command=command_line(args), overwrite=args.overwrite),
+          flush=True)
 
 
 def add_training_commands(sub) -> None:
@@ -135,6 +137,8 @@ def add_training_commands(sub) -> None:
     _add_train_heads(sub)
     p = sub.add_parser("train-drafter", help="pretrain, distill-data and finetune from one JSON or TOML file")
     p.add_argument("--config", required=True, help="file with sections pretrain, distill_data, finetune")
+    p.add_argument("--overwrite", action="store_true", help="rebuild the stages whose settings or inputs changed "
+                                                            "(each built beside its old run, swapped in when done)")
     p.set_defaults(run=_run_train_drafter, subcommand="train-drafter")
 
 
@@ -193,28 +197,48 @@ def pipeline_configs(spec: dict) -> tuple[PretrainConfig, DistillDataConfig, Fin
     return pre, data, fine
 
 
-def _data_complete(out: str) -> bool:
-    try:
-        return bool(json.loads((Path(out) / MANIFEST_FILE).read_text()).get("complete"))
-    except (OSError, ValueError, AttributeError):
-        return False
+def train_drafter(spec: dict, command: str | None = None, overwrite: bool = False) -> Path:
+    """Run pretrain -> distill-data -> finetune; returns the fine-tuned drafter's folder. Every config is validated
+    before any stage starts.
 
-
-def train_drafter(spec: dict, command: str | None = None) -> Path:
-    """Run pretrain -> distill-data -> finetune, skipping each stage whose output is already complete and resuming a
-    training stage that left a checkpoint; returns the fine-tuned drafter's folder. Every config is validated before
-    any stage starts."""
+    A stage whose folder holds a run of the same settings and inputs is continued, or reused when finished (its
+    shards or export checked first); a stage whose settings or inputs changed (a later stage's inputs include the
+    earlier stages' outputs) is refused naming what changed, or with ``overwrite`` rebuilt beside the old run and
+    swapped in."""
     pre, data, fine = pipeline_configs(spec)
-    if not is_complete_export(export_path(pre.out)):
-        pretrain(_resumed(pre), command=command)
-    if not _data_complete(data.out):
-        generate_distillation_data(data, progress=fine.progress)
-    if not is_complete_export(export_path(fine.out)):
-        finetune(_resumed(fine), command=command)
+    _training_stage("pretrain", pretrain, pre, lambda: source_inputs(pre), overwrite, command)
+    with _section("distill_data"):
+        data_overwrite = overwrite and bool(distill_changes(data))
+        generate_distillation_data(data, overwrite=data_overwrite, progress=fine.progress)
+    _training_stage("finetune", finetune, fine, lambda: data_inputs(fine), overwrite, command)
     return export_path(fine.out)
 
 
-def _resumed(config):
-    """A training stage resumes when its run folder holds a training checkpoint (a run killed part-way)."""
-    return replace(config, resume=config.resume or (Path(config.out) / CHECKPOINT_FILE).is_file())
+@contextlib.contextmanager
+def _section(name: str):
+    """Name the pipeline file's section in a stage's error."""
+    try:
+        yield
+    except SpecdraftError as exc:
+        raise SpecdraftError(f"[{name}] {exc}") from None
 
+
+def _training_stage(name: str, run, config, inputs, overwrite: bool, command: str | None) -> None:
+    """Run one training stage of the pipeline: fresh, continued, reused, or (``overwrite``, when its settings or
+    inputs changed) replaced."""
+    from specdraft.hardware import resolve_bf16
+    from specdraft.training.runs import stage_changes
+
+    with _section(name):
+        held = Path(config.out).exists()
+        if held and overwrite:
+            resolved = replace(config, bf16=resolve_bf16(config.bf16).bf16)
+            if hasattr(resolved, "with_budget"):
+                resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
+            defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
+            changed = stage_changes(resolved, inputs(), export_path("").name, defaults)
+            if changed:
+                run(replace(config, resume=False, overwrite=True), command=command)
+                return
+        resume = stage_changes(config, {}, export_path("").name, {}) is not None
+        run(replace(config, resume=resume, overwrite=False), command=command)

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, json_error
 
 T = TypeVar("T")
 
@@ -103,7 +103,8 @@ def iter_json_list(path: str | Path, chunk_chars: int = _CHUNK_CHARS) -> Iterato
                     element, end = decoder.raw_decode(buf, pos)
                 except json.JSONDecodeError as err:
                     if not _is_truncation(err, buf):
-                        raise SpecdraftError(f"{path}: bad JSON at character {offset + err.pos}: {err.msg}") from None
+                        what = err.msg.removesuffix(" at")
+                        raise SpecdraftError(f"{path}: bad JSON at character {offset + err.pos}: {what}") from None
                     if eof:
                         return
                 else:
@@ -272,7 +273,7 @@ def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise SpecdraftError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+                raise SpecdraftError(f"{path}:{number}: invalid JSON ({json_error(err)})") from None
             if not isinstance(record, dict):
                 raise SpecdraftError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
             count += 1

@@ -44,9 +44,10 @@ from specdraft.training.pretrain import EXPORT_DTYPES, export_path
 from specdraft.training.trainer import (
     TrainerConfig,
     TrainResult,
-    barrier,
+    begin_stage,
     check_choices,
     check_ints,
+    end_stage,
     init_distributed,
     train,
 )
@@ -142,18 +143,19 @@ def data_folders(spec: str) -> list[str]:
 
 
 def load_distill_records(folder: str | Path, allow_incomplete: bool = False, need_topk: bool = False) -> list[dict]:
-    """The records of a distill-data folder, checked; an unfinished folder is refused unless ``allow_incomplete``."""
-    from specdraft.training.data import MANIFEST_FILE, read_jsonl
+    """The records of a distill-data folder, checked: every shard's record count and checksum against the manifest
+    (:func:`specdraft.training.runs.verify_shards`), then every record; an unfinished folder is refused unless
+    ``allow_incomplete``."""
+    from specdraft.training.data import read_jsonl
+    from specdraft.training.runs import read_manifest, verify_shards
 
     folder = Path(folder)
-    try:
-        manifest = json.loads((folder / MANIFEST_FILE).read_text())
-        shards = sorted(manifest["shards"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise SpecdraftError(f"{folder} is not a distill-data folder (missing or bad {MANIFEST_FILE})") from None
+    manifest = read_manifest(folder)
+    shards = sorted(manifest["shards"])
     if not manifest.get("complete") and not allow_incomplete:
         raise SpecdraftError(f"{folder} is incomplete ({len(shards)} of {manifest.get('num_shards')} shards): "
                              "finish distill-data or pass --allow-incomplete")
+    verify_shards(folder, manifest, shards)
     records = [record for name in shards for record in read_jsonl(folder / name)]
     for number, record in enumerate(records):
         _check_record(record, f"{folder} record {number}", need_topk)
@@ -471,8 +473,22 @@ def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
                              "was it made with another target?")
 
 
+def data_inputs(config) -> dict[str, tuple[str, str]]:
+    """Content fingerprints of a distillation stage's data folders (their shards' checksums, verified), and of its
+    starting drafter or heads when it has one (:mod:`specdraft.training.runs`)."""
+    from specdraft.training.runs import data_fingerprint, folder_fingerprint
+
+    inputs = {f"data:{folder}": (folder, data_fingerprint(folder)) for folder in data_folders(config.data)}
+    for name in ("drafter", "init_heads"):
+        if getattr(config, name, ""):
+            inputs[name] = (getattr(config, name), folder_fingerprint(getattr(config, name)))
+    return inputs
+
+
 def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
+    from dataclasses import replace
+
     from specdraft.models.registry import eos_token_ids, resolve
 
     need_topk = config.use_stored_topk and config.loss != "ce"
@@ -481,31 +497,34 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     train_records, heldout = split_by_prompt(records, config.heldout_every)
     drafter, target_model, target, tokenizer = load_models(config)
     _check_token_ids(records, target.vocab_size, config.data)
+    plan, run_config = begin_stage("finetune", config, data_inputs(config), export_path("").name)
+    if plan.finished:
+        return export_path(config.out)
+    config = replace(config, bf16=run_config.bf16)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ranking = (load_token_ranking(resolve(config.draft_vocab_from), target.vocab_size) if config.draft_vocab_from
                else rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size))  # (V,)
     keep = ranking[: config.draft_vocab] if 0 < config.draft_vocab < target.vocab_size else None  # (N,)
-    rank, world, device = init_distributed()
+    rank, _, device = init_distributed()
     target_model.to(device)
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
                              keep)
-    pool = regenerate.regenerator(config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
+    pool = regenerate.regenerator(run_config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
-                   make_kd_loss(config, target_model, keep), config, lambda items: collate_distill(items, pad_id),
+                   make_kd_loss(config, target_model, keep), run_config, lambda items: collate_distill(items, pad_id),
                    evaluate, after_step=pool)
-    out = export_path(config.out)
-    if rank == 0 and (config.stop_after is None or result.steps == config.steps):
+    if rank == 0 and result.steps == config.steps:
         trained = len(train_records) - (pool.size if pool else 0)
         data = (f"`{config.data}`: {trained} responses for training, {len(heldout)} held out"
                 + ("; p approximated from the stored top-k log-probabilities" if need_topk else "")
                 + (f"; {pool.size} of them answered afresh by the drafter every {config.regenerate_every} steps"
                    if pool else ""))
-        export_hf(drafter.cpu(), out, config.target, _card(config, result, command, data),
+        export_hf(drafter.cpu(), export_path(plan.work), config.target, _card(config, result, command, data),
                   EXPORT_DTYPES[config.export_dtype], share_embeddings=config.share_embeddings, ranking=ranking,
                   options={"draft_vocab": config.draft_vocab} if keep is not None else None)
-    barrier(world)
-    return out
+    end_stage(plan, config, result)
+    return export_path(config.out)
 
 
 def _card(config: FinetuneConfig, result: TrainResult, command: str | None, data: str) -> dict:

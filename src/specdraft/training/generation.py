@@ -18,19 +18,20 @@ and with ``top_logprobs > 0`` the target's top-k log-probabilities per response 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.files import write_text_atomic as _atomic_write
 from specdraft.sampling import SamplingConfig
-from specdraft.training import onpolicy
+from specdraft.training import onpolicy, runs
 from specdraft.training.data import MANIFEST_FILE
 
 CONFIG_FILE = "distill_config.json"
@@ -55,7 +56,8 @@ class DistillDataConfig:
     top_logprobs: int = field(default=0, metadata={"help": "store the target's top-k log-probs per token"})
     batch_size: int = field(default=16, metadata={"help": "prompts per generate call"})
     shard_size: int = field(default=64, metadata={"help": "prompts per shard file"})
-    dtype: str = field(default="bfloat16", metadata={"help": "float32 or bfloat16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 where the machine has native bf16, else "
+                                                          "float32), float32 or bfloat16"})
     seed: int = field(default=0, metadata={"help": "base seed; each shard derives its own"})
     policy: str = field(default="target", metadata={"help": "who answers: target, draft (on-policy) or mixed (GKD)"})
     mix_fraction: float = field(default=0.5, metadata={"help": "mixed: share of prompts the drafter answers (λ)"})
@@ -71,6 +73,8 @@ class DistillDataConfig:
             raise SpecdraftError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.limit is not None and self.limit < 1:
             raise SpecdraftError(f"limit must be >= 1, got {self.limit}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise SpecdraftError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         onpolicy.check_policy(self)
 
     def data_fields(self) -> dict:
@@ -86,20 +90,137 @@ def load_prompts(config: DistillDataConfig) -> list[tuple[str, list[dict]]]:
     return load_prompt_sources(config.prompts, config.split, config.limit)
 
 
-def _check_or_write_config(config: DistillDataConfig, out: Path, overwrite: bool) -> None:
-    path = out / CONFIG_FILE
-    if path.is_file() and not overwrite:
+def resolve_config(config: DistillDataConfig) -> tuple[DistillDataConfig, dict]:
+    """``config`` with ``dtype`` auto resolved (:func:`specdraft.hardware.resolve_dtype`), and the decision."""
+    from specdraft.hardware import resolve_dtype
+
+    try:
+        choice = resolve_dtype(config.dtype)
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
+    return replace(config, dtype=choice.dtype), choice.to_dict()
+
+
+def prompts_fingerprint(prompts: list[tuple[str, list[dict]]]) -> str:
+    """Content digest of the prompts in order (ids and messages): an edited prompts file changes it."""
+    return runs.digest_json([[prompt_id, messages] for prompt_id, messages in prompts])
+
+
+def _holds_data(folder: Path) -> bool:
+    return (folder.is_dir() and any(folder.glob("shard-*.jsonl"))) or (folder / CONFIG_FILE).is_file()
+
+
+def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, dtype_choice: dict, overwrite: bool) -> Path:
+    """The folder to write: ``out`` (fresh, or the same run continued), or with ``overwrite`` and data in ``out`` a
+    staging folder beside it that replaces ``out`` when complete. A run of other settings or prompts is refused."""
+    runs.recover(out)
+    work = runs.staging_path(out) if overwrite and _holds_data(out) else out
+    if not overwrite and runs.staging_path(out).is_dir():
+        runs.note(f"a replacement of {out} was interrupted ({runs.staging_path(out)}); rerun with --overwrite to "
+                  "finish it")
+    saved = _saved_config(work)
+    current = config.data_fields() | {"inputs": {"prompts": prompts_fingerprint(prompts)}}
+    if saved is not None and work != out and _config_changes(saved, current, config):
+        shutil.rmtree(work)  # a staging folder of another replacement: never the user's data
+        saved = None
+    if saved is not None:
+        changed = _config_changes(saved, current, config)
+        runs.refuse_changes(work, "distill-data run", changed, "use a new --out, or --overwrite to replace it")
+        if "inputs" not in saved:
+            _check_legacy_prompts(work, config, prompts)
+            runs.note(f"{work}: made before input fingerprints were recorded (legacy); its shards' prompts match "
+                      "the current prompts, so it is continued and its fingerprint recorded")
+    work.mkdir(parents=True, exist_ok=True)
+    runs.atomic_write(work / CONFIG_FILE, json.dumps(current | {"dtype_choice": dtype_choice}, indent=1))
+    return work
+
+
+def distill_changes(config: DistillDataConfig) -> list[str] | None:
+    """What differs between the run in ``config.out`` and this config and its prompts (None when it holds none)."""
+    config, _ = resolve_config(config)
+    out = Path(config.out)
+    runs.recover(out)
+    saved = _saved_config(out)
+    if saved is None:
+        return None
+    prompts = load_prompts(config)
+    changed = _config_changes(saved, config.data_fields() | {"inputs": {"prompts": prompts_fingerprint(prompts)}},
+                              config)
+    if not changed and "inputs" not in saved:
+        try:
+            _check_legacy_prompts(out, config, prompts)
+        except SpecdraftError:
+            changed = [f"prompts ({config.prompts}: content or order differs)"]
+    return changed
+
+
+def _saved_config(folder: Path) -> dict | None:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        if folder.is_dir() and any(folder.glob("shard-*.jsonl")):
+            raise SpecdraftError(f"{folder} holds shards but no {CONFIG_FILE}: not a distill-data run; use a new --out")
+        return None
+    try:
         saved = json.loads(path.read_text())
-        if saved != config.data_fields():
-            changed = sorted(k for k in saved.keys() | config.data_fields().keys()
-                             if saved.get(k) != config.data_fields().get(k))
-            raise SpecdraftError(f"{out} holds data made with other settings ({', '.join(changed)}); "
-                                 "use a new --out or --overwrite")
-        return
-    if overwrite:
-        for old in out.glob("shard-*.jsonl"):
-            old.unlink()
-    _atomic_write(path, json.dumps(config.data_fields(), indent=1))
+        if not isinstance(saved, dict):
+            raise ValueError
+    except (OSError, ValueError):
+        raise SpecdraftError(f"{path} is damaged; use a new --out, or --overwrite to replace the run") from None
+    return saved
+
+
+def _config_changes(saved: dict, current: dict, config: DistillDataConfig) -> list[str]:
+    """What differs between a saved run's config and this one (a setting added since counts at its default)."""
+    defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
+    old = {k: v for k, v in saved.items() if k != "dtype_choice" and (k != "inputs" or "inputs" in current)}
+    if "inputs" not in saved:  # legacy: the prompts are checked against the shards instead
+        old["inputs"] = current["inputs"]
+    changed = runs.changes({k: v for k, v in old.items() if k != "inputs"},
+                           {k: v for k, v in current.items() if k != "inputs"}, defaults)
+    if old.get("inputs", {}).get("prompts") != current["inputs"]["prompts"]:
+        changed.append(f"prompts ({config.prompts}: content or order differs)")
+    return changed
+
+
+def _check_legacy_prompts(out: Path, config: DistillDataConfig, prompts: list) -> None:
+    """A run without a prompts fingerprint: the first record of each present shard must be the prompt that the
+    current prompts put first in that shard."""
+    for path in sorted(out.glob("shard-*.jsonl")):
+        index = int(path.stem.split("-")[1])
+        with open(path) as file:
+            first = file.readline()
+        try:
+            record = json.loads(first)
+        except ValueError:
+            continue  # a damaged shard is found and regenerated by the shard check
+        expected = prompts[index * config.shard_size] if index * config.shard_size < len(prompts) else None
+        if expected is None or [record.get("prompt_id"), record.get("messages")] != list(expected):
+            raise SpecdraftError(f"{out} holds data for other prompts ({path.name} starts with "
+                                 f"{record.get('prompt_id')!r}, the prompts now put "
+                                 f"{expected[0] if expected else 'nothing'!r} there); use a new --out, or "
+                                 "--overwrite to replace it")
+
+
+def _check_present_shards(out: Path, shards: list, config: DistillDataConfig) -> dict[str, tuple[int, str]]:
+    """(records, sha256) of every complete shard on disk; a shard with the wrong record count or checksum (cut
+    short or edited outside specdraft) is moved aside to ``<name>.damaged`` and will be regenerated."""
+    listed = {}
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        listed = json.loads((out / MANIFEST_FILE).read_text()).get("sha256") or {}
+    entries = {}
+    for index, shard in enumerate(shards):
+        path = shard_path(out, index)
+        if not path.is_file():
+            continue
+        count, digest = runs.count_and_hash(path)
+        expected = len(shard) * (config.responses_per_prompt + int(config.greedy_response))
+        if count != expected or listed.get(path.name, digest) != digest:
+            os.replace(path, path.with_name(path.name + ".damaged"))
+            runs.note(f"{path} was damaged ({count} records of {expected}, or a changed checksum): kept as "
+                      f"{path.name}.damaged and generated again")
+            continue
+        entries[path.name] = (count, digest)
+    return entries
 
 
 def shard_path(out: Path, index: int) -> Path:
@@ -110,24 +231,36 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
                                prompts: list | None = None, models: tuple | None = None) -> dict:
     """Generate (or finish) the distillation set; returns the manifest. Rank/world from torchrun's environment.
 
-    ``prompts`` ((id, messages) pairs) and ``models`` ((target, tokenizer, drafter or None), transformers models
-    already loaded) replace ``config.prompts`` and loading by name (``finetune --regenerate-every``)."""
+    A rerun continues exactly the run in ``config.out`` (same settings, same prompts) or is refused naming what
+    changed; ``overwrite`` builds a new run beside the old one and swaps it in when complete. ``prompts`` ((id,
+    messages) pairs) and ``models`` ((target, tokenizer, drafter or None), transformers models already loaded)
+    replace ``config.prompts`` and loading by name (``finetune --regenerate-every``)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    config, dtype_choice = resolve_config(config)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = load_prompts(config) if prompts is None else prompts
-    if rank == 0:
-        _check_or_write_config(config, out, overwrite)
-        for stale in out.glob(".*.tmp"):  # left by a killed run: never part of the data
-            stale.unlink()
-    _barrier(world)
+    prompts = load_prompts(config) if prompts is None else prompts  # validated before anything is written
     shards = [prompts[i : i + config.shard_size] for i in range(0, len(prompts), config.shard_size)]
-    todo = [i for i in range(len(shards)) if i % world == rank and not shard_path(out, i).is_file()]
-    if todo:  # rank 0 rewrites the manifest after each of its shards: a run stopped part-way can still be used
-        update = (lambda: write_manifest(out, len(shards), config)) if rank == 0 else None
-        _generate_shards(config, out, shards, todo, progress and rank == 0, update, models)
+    entries: dict[str, tuple[int, str]] = {}
+    if rank == 0:
+        work = _prepare_folder(config, out, prompts, dtype_choice, overwrite)
+        for stale in work.glob(".*.tmp"):  # left by a killed run: never part of the data
+            stale.unlink()
+        entries = _check_present_shards(work, shards, config)
     _barrier(world)
-    return write_manifest(out, len(shards), config) if rank == 0 else {}
+    if rank != 0:
+        work = runs.staging_path(out) if overwrite and runs.staging_path(out).is_dir() else out
+    todo = [i for i in range(len(shards)) if i % world == rank and not shard_path(work, i).is_file()]
+    if todo:  # rank 0 rewrites the manifest after each of its shards: a run stopped part-way can still be used
+        update = (lambda: write_manifest(work, len(shards), config, entries)) if rank == 0 else None
+        _generate_shards(config, out=work, shards=shards, todo=todo, progress=progress and rank == 0,
+                         after_shard=update, models=models, entries=entries)
+    _barrier(world)
+    if rank != 0:
+        return {}
+    manifest = write_manifest(work, len(shards), config, entries)
+    if work != out and manifest["complete"]:
+        runs.swap_in(work, out)
+    return manifest
 
 
 def _barrier(world: int) -> None:
@@ -140,7 +273,10 @@ def _barrier(world: int) -> None:
 
 
 def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: list[int], progress: bool,
-                     after_shard: Callable[[], object] | None = None, models: tuple | None = None) -> None:
+                     after_shard: Callable[[], object] | None = None, models: tuple | None = None,
+                     entries: dict[str, tuple[int, str]] | None = None) -> None:
+    """Generate the shards ``todo`` into ``out``; the progress bar counts the prompts of every rank (shards on
+    disk), so under torchrun it shows the whole run."""
     from tqdm import tqdm
 
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
@@ -150,30 +286,39 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
         tokenizer = load_tokenizer(config.target)
         models = target.model, tokenizer, onpolicy.load_drafter(config, target, tokenizer)
     model, tokenizer, drafter = models
-    bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="prompt", disable=not progress, desc="distill-data")
+    done = lambda: sum(len(s) for i, s in enumerate(shards) if shard_path(out, i).is_file())  # noqa: E731
+    bar = tqdm(total=sum(len(s) for s in shards), initial=done(), unit="prompt", disable=not progress,
+               desc="distill-data")
     for index in todo:
         started = time.perf_counter()
         records = onpolicy.generate_shard(model, tokenizer, shards[index], config, config.seed * 100_003 + index,
                                           generate_shard, drafter)
-        _atomic_write(shard_path(out, index), "".join(json.dumps(r) + "\n" for r in records))
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        runs.atomic_write(shard_path(out, index), text)
+        if entries is not None:
+            entries[shard_path(out, index).name] = (len(records), runs.digest_bytes(text.encode()))
         if after_shard is not None:
             after_shard()
-        bar.update(len(shards[index]))
+        bar.update(done() - bar.n)
         bar.set_postfix(prompts_per_min=f"{60 * len(shards[index]) / (time.perf_counter() - started):.1f}")
     bar.close()
 
 
-def write_manifest(out: Path, num_shards: int, config: DistillDataConfig) -> dict:
-    """List the shards present with their record counts; ``complete`` when none is missing."""
-    present = {}
+def write_manifest(out: Path, num_shards: int, config: DistillDataConfig,
+                   entries: dict[str, tuple[int, str]] | None = None) -> dict:
+    """List the shards present with their record counts (``shards``) and checksums (``sha256``); ``complete`` when
+    none is missing. ``entries`` holds the (records, sha256) already known; other shards on disk are read."""
+    entries = {} if entries is None else entries
     for index in range(num_shards):
         path = shard_path(out, index)
-        if path.is_file():
-            with open(path) as f:
-                present[path.name] = sum(1 for _ in f)
-    manifest = {"num_shards": num_shards, "complete": len(present) == num_shards, "shards": present,
-                "records": sum(present.values()), "config": config.data_fields()}
-    _atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1))
+        if path.name not in entries and path.is_file():
+            entries[path.name] = runs.count_and_hash(path)
+    present = {name: entries[name] for name in sorted(entries) if (out / name).is_file()}
+    manifest = {"num_shards": num_shards, "complete": len(present) == num_shards,
+                "shards": {name: count for name, (count, _) in present.items()},
+                "sha256": {name: digest for name, (_, digest) in present.items()},
+                "records": sum(count for count, _ in present.values()), "config": config.data_fields()}
+    runs.atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest
 
 

@@ -19,7 +19,7 @@ import copy
 import os
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,9 +35,10 @@ from specdraft.training.pretrain import EXPORT_DTYPES
 from specdraft.training.trainer import (
     TrainerConfig,
     TrainResult,
-    barrier,
+    begin_stage,
     check_choices,
     check_ints,
+    end_stage,
     init_distributed,
     train,
 )
@@ -159,6 +160,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
         DistillDataset,
         _check_token_ids,
         collate_distill,
+        data_inputs,
         load_distill_records,
         split_by_prompt,
     )
@@ -174,22 +176,25 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     kind.init(module, target_model)
     if config.init_heads:
         _warm_start(module, config)
+    plan, run_config = begin_stage("train-heads", config, data_inputs(config), HEADS_FOLDER)
+    if plan.finished:
+        return Path(config.out) / HEADS_FOLDER
+    config = replace(config, bf16=run_config.bf16)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rank, world, device = init_distributed()
+    rank, _, device = init_distributed()
     target_model.to(device)
     evaluate = make_evaluate(config, kind, target_model, target, heldout, pad_id,
                              eos_token_ids(tokenizer, config.target))
     result = train(module, DistillDataset(train_records, config.max_seq_len),
-                   lambda model, batch, generator: kind.loss(model, target_model, batch), config,
+                   lambda model, batch, generator: kind.loss(model, target_model, batch), run_config,
                    lambda items: collate_distill(items, pad_id), evaluate)
-    out = Path(config.out) / HEADS_FOLDER
-    if rank == 0 and (config.stop_after is None or result.steps == config.steps):
+    if rank == 0 and result.steps == config.steps:
         card = _card(config, result, command, spec, len(train_records), len(heldout))
         ranking = rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size)  # FR-Spec
-        save_heads(module.cpu(), config.kind, spec, out, config.target, card, EXPORT_DTYPES[config.export_dtype],
-                   ranking)
-    barrier(world)
-    return out
+        save_heads(module.cpu(), config.kind, spec, plan.work / HEADS_FOLDER, config.target, card,
+                   EXPORT_DTYPES[config.export_dtype], ranking)
+    end_stage(plan, config, result)
+    return Path(config.out) / HEADS_FOLDER
 
 
 def _warm_start(module, config: HeadsConfig) -> None:

@@ -23,7 +23,16 @@ from specdraft.models.registry import DTYPES
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
-from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, check_choices, check_ints, train
+from specdraft.training.runs import text_source_fingerprint
+from specdraft.training.trainer import (
+    TrainerConfig,
+    TrainResult,
+    begin_stage,
+    check_choices,
+    check_ints,
+    end_stage,
+    train,
+)
 
 EXPORT_DTYPES = DTYPES  # float32 | bfloat16, the same names as --dtype
 
@@ -98,25 +107,41 @@ def heldout_loss(model, rows: torch.Tensor, batch_size: int, bf16: bool) -> dict
     return {"heldout_loss": loss, "heldout_ppl": math.exp(min(loss, 50.0))}
 
 
-def load_corpus(config: PretrainConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(train rows (N, T + 1), held-out rows (M, T + 1), number of documents) of the packed corpus."""
+def load_corpus(config: PretrainConfig, tokenizer, world: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train rows (N, T + 1), held-out rows (M, T + 1), number of documents read) of the packed corpus.
+
+    Documents are read and tokenised only until the run has what it needs: ``steps * batch_size * grad_accum *
+    world`` training rows and ``max_eval_rows`` held-out rows (every ``heldout_every``-th document is held out); a
+    smaller corpus is used whole (and repeated by the epochs of training)."""
     from itertools import islice
 
-    from specdraft.training.data import holdout_every, pack_documents, text_source, tokenize_documents
+    from specdraft.training.data import pack_documents, text_source, tokenize_documents
 
-    docs = list(islice(text_source(config.source), config.max_docs))
-    if len(docs) < config.heldout_every:
-        raise SpecdraftError(f"source {config.source!r} has {len(docs)} documents; need at least "
+    rows = config.steps * config.batch_size * config.grad_accum * world
+    need = (rows * config.seq_len + 1, config.max_eval_rows * config.seq_len + 1)  # tokens: train, held out
+    docs = islice(text_source(config.source), config.max_docs)
+    parts: tuple[list, list] = ([], [])
+    have, count = [0, 0], 0
+    while have[0] < need[0] or have[1] < need[1] or count < config.heldout_every:
+        block = list(islice(docs, 256))
+        for ids in tokenize_documents(tokenizer, block):
+            side = int(count % config.heldout_every == config.heldout_every - 1)
+            parts[side].append(ids)
+            have[side] += len(ids) + 1
+            count += 1
+        if len(block) < 256:
+            break
+    if count < config.heldout_every:
+        raise SpecdraftError(f"source {config.source!r} has {count} documents; need at least "
                              f"heldout_every={config.heldout_every} to hold one out")
-    train_docs, heldout_docs = holdout_every(docs, config.heldout_every)
     eos = tokenizer.eos_token_id
-    train_rows = pack_documents(tokenize_documents(tokenizer, train_docs), config.seq_len, eos)
+    train_rows = pack_documents(parts[0], config.seq_len, eos)
     try:
-        heldout_rows = pack_documents(tokenize_documents(tokenizer, heldout_docs), config.seq_len, eos)
+        heldout_rows = pack_documents(parts[1], config.seq_len, eos)
     except SpecdraftError as exc:
         raise SpecdraftError(f"held-out documents (every {config.heldout_every}-th): {exc}; lower heldout_every "
                              "or seq_len") from None
-    return train_rows, heldout_rows[: config.max_eval_rows], len(docs)
+    return train_rows, heldout_rows[: config.max_eval_rows], count
 
 
 def build_drafter(config: PretrainConfig):
@@ -133,6 +158,17 @@ def build_drafter(config: PretrainConfig):
     return model
 
 
+def source_inputs(config: PretrainConfig) -> dict[str, tuple[str, str]]:
+    """The run's input fingerprint: the content of its text source (:mod:`specdraft.training.runs`)."""
+    from specdraft.training.data import NAMED_SOURCES, sharegpt_path
+
+    fingerprint = text_source_fingerprint(config.source, NAMED_SOURCES)
+    if config.source == "sharegpt":
+        path = sharegpt_path()
+        fingerprint += f":{path.stat().st_size}"
+    return {"source": (config.source, fingerprint)}
+
+
 def pretrain(config: PretrainConfig, command: str | None = None) -> Path:
     """Run stage 1 and export the drafter; returns the exported folder ``<out>/model``."""
     from specdraft.models.registry import load_tokenizer
@@ -140,22 +176,25 @@ def pretrain(config: PretrainConfig, command: str | None = None) -> Path:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = config.with_budget(world)
+    plan, run_config = begin_stage("pretrain", config, source_inputs(config), export_path("").name)
+    if plan.finished:
+        return export_path(config.out)
+    config = replace(config, bf16=run_config.bf16)
     tokenizer = load_tokenizer(config.target)
-    train_rows, heldout_rows, num_docs = load_corpus(config, tokenizer)
+    train_rows, heldout_rows, num_docs = load_corpus(config, tokenizer, world)
     model = build_drafter(config)
 
     def evaluate(m):
         return heldout_loss(m, heldout_rows, config.batch_size, config.bf16)
 
-    result = train(model, PackedDataset(train_rows), lm_loss, config, evaluate=evaluate)
-    out = export_path(config.out)
-    if int(os.environ.get("RANK", 0)) == 0 and (config.stop_after is None or result.steps == config.steps):
+    result = train(model, PackedDataset(train_rows), lm_loss, run_config, evaluate=evaluate)
+    if int(os.environ.get("RANK", 0)) == 0 and result.steps == config.steps:
         data = (f"`{config.source}`: {num_docs} documents, {train_rows.shape[0]} training sequences of "
                 f"{config.seq_len} tokens; every {config.heldout_every}-th document held out")
-        export_hf(model.cpu(), out, config.target, _card(config, result, command, data, model),
+        export_hf(model.cpu(), export_path(plan.work), config.target, _card(config, result, command, data, model),
                   EXPORT_DTYPES[config.export_dtype])
-    barrier(world)
-    return out
+    end_stage(plan, config, result)
+    return export_path(config.out)
 
 
 def _card(config: PretrainConfig, result: TrainResult, command: str | None, data: str, model) -> dict:

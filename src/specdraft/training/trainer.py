@@ -43,6 +43,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
+from specdraft.training.runs import RunPlan, finish_run, plan_run, start_run
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
@@ -63,12 +64,17 @@ class TrainerConfig:
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm (0 = off)"})
-    bf16: bool = field(default=True, metadata={"help": "bf16 autocast (CPU: ~1.3x over fp32 at a 49k vocabulary)"})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "bf16 autocast; unset = auto: on where the machine has native bf16 (AVX-512-BF16/AMX CPUs, CUDA), "
+                "off elsewhere, where emulated bf16 is several times slower than fp32"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0 = only at the end)"})
     checkpoint_every: int = field(default=0, metadata={"help": "save a training checkpoint every N steps (0 = end)"})
     log_every: int = field(default=10, metadata={"help": "write a train_log.csv row every N steps"})
     seed: int = field(default=0, metadata={"help": "seed of the initialisation, data order and loss sampling"})
-    resume: bool = field(default=False, metadata={"help": "continue from the run folder's checkpoint (must exist)"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in the run folder (same settings and "
+                                                          "inputs, or it is refused)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace the run in the run folder (the new run is "
+                                                             "built beside it and swapped in when finished)"})
     stop_after: int | None = field(default=None, metadata={"help": "stop after this step (schedule keeps `steps`)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     fsdp: bool = field(default=False, metadata={"help": "under torchrun, shard the model, gradients and optimizer "
@@ -82,6 +88,9 @@ class TrainerConfig:
         check_field(self, "weight_decay", lambda v: v >= 0, ">= 0")
         check_field(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
         check_field(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
+        check_field(self, "bf16", lambda v: v is None or isinstance(v, bool), "True, False or unset (auto)")
+        if self.resume and self.overwrite:
+            raise SpecdraftError("resume and overwrite exclude each other: continue the run or replace it")
         check_field(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps,
                     f"None or in 1 .. steps={self.steps}")
         if not str(self.out).strip():
@@ -168,6 +177,35 @@ class BatchStream:
             raise SpecdraftError(f"cannot resume: checkpoint data had {state['size']} examples and seed "
                                  f"{state['seed']}, this run {self.size} and {self.seed}")
         self.epoch, self.offset = state["epoch"], state["offset"]
+
+
+def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, str]],
+                export: str) -> tuple[RunPlan, TrainerConfig]:
+    """Resolve ``bf16`` auto, check the run folder (:func:`specdraft.training.runs.plan_run`: refuse a run of other
+    settings or inputs, continue or replace one) and prepare it; returns the plan and the config to train with
+    (``out`` the working folder, ``resume`` set). Every process calls it."""
+    from dataclasses import MISSING, fields, replace
+
+    from specdraft.hardware import resolve_bf16
+
+    rank, world, device = init_distributed()
+    choice = resolve_bf16(config.bf16, device)
+    config = replace(config, bf16=choice.bf16)
+    defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
+    plan = plan_run(stage, config, inputs, export, defaults)
+    barrier(world)
+    if rank == 0 and not plan.finished:
+        start_run(plan, choice.to_dict())
+    barrier(world)
+    return plan, replace(config, out=str(plan.work), resume=plan.resume, overwrite=False)
+
+
+def end_stage(plan: RunPlan, config: TrainerConfig, result: TrainResult) -> None:
+    """After the export: mark a run that reached its last step finished and swap in a replacement (rank 0)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if rank == 0 and result.steps == config.steps:
+        finish_run(plan)
+    barrier(world)
 
 
 def init_distributed() -> tuple[int, int, torch.device]:

@@ -1,0 +1,117 @@
+"""What this machine computes fast: whether bf16 is native here, decided from the kernels torch will actually run.
+
+bf16 pays only where the hardware multiplies bf16 natively: CUDA devices that support it, and x86 CPUs with
+AVX-512-BF16 or AMX-BF16 (oneDNN's bf16 GEMMs), or aarch64 CPUs with the BF16 extension. Elsewhere torch emulates
+it by converting to fp32, and a bf16 run is several times slower than fp32 (17x for pretraining on an AVX2-only
+CPU). The decision follows the paths torch and oneDNN will take, not only the CPU's flags: under
+``ATEN_CPU_CAPABILITY=avx2`` (or ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16) torch runs its AVX2 kernels on an
+AVX-512 CPU, so the machine is treated as AVX2-only, as its timings are.
+
+Nothing here imports the rest of specdraft; :func:`fast_dtype` and :func:`resolve_dtype` are the entry points.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+AUTO = "auto"
+DTYPE_NAMES = ("float32", "bfloat16")
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo
+_ARM_BF16_FLAG = "bf16"  # aarch64 "Features"
+_ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """A dtype name (``float32`` or ``bfloat16``) and why it was chosen, for a run's config and logs."""
+
+    dtype: str
+    reason: str
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == "bfloat16"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "reason": self.reason}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+            for line in file:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_capability() -> str:
+    """The SIMD level of torch's CPU kernels (``AVX512``, ``AVX2``, ``DEFAULT``, ...): respects
+    ``ATEN_CPU_CAPABILITY``."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "DEFAULT"
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """(whether bf16 is native on this CPU for torch, the reason in words)."""
+    capability, flags = cpu_capability(), cpu_flags()
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        native = _ARM_BF16_FLAG in flags
+        return native, f"aarch64 CPU {'with' if native else 'without'} the BF16 extension"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if onednn and not onednn.startswith(_ONEDNN_BF16_ISAS):
+        return False, f"ONEDNN_MAX_CPU_ISA={onednn} keeps oneDNN below its bf16 kernels"
+    found = [flag for flag in _BF16_CPU_FLAGS if flag in flags]
+    if capability != "AVX512":
+        have = f" (the CPU has {', '.join(found)}, but torch runs {capability})" if found else ""
+        return False, f"torch's CPU kernels are {capability}, without native bf16{have}"
+    if not found:
+        return False, "AVX-512 CPU without avx512_bf16 / amx_bf16: bf16 is emulated"
+    return True, f"CPU with {', '.join(found)} and torch's AVX512 kernels: bf16 is native"
+
+
+def fast_dtype(device: str | torch.device = "cpu") -> DtypeChoice:
+    """The faster of bfloat16 and float32 for training and batched generation on ``device``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return DtypeChoice("bfloat16", f"CUDA device {torch.cuda.get_device_name(device)} supports bf16")
+        return DtypeChoice("float32", "CUDA device without bf16 support")
+    native, why = cpu_bf16()
+    return DtypeChoice("bfloat16" if native else "float32", why)
+
+
+def default_device() -> torch.device:
+    """Where training runs: CUDA when available, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, device: str | torch.device | None = None) -> DtypeChoice:
+    """``name`` as a :class:`DtypeChoice`: ``auto`` becomes :func:`fast_dtype` of ``device`` (default: CUDA when
+    available, else the CPU); an explicit name is kept. Raises ``ValueError`` for another name."""
+    if name == AUTO:
+        choice = fast_dtype(default_device() if device is None else device)
+        return DtypeChoice(choice.dtype, f"auto: {choice.reason}")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
+    return DtypeChoice(name, "set explicitly")
+
+
+def resolve_bf16(value: bool | None, device: str | torch.device | None = None) -> DtypeChoice:
+    """bf16 autocast on or off: ``None`` means auto (:func:`fast_dtype`), a bool is kept."""
+    if value is None:
+        return resolve_dtype(AUTO, device)
+    return DtypeChoice("bfloat16" if value else "float32", "set explicitly")

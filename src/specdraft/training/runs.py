@@ -1,0 +1,384 @@
+"""Run folders that never lose or mix data: fingerprints of a stage's inputs, shard checksums, and replacing a
+run by building the new one beside it.
+
+- **Fingerprints.** A stage records what determines its result: its settings and a content digest of each input
+  (a prompts file, the shards of a data folder, a drafter checkpoint). A rerun continues exactly that run or is
+  refused with one line naming what changed (:func:`changes`, :func:`refuse_changes`).
+- **Shard checksums.** A data folder's ``manifest.json`` lists each shard's record count and, under ``sha256``, its
+  checksum. :func:`verify_shards` checks both before a stage reads or reuses the folder, so a shard truncated or
+  edited from outside is found. Manifests written before checksums existed are "legacy, unverified": their record
+  counts are still checked, with a note.
+- **Atomic replacement.** ``--overwrite`` builds the new run in ``.<name>.staging`` beside the folder and swaps it
+  in at the end (:func:`swap_in`): the old folder is renamed to ``.<name>.old``, the staging folder to the name,
+  then the old one is deleted. Killed at any moment, either the old complete run or a resumable new one is left;
+  :func:`recover` finishes or undoes an interrupted swap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.files import write_text_atomic
+from specdraft.training.data import MANIFEST_FILE
+
+RUN_FILE = "run.json"
+_CHUNK = 1 << 20
+
+
+# --- digests ---------------------------------------------------------------------------------------------------------
+
+
+def count_and_hash(path: str | Path) -> tuple[int, str]:
+    """(number of lines, sha256 hex) of a JSON Lines file, in one pass; a last line without its newline counts."""
+    digest, lines, last = hashlib.sha256(), 0, b"\n"
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    return lines + (last != b"\n"), digest.hexdigest()
+
+
+def digest_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    return count_and_hash(path)[1]
+
+
+def digest_json(value) -> str:
+    """sha256 of a JSON-serialisable value in canonical form (sorted keys)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def folder_fingerprint(path: str | Path, pattern: str = "*") -> str:
+    """sha256 over the names and contents of the files directly in a folder matching ``pattern`` (a checkpoint
+    folder: config, weights, tokenizer), or of one file."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    if not path.is_dir():
+        raise SpecdraftError(f"no such file or folder: {path}")
+    files = sorted(p for p in path.glob(pattern) if p.is_file() and not p.name.startswith("."))
+    return digest_json({p.name: sha256_file(p) for p in files})
+
+
+def text_source_fingerprint(spec: str, named: Iterable[str] = ()) -> str:
+    """Content digest of a pretraining source: a named source by its name and package file, else the file or the
+    ``*.txt`` files of a folder (recursive)."""
+    if spec in named:
+        return f"named:{spec}"
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        return digest_json({str(p.relative_to(path)): sha256_file(p) for p in files})
+    if not path.exists():
+        raise SpecdraftError(f"no such file or folder: {path}")
+    return sha256_file(path)
+
+
+# --- settings and inputs -------------------------------------------------------------------------------------------
+
+
+def changes(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """The keys whose values differ, as ``key (old -> new)``. A key the saved record lacks (a setting added since)
+    counts as unchanged when the current value is its default."""
+    defaults = defaults or {}
+    out = []
+    for key in sorted(saved.keys() | current.keys()):
+        old = saved[key] if key in saved else defaults.get(key, _MISSING)
+        new = current.get(key, _MISSING)
+        if old != new:
+            out.append(f"{key} ({_short(old)} -> {_short(new)})")
+    return out
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+_MISSING = _Missing()
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= 24 else text[:12] + "…" + text[-8:]
+
+
+def refuse_changes(where: str | Path, what: str, changed: list[str], hint: str) -> None:
+    """Raise the one-line refusal naming what changed (nothing when ``changed`` is empty)."""
+    if changed:
+        raise SpecdraftError(f"{where} holds a {what} made with other inputs or settings: {'; '.join(changed)}; "
+                             f"{hint}")
+
+
+def note(message: str) -> None:
+    """One line on stderr (a warning that does not stop the run)."""
+    print(f"specdraft: note: {message}", file=sys.stderr, flush=True)
+
+
+# --- shards ----------------------------------------------------------------------------------------------------------
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """A data folder's manifest; a missing or malformed one is a SpecdraftError."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        if isinstance(manifest.get("shards"), list):  # names only (written by hand or another tool)
+            manifest["shards"] = dict.fromkeys(manifest["shards"])
+        if not isinstance(manifest.get("shards"), dict):
+            raise TypeError
+    except (OSError, ValueError, TypeError, AttributeError):
+        hint = interrupted_hint(folder)
+        raise SpecdraftError(f"{folder} is not a distill-data folder (missing or bad {MANIFEST_FILE}){hint}") from None
+    return manifest
+
+
+def shard_entries(folder: Path, names: Iterable[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """(records per shard, sha256 per shard) of the named shard files as they are on disk."""
+    counts, sums = {}, {}
+    for name in names:
+        counts[name], sums[name] = count_and_hash(folder / name)
+    return counts, sums
+
+
+def verify_shards(folder: str | Path, manifest: dict, names: Iterable[str] | None = None) -> dict[str, str]:
+    """Check that every shard the manifest lists (or ``names`` of them) is on disk with its record count and
+    checksum; returns the checksums. A manifest without checksums (legacy) is checked by record counts only, with a
+    note; a damaged shard raises naming it."""
+    folder = Path(folder)
+    listed, sums = manifest["shards"], manifest.get("sha256") or {}
+    names = sorted(listed) if names is None else list(names)
+    found = {}
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise SpecdraftError(f"{path} is missing but listed in {folder / MANIFEST_FILE}: the folder was changed "
+                                 "from outside; rerun the command that made it to regenerate the shard")
+        count, digest = count_and_hash(path)
+        expected = sums.get(name)
+        if count != (listed[name] if listed[name] is not None else count) or (expected not in (None, digest)):
+            why = (f"{count} records, the manifest says {listed[name]}" if count != listed[name]
+                   else "its checksum differs from the manifest's")
+            raise SpecdraftError(f"{path} is damaged ({why}): it was truncated or edited outside specdraft; rerun "
+                                 "the command that made it to regenerate it")
+        found[name] = digest
+    unverified = [n for n in names if n not in sums]
+    if unverified:
+        note(f"{folder}: {len(unverified)} shard(s) listed without checksums (legacy, unverified: record counts "
+             "checked only)")
+    return found
+
+
+def data_fingerprint(folder: str | Path, allow_incomplete: bool = True) -> str:
+    """Content digest of a data folder: the checksums of its shards, verified (:func:`verify_shards`)."""
+    manifest = read_manifest(folder)
+    sums = verify_shards(folder, manifest)
+    return digest_json({"shards": sums, "complete": bool(manifest.get("complete"))})
+
+
+# --- atomic replacement ----------------------------------------------------------------------------------------------
+
+
+def staging_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(f".{out.name}.staging")
+
+
+def old_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(f".{out.name}.old")
+
+
+def recover(out: str | Path) -> None:
+    """Finish or undo a swap that was killed part-way: the old run is put back where the new one is missing, and a
+    replaced old run left beside is deleted."""
+    out, old = Path(out), old_path(out)
+    if not old.exists():
+        return
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(old, out)
+        note(f"an interrupted replacement of {out} was undone: the previous run is back in place")
+
+
+def interrupted_hint(folder: Path) -> str:
+    if not folder.exists() and old_path(folder).exists():
+        return f" (a replacement was interrupted: the previous run is in {old_path(folder)}; rerun the command)"
+    return ""
+
+
+def swap_in(staging: Path, out: Path) -> None:
+    """Move a finished ``staging`` folder to ``out``, replacing what is there (see the module docstring)."""
+    old = old_path(out)
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file beside it (fsynced, then renamed); a file that already holds
+    ``text`` is left untouched."""
+    try:
+        if path.stat().st_size == len(text.encode()) and path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    write_text_atomic(path, text)
+
+
+# --- training runs ---------------------------------------------------------------------------------------------------
+
+# Settings that never change a training run's weights: how it is watched, saved, evaluated and exported.
+OPERATIONAL = frozenset({
+    "out", "resume", "overwrite", "stop_after", "progress", "log_every", "checkpoint_every", "eval_every",
+    "eval_prompts", "eval_max_new_tokens", "eval_num_draft_tokens", "max_eval_rows", "export_dtype",
+    "allow_incomplete",
+})
+
+
+def training_settings(config: dict) -> dict:
+    """The settings of a training config (as a dict) that determine its weights."""
+    return {k: v for k, v in config.items() if k not in OPERATIONAL}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Where a training stage writes (``work``: the run folder, or a staging folder beside it under
+    ``--overwrite``), whether it resumes a checkpoint there, and whether the run is already finished."""
+
+    out: Path
+    work: Path
+    resume: bool
+    finished: bool
+    record: dict
+
+
+def _held_run(folder: Path, export: str) -> dict | None:
+    """The record of the run a folder holds (``run.json``; for a run made before records existed, its checkpoint's
+    config, marked legacy), or None when it holds no run."""
+    from specdraft.training.checkpoint import CHECKPOINT_FILE
+
+    path = folder / RUN_FILE
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            raise SpecdraftError(f"{path} is damaged; pass --overwrite to replace the run") from None
+    if (folder / CHECKPOINT_FILE).is_file():
+        from specdraft.training.checkpoint import load_training_state
+
+        config = load_training_state(folder / CHECKPOINT_FILE).get("config", {})
+        return {"settings": training_settings(config), "legacy": True}
+    if (folder / export).exists() or (folder / "train_log.csv").is_file():
+        return {"legacy": True}
+    return None
+
+
+def _run_changes(held: dict, record: dict, defaults: dict) -> list[str]:
+    changed = changes(held["settings"], record["settings"], defaults) if "settings" in held else []
+    for name, digest in record["inputs"].items():
+        old = held.get("inputs", {}).get(name)
+        if not held.get("legacy") and old != digest:
+            changed.append(f"{name} ({record['sources'].get(name, name)}: content differs)")
+    return changed
+
+
+def _state(folder: Path, held: dict, export: str) -> str:
+    from specdraft.training.checkpoint import is_complete_export
+
+    if held.get("finished") or (held.get("legacy") and is_complete_export(folder / export)):
+        return "finished"
+    return "interrupted"
+
+
+def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str, defaults: dict) -> RunPlan:
+    """Decide where and how a training stage runs (read-only; every process calls it).
+
+    Args:
+        stage: the subcommand name, for messages.
+        config: the stage's config (a dataclass with ``out``, ``resume``, ``overwrite``; auto values resolved).
+        inputs: name -> (what it is, e.g. the path; its content digest).
+        export: the exported model's folder name inside the run folder.
+        defaults: the config's field defaults (a setting added since a run was made counts at its default).
+    """
+    from dataclasses import asdict
+
+    from specdraft.training.checkpoint import CHECKPOINT_FILE
+
+    out = Path(config.out)
+    settings = training_settings(_plain(asdict(config)))
+    record = {"stage": stage, "settings": settings, "inputs": {k: v[1] for k, v in inputs.items()},
+              "sources": {k: v[0] for k, v in inputs.items()}}
+    held = _held_run(out, export)
+    hint = "pass --overwrite to replace it, or use another --out"
+    if config.overwrite and held is not None:
+        work = staging_path(out)
+        staged = _held_run(work, export) if work.is_dir() else None
+        same = staged is not None and not staged.get("legacy") and not _run_changes(staged, record, defaults)
+        return RunPlan(out, work, same and (work / CHECKPOINT_FILE).is_file(), False, record | {"fresh": not same})
+    if held is None:
+        if config.resume:
+            raise SpecdraftError(f"nothing to resume: {out} holds no {stage} run (no training checkpoint)")
+        return RunPlan(out, out, False, False, record | {"fresh": True})
+    if not config.resume:
+        raise SpecdraftError(f"{out} holds a {stage} run ({_state(out, held, export)}); pass --resume to continue "
+                             "it, or --overwrite to replace it")
+    refuse_changes(out, f"{stage} run", _run_changes(held, record, defaults), hint)
+    if held.get("legacy"):
+        note(f"{out}: a {stage} run made before input fingerprints were recorded (legacy): its settings are "
+             "checked, its inputs unverified")
+    finished = _state(out, held, export) == "finished"
+    return RunPlan(out, out, (out / CHECKPOINT_FILE).is_file(), finished, record | {"fresh": False})
+
+
+def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defaults: dict) -> list[str] | None:
+    """What differs between the run in ``config.out`` and this config and inputs (None when it holds no run)."""
+    from dataclasses import asdict
+
+    recover(config.out)
+    held = _held_run(Path(config.out), export)
+    if held is None:
+        return None
+    record = {"settings": training_settings(_plain(asdict(config))), "inputs": {k: v[1] for k, v in inputs.items()},
+              "sources": {k: v[0] for k, v in inputs.items()}}
+    return _run_changes(held, record, defaults)
+
+
+def start_run(plan: RunPlan, precision: dict) -> None:
+    """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, and ``run.json`` written."""
+    if plan.record["fresh"] and plan.work != plan.out and plan.work.exists():
+        shutil.rmtree(plan.work)
+    plan.work.mkdir(parents=True, exist_ok=True)
+    record = {k: v for k, v in plan.record.items() if k != "fresh"} | {"precision": precision, "finished": False}
+    atomic_write(plan.work / RUN_FILE, json.dumps(record, indent=1))
+
+
+def finish_run(plan: RunPlan) -> None:
+    """Mark the run finished and, under ``--overwrite``, swap it in (rank 0 only, after the export)."""
+    path = plan.work / RUN_FILE
+    record = json.loads(path.read_text())
+    atomic_write(path, json.dumps(record | {"finished": True}, indent=1))
+    if plan.work != plan.out:
+        swap_in(plan.work, plan.out)
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)

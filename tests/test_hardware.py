@@ -1,0 +1,45 @@
+"""The machine's fast dtype: bf16 only where torch runs native bf16 kernels (the decision follows torch's kernel
+level, so ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU counts as AVX2)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specdraft import hardware
+
+
+@pytest.mark.parametrize(("capability", "flags", "onednn", "native"), [
+    ("AVX512", {"avx512f", "avx512_bf16"}, "", True),
+    ("AVX512", {"avx512f", "amx_bf16"}, "", True),
+    ("AVX512", {"avx512f"}, "", False),  # AVX-512 without bf16 instructions: emulated
+    ("AVX2", {"avx2", "avx512_bf16"}, "", False),  # torch told to take its AVX2 paths
+    ("AVX512", {"avx512_bf16"}, "AVX2", False),  # oneDNN capped below its bf16 kernels
+    ("AVX512", {"avx512_bf16"}, "AVX512_CORE_AMX", True),
+    ("DEFAULT", set(), "", False),
+])
+def test_cpu_bf16_needs_torchs_avx512_kernels_and_a_bf16_flag(monkeypatch, capability, flags, onednn, native):
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(hardware, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn)
+    ok, reason = hardware.cpu_bf16()
+    assert ok is native and reason
+    choice = hardware.resolve_dtype("auto", "cpu")
+    assert choice.dtype == ("bfloat16" if native else "float32") and choice.reason.startswith("auto: ")
+
+
+def test_explicit_values_are_kept_and_bad_ones_refused():
+    assert hardware.resolve_dtype("float32").to_dict() == {"dtype": "float32", "reason": "set explicitly"}
+    assert hardware.resolve_bf16(True).bf16 and not hardware.resolve_bf16(False).bf16
+    assert hardware.resolve_bf16(None).reason.startswith("auto: ")
+    with pytest.raises(ValueError, match="auto, float32 or bfloat16"):
+        hardware.resolve_dtype("fp16")
+
+
+def test_the_avx2_emulation_variable_is_respected_in_a_fresh_process():
+    code = "from specdraft import hardware; print(hardware.fast_dtype('cpu').dtype, hardware.cpu_capability())"
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["float32", "AVX2"]
