@@ -117,7 +117,7 @@ def test_the_same_run_continues_and_a_new_folder_appears_only_for_valid_prompts(
     (tmp_path / "x" / "shard-00001.jsonl").unlink()  # an interrupted run: the missing shard is made again
     assert generate_distillation_data(config, progress=False)["records"] == 10
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a b"}\n{"prompt": 3}\n')
-    with pytest.raises(SpecdraftError, match="bad.jsonl:2"):
+    with pytest.raises(SpecdraftError, match=r"bad\.jsonl:2"):
         generate_distillation_data(_data(target, str(tmp_path / "bad.jsonl"), tmp_path / "never"), progress=False)
     with pytest.raises(SpecdraftError, match="no such file"):
         generate_distillation_data(_data(target, str(tmp_path / "nope.jsonl"), tmp_path / "never"), progress=False)
