@@ -159,7 +159,7 @@ def test_overwrite_killed_mid_run_leaves_the_old_run_whole_then_finishes(target,
     old, old_records = _snapshot(out), load_distill_records(out)
     new = _data(target, prompts, out, max_new_tokens=6)
     with monkeypatch.context() as patch:
-        _kill_after(patch, generation, "generate_shard", 1)  # killed while making the second new shard
+        _kill_after(patch, generation.onpolicy, "generate_shard", 1)  # killed while making the second new shard
         with pytest.raises(Killed):
             generate_distillation_data(new, overwrite=True, progress=False)
     assert _snapshot(out) == old and load_distill_records(out) == old_records  # finetune still reads the old run
