@@ -19,7 +19,7 @@ SRC = Path(specdraft.__file__).resolve().parent
 
 # Layer of a module, by its longest matching prefix; a module no prefix names is a front (the top layer).
 LAYERS = {
-    "errors": 0, "files": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
+    "errors": 0, "files": 0, "hardware": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0,
     "drafters": 1,
     "decoding": 2, "batching": 2,
