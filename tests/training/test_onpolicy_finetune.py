@@ -2,6 +2,7 @@
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -50,6 +51,10 @@ def test_pool_is_regenerated_into_distill_data_folders_and_a_resumed_run_matches
     assert len(first) == 4
     _finetune(setup, tmp_path / "part", checkpoint_every=3, stop_after=3)
     assert not (tmp_path / "part" / "onpolicy" / "step-000004").exists()
+    shutil.move(tmp_path / "part" / "onpolicy" / "step-000002", tmp_path / "aside")
+    with pytest.raises(SpecdraftError, match="cannot be restored"):
+        _finetune(setup, tmp_path / "part", checkpoint_every=3, resume=True)
+    shutil.move(tmp_path / "aside", tmp_path / "part" / "onpolicy" / "step-000002")
     resumed = _finetune(setup, tmp_path / "part", checkpoint_every=3, resume=True)
     a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)

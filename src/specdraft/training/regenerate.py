@@ -115,7 +115,11 @@ class Regenerator:
         self._fill(self.folder(step))
 
     def _fill(self, folder: Path) -> None:
-        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        try:
+            manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        except (OSError, ValueError):
+            raise SpecdraftError(f"{folder} is missing or damaged: the pool it held cannot be restored; restart the "
+                                 "run without --resume") from None
         if not manifest.get("complete"):
             raise SpecdraftError(f"{folder} is incomplete: the run stopped while regenerating; resume it")
         fresh = [record for name in sorted(manifest["shards"]) for record in read_jsonl(folder / name)]
