@@ -1,8 +1,9 @@
 """Tokens/s of batched decoding against batch size, plain and speculative, on the real target.
 
-Every batch size runs plain decoding and speculative decoding (the shipped drafter, one instance per row) one after
-the other in the same process, on the built-in chat prompts repeated to fill the batch; tokens/s counts every
-generated token of the batch over the wall time of the whole batch (prefill included).
+Every batch size runs, in turn in one process, plain decoding and speculative decoding with the shipped drafter (one
+instance per row), its draft forwards batched across rows (lockstep) and one row after another, on the built-in
+chat prompts repeated to fill the batch; tokens/s counts every generated token of the batch over the wall time of
+the whole batch (prefill included).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_batch.py [--dtype bfloat16] [--batch-sizes 1,2,4,8,16,32]
 
@@ -19,6 +20,7 @@ import time
 import torch
 
 from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target, parse_dtype
+from specdraft.batch_drafting import lockstep_factory
 from specdraft.batching import drafter_factory, generate_batch
 from specdraft.decoding import GenerationConfig
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
@@ -48,20 +50,26 @@ def main() -> None:
     args = parser.parse_args()
     dtype = parse_dtype(args.dtype)
     target, tokenizer = load_target(SMOLLM2, dtype)
-    make = drafter_factory(load_drafter(target, tokenizer, draft=args.draft, dtype=dtype))
+    prototype = load_drafter(target, tokenizer, draft=args.draft, dtype=dtype)
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    one_by_one = drafter_factory(prototype)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens,
                               eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
     prompts = [encode_prompt(tokenizer, p.text, chat=True) for p in BUILTIN_PROMPTS]
+    capacity = max(len(ids) for ids in prompts) + args.max_new_tokens + 64
+    lockstep = lockstep_factory(prototype, 2 * max(sizes) + 2, capacity, one_by_one)
     generate_batch(target, prompts[:2], None, GenerationConfig(4))  # warm-up
     rows = []
-    for size in [int(s) for s in args.batch_sizes.split(",")]:
+    for size in sizes:
         batch = [prompts[i % len(prompts)] for i in range(size)]
         plain = _run(target, batch, None, config)
-        spec = _run(target, batch, make, config)
-        rows.append({"batch_size": size, "plain": plain, "speculative": spec})
+        spec = _run(target, batch, lockstep, config)
+        serial = _run(target, batch, one_by_one, config)
+        rows.append({"batch_size": size, "plain": plain, "speculative": spec, "speculative_one_by_one": serial})
         print(f"batch {size:3d}: plain {plain['tokens_per_second']:7.1f} tokens/s, speculative "
               f"{spec['tokens_per_second']:7.1f} tokens/s (τ {spec['block_efficiency']:.2f}, "
-              f"{spec['tokens_per_second'] / plain['tokens_per_second']:.2f}x)", flush=True)
+              f"{spec['tokens_per_second'] / plain['tokens_per_second']:.2f}x), drafting one row at a time "
+              f"{serial['tokens_per_second']:7.1f} tokens/s", flush=True)
     print(json.dumps({"dtype": args.dtype, "cpu": torch.backends.cpu.get_cpu_capability(),
                       "threads": torch.get_num_threads(), "machine": platform.machine(), "draft": args.draft,
                       "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,

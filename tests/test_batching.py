@@ -124,3 +124,25 @@ def test_bad_inputs_are_clear_errors(target):
     decoder.add([1, 2], None, GenerationConfig(10))
     with pytest.raises(SpecdraftError, match="full"):
         decoder.add([1, 2], None, GenerationConfig(10))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)])
+def test_lockstep_drafting_equals_one_drafter_at_a_time(target, drafter_model, sampling):
+    """Draft models batched across rows (threads in lockstep) propose what each would alone: same drafts, so the
+    same output and the same accept lengths as drafting one sequence after another."""
+    from specdraft.batch_drafting import lockstep_factory
+    from specdraft.batching import drafter_factory
+
+    prototype = DraftModelDrafter(drafter_model, confidence_threshold=0.2, prompt_lookup=2)
+    config = GenerationConfig(25, 3, sampling)
+    prompts = PROMPTS * 2
+
+    def run(make):
+        generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+        return generate_batch(target, prompts, make, config, generators, batch_size=5)
+
+    alone = run(drafter_factory(prototype))
+    together = run(lockstep_factory(prototype, 12, 128, drafter_factory(prototype)))
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.stats.accept_lengths for r in together] == [r.stats.accept_lengths for r in alone]
+    assert sum(r.stats.draft_tokens_accepted for r in together) > 0

@@ -16,12 +16,14 @@ the target's own KV cache (layer-skip) cannot share the batched cache and fails 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from specdraft.batch_drafting import DraftBatcher, batcher_of
 from specdraft.decoding import GenerationConfig, GenerationResult, _check_inputs, _fit_tree, _verify
 from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from specdraft.errors import SpecdraftError
@@ -180,6 +182,20 @@ class BatchDecoder:
             result = replace(result, hidden=features)
         return result, draft.tokens[nodes].tolist()
 
+    def _propose_all(self) -> list[_Fed]:
+        """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
+        feds: list[_Fed | None] = [None] * len(self.rows)
+        groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
+        for i, seq in enumerate(self.rows):
+            batcher = batcher_of(seq.drafter)
+            if batcher is not None:
+                groups.setdefault(id(batcher), (batcher, []))[1].append(i)
+        for batcher, rows in groups.values():
+            drafts = batcher.run([functools.partial(self._propose, self.rows[i]) for i in rows])
+            for i, fed in zip(rows, drafts, strict=True):
+                feds[i] = fed
+        return [fed if fed is not None else self._propose(seq) for fed, seq in zip(feds, self.rows, strict=True)]
+
     @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One draft-verify step of every active sequence. Returns (sequence, tokens it committed) for each; the
@@ -187,7 +203,7 @@ class BatchDecoder:
         if not self.rows:
             return []
         tick = time.perf_counter()
-        feds = [self._propose(seq) for seq in self.rows]
+        feds = self._propose_all()
         tock = time.perf_counter()
         starts = [self.cache.lengths[seq.row] for seq in self.rows]
         want_hidden = any(getattr(seq.drafter, "needs_hidden", False) for seq in self.rows)

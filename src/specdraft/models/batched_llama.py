@@ -66,30 +66,30 @@ class BatchedKVCache:
             self.lengths[target] = length
         self.lengths[source] = 0
 
-    def begin_forward(self, first_row: int, num_new: list[int], steps: int) -> None:
-        """Reserve slots for a forward over rows ``first_row ..`` feeding ``num_new[i]`` real tokens (of ``steps``)."""
-        rows = range(first_row, first_row + len(num_new))
+    def begin_forward(self, rows: list[int], num_new: list[int], steps: int) -> None:
+        """Reserve slots for a forward over ``rows`` feeding ``num_new[i]`` real tokens each (of ``steps``)."""
         lengths = torch.tensor([self.lengths[r] for r in rows], dtype=torch.long)  # (n,)
         if int(lengths.max()) + steps > self.capacity:
             raise SpecdraftError(f"batched KV cache capacity {self.capacity} exceeded: a row holds "
                                  f"{int(lengths.max())} positions and {steps} more are fed")
         self._slots = lengths[:, None] + torch.arange(steps)  # (n, T)
-        self._rows = torch.tensor(list(rows), dtype=torch.long)[:, None]  # (n, 1)
+        self._rows = torch.tensor(rows, dtype=torch.long)[:, None]  # (n, 1)
         self._end = int(lengths.max()) + steps
-        self._first = first_row
+        dense = rows == list(range(rows[0], rows[0] + len(rows)))
+        self._view = slice(rows[0], rows[0] + len(rows)) if dense else self._rows[:, 0]
+        self._row_ids = rows
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys and values (n, T, K, hd) in the reserved slots; return the rows' keys and
-        values so far, each (n, K, max length + T, hd), views into the cache."""
+        values so far, each (n, K, max length + T, hd): views into the cache for dense rows, else gathered."""
         self.keys[layer][self._rows, :, self._slots] = keys  # index (n, T) -> (n, T, K, hd)
         self.values[layer][self._rows, :, self._slots] = values
-        rows = slice(self._first, self._first + keys.shape[0])
-        return self.keys[layer][rows, :, : self._end], self.values[layer][rows, :, : self._end]
+        return self.keys[layer][self._view, :, : self._end], self.values[layer][self._view, :, : self._end]
 
     def end_forward(self, num_new: list[int]) -> None:
         """Mark each row's ``num_new[i]`` fed tokens valid (a verify then crops or compacts them)."""
-        for i, count in enumerate(num_new):
-            self.lengths[self._first + i] += count
+        for row, count in zip(self._row_ids, num_new, strict=True):
+            self.lengths[row] += count
         self._slots = self._rows = None
 
 
@@ -158,10 +158,12 @@ def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int, groups: int
 
 
 @torch.no_grad()
-def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_new: list[int], first_row: int = 0,
-                    offsets: torch.Tensor | None = None, local_mask: torch.Tensor | None = None,
-                    return_hidden: bool = False, want_logits: bool = True):
-    """A ragged forward of rows ``first_row .. first_row + n - 1``.
+def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_new: list[int],
+                    first_row: int | list[int] = 0, offsets: torch.Tensor | None = None,
+                    local_mask: torch.Tensor | None = None, return_hidden: bool = False, want_logits: bool = True,
+                    last_only: bool = False, logits_weight: torch.Tensor | None = None):
+    """A ragged forward of rows ``first_row .. first_row + n - 1`` (or of the given list of rows: dense rows attend
+    views of the cache, scattered rows gathered copies, cheap only for a small model such as a draft model).
 
     Args:
         input_ids: (n, T) ids; row i's first ``num_new[i]`` are real, the rest padding.
@@ -170,15 +172,19 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
         local_mask: (n, T, T) bool among the new tokens, default causal; padding rows should stay causal.
         return_hidden: also return the final-normed hidden states (n, T, D).
         want_logits: False skips the LM head (a prefill) and returns None in place of the logits.
+        last_only: logits of each row's last real token only, (n, 1, V).
+        logits_weight: (N, D) replaces the LM head (a draft vocabulary's rows), as in the batch-1 forward.
 
     Returns:
         (n, T, V) float32 logits (or None), and the hidden states when asked.
     """
     batch, steps = input_ids.shape
-    if batch != len(num_new) or first_row + batch > cache.max_rows or min(num_new) < 1 or max(num_new) > steps:
+    rows = list(range(first_row, first_row + batch)) if isinstance(first_row, int) else list(first_row)
+    shapes_differ = len({batch, len(num_new), len(rows)}) != 1
+    if shapes_differ or max(rows) >= cache.max_rows or min(num_new) < 1 or max(num_new) > steps:
         raise SpecdraftError(f"batched forward: input {tuple(input_ids.shape)} does not match rows {num_new}")
-    lengths = torch.tensor(cache.lengths[first_row : first_row + batch], dtype=torch.long)  # (n,)
-    cache.begin_forward(first_row, num_new, steps)
+    lengths = torch.tensor([cache.lengths[r] for r in rows], dtype=torch.long)  # (n,)
+    cache.begin_forward(rows, num_new, steps)
     offsets = torch.arange(steps).expand(batch, steps) if offsets is None else offsets  # (n, T)
     positions = lengths[:, None] + offsets  # (n, T)
     if int(positions.max()) >= model.max_context:
@@ -193,5 +199,7 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
         hidden = _layer(layer, hidden, cache, index, rope, mask)
     cache.end_forward(num_new)
     hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
-    logits = F.linear(hidden, model.lm_head_weight).float() if want_logits else None  # (n, T, V)
+    weight = model.lm_head_weight if logits_weight is None else logits_weight
+    head_in = hidden[torch.arange(batch), torch.tensor(num_new) - 1][:, None] if last_only else hidden  # (n, 1|T, D)
+    logits = F.linear(head_in, weight).float() if want_logits else None  # (n, 1 or T, V)
     return (logits, hidden) if return_hidden else logits

@@ -8,6 +8,7 @@ from specdraft.serve.config import ServeConfig
 
 def build_server_app(config: ServeConfig):
     """Load the target and drafter named by ``config`` and build the app (not yet serving)."""
+    from specdraft.batch_drafting import lockstep_factory
     from specdraft.batching import drafter_factory
     from specdraft.drafters.loading import load_drafter
     from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
@@ -19,7 +20,8 @@ def build_server_app(config: ServeConfig):
     prototype = load_drafter(target, tokenizer, config.draft, config.drafter, dtype,
                              options=dict(config.drafter_options))
     capacity = config.max_prompt_tokens + config.max_tokens
-    engine = Engine(target, tokenizer, drafter_factory(prototype), config.max_batch, capacity, config.max_queue)
+    make = lockstep_factory(prototype, 2 * config.max_batch + 2, capacity + 64, drafter_factory(prototype))
+    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 
