@@ -187,3 +187,49 @@ def test_sigterm_shuts_the_server_down_cleanly(tiny_checkpoint):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+class _SlowDrafter:
+    """Proposes nothing, slowly: keeps a sequence in the batch long enough to be cancelled mid-way."""
+
+    name, vocab_size, max_context = "slow", None, None
+
+    def begin(self, target, cache) -> None:
+        pass
+
+    def propose(self, context, num_draft_tokens, sampling, generator):
+        from specdraft.drafters.base import EMPTY_DRAFT
+
+        time.sleep(0.05)
+        return EMPTY_DRAFT
+
+    def observe(self, result) -> None:
+        pass
+
+
+def test_a_cancelled_request_leaves_the_batch_before_the_next_step(tiny_checkpoint):
+    import asyncio
+
+    target, tokenizer = load_target(str(tiny_checkpoint))
+    engine = Engine(target, tokenizer, _SlowDrafter, max_batch=2, capacity=256, max_queue=2)
+    engine.start()
+
+    async def scenario():
+        request = Request([5, 6, 7], GenerationConfig(200, 2), loop=asyncio.get_running_loop(),
+                          events=asyncio.Queue())
+        engine.submit(request)
+        first = await asyncio.wait_for(request.events.get(), 10)
+        engine.cancel(request)
+        for _ in range(100):
+            if engine.running == 0:
+                break
+            await asyncio.sleep(0.05)
+        return first, request
+
+    try:
+        first, request = asyncio.run(scenario())
+        assert first.tokens and first.finish_reason is None
+        assert engine.running == 0 and engine.metrics.cancelled == 1
+        assert request.completion_tokens < 200
+    finally:
+        engine.stop()
