@@ -93,7 +93,7 @@ def _fit_tree(draft: Draft, max_depth: int, room: int, max_position: int) -> Dra
 
 
 def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, config: GenerationConfig, generator,
-               want_hidden: bool = False):
+               want_hidden: dict | None = None):
     """One target forward over the uncached tail, the tree and the auxiliary branch; verify the tree; keep only the
     accepted path in the cache. Returns the verification result (with the auxiliary logits)."""
     start, tail = cache.length, context[cache.length :]  # tail: (T0,), its last token is the root
@@ -101,7 +101,7 @@ def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, con
     offsets, mask = verify_layout(tail.shape[0], draft.parents, aux)  # (T,), (T, T)
     fed = [tail, draft.tokens] + ([aux.tokens] if aux is not None else [])
     out = target.forward(torch.cat(fed).unsqueeze(0), cache, positions=start + offsets, attention_mask=mask,
-                         **({"return_hidden": True} if want_hidden else {}))
+                         **(want_hidden or {}))
     logits, hidden = (out[0][0], out[1][0]) if want_hidden else (out[0], None)  # (T, V), (T, D)
     check_finite(logits, "target")
     rows = logits[tail.shape[0] - 1 : tail.shape[0] + len(draft)]  # (N + 1, V): root, then every node
@@ -119,15 +119,23 @@ def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, con
     return result, draft.tokens[list(result.accepted_nodes)].tolist()
 
 
-def _prefill(target: CausalLM, cache, prompt: torch.Tensor, want_hidden: bool) -> torch.Tensor | None:
+def _prefill(target: CausalLM, cache, prompt: torch.Tensor, want_hidden: dict | None) -> torch.Tensor | None:
     """Feed all of the prompt but its last token, on the causal path, before the first step (as gpt-fast does):
     every step then feeds one uncached token and its draft, and a tree step never runs its masked forward over a
     long prompt. Returns the prompt's hidden states (L - 1, D) when the drafter reads them, else None."""
     if prompt.shape[0] < 2:
         return None
-    out = target.forward(prompt[:-1].unsqueeze(0), cache, logits_to_keep=1,
-                         **({"return_hidden": True} if want_hidden else {}))
+    out = target.forward(prompt[:-1].unsqueeze(0), cache, logits_to_keep=1, **(want_hidden or {}))
     return out[1][0] if want_hidden else None
+
+
+def _hidden_request(drafter: Drafter) -> dict | None:
+    """The forward arguments that return the features a drafter reads (``needs_hidden``): the final-normed hidden
+    states, or the inputs of the layers in its ``hidden_layers`` (EAGLE-3); None when it reads none."""
+    if not getattr(drafter, "needs_hidden", False):
+        return None
+    layers = getattr(drafter, "hidden_layers", None)
+    return {"return_hidden": True} | ({"hidden_layers": tuple(layers)} if layers else {})
 
 
 def _verify(draft, logits: torch.Tensor, sampling: SamplingConfig, generator) -> VerifyResult:
@@ -158,7 +166,7 @@ def generate(
     needed = prompt.numel() + config.max_new_tokens
     cache = target.new_cache(min(needed + _TREE_ROOM, target.max_context))  # room for tree and auxiliary slots
     drafter.begin(target, cache)
-    want_hidden = bool(getattr(drafter, "needs_hidden", False))  # Medusa / EAGLE read the target's features
+    want_hidden = _hidden_request(drafter)  # Medusa / EAGLE read the target's features
     context, generated, stats, reason = prompt, [], GenerationStats(), None
     start = time.perf_counter()
     prefill_hidden = _prefill(target, cache, prompt, want_hidden)  # (L - 1, D) or None
@@ -176,7 +184,7 @@ def generate(
             if len(draft) > num_draft:
                 draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
             fed = torch.cat([context[cache.length :], draft.tokens])  # (T,) uncached tokens, then the draft
-            out = target.forward(fed.unsqueeze(0), cache, **({"return_hidden": True} if want_hidden else {}))
+            out = target.forward(fed.unsqueeze(0), cache, **(want_hidden or {}))
             logits = (out[0] if want_hidden else out)[0, -(len(draft) + 1) :]  # (γ + 1, V)
             check_finite(logits, "target")
             result = _verify(draft, logits, config.sampling, generator)

@@ -60,6 +60,16 @@ def _eagle(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(EagleDrafter, _with_folder_defaults(options))
 
 
+def _eagle3(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.eagle3 import Eagle3Drafter
+    from specdraft.errors import SpecdraftError
+
+    if "heads" not in options:
+        raise SpecdraftError("eagle3 needs --drafter-option heads=PATH (a folder made by `specdraft train-heads "
+                             "--kind eagle3`)")
+    return build(Eagle3Drafter, _with_folder_defaults(options))
+
+
 def _with_folder_defaults(options: dict[str, str]) -> dict[str, str]:
     """``options`` over the defaults shipped in the heads folder (``drafter_options.json``), if any."""
     from specdraft.drafters.options import folder_options
@@ -74,6 +84,7 @@ TRAINING_FREE: dict[str, DrafterFactory] = {
     "lookahead": _lookahead,
     "rest": _rest,
     "eagle": _eagle,
+    "eagle3": _eagle3,
     "medusa": _medusa,
 }
 

@@ -9,7 +9,9 @@ file behind this interface.
 
 A drafter that reads the target's features (Medusa, EAGLE) sets ``needs_hidden = True``: the loop then asks the
 target for its final-normed hidden states and passes, in ``result.hidden`` (F, D), those of the F tokens that were
-fed this step and committed (the uncached context tail, then the accepted draft tokens), in order.
+fed this step and committed (the uncached context tail, then the accepted draft tokens), in order. One that also
+sets ``hidden_layers`` (layer indices, by the end of ``begin``; EAGLE-3) gets instead the residual stream entering
+those target layers, concatenated: (F, k*D).
 """
 
 from __future__ import annotations

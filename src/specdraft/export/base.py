@@ -64,14 +64,19 @@ class CheckedDrafter:
 
 
 ExportFn = Callable[[ExportConfig, CheckedDrafter], Path]
+CheckFn = Callable[[ExportConfig], CheckedDrafter]
 FORMATS: dict[str, ExportFn] = {}
+CHECKS: dict[str, CheckFn] = {}  # formats of other inputs than a draft model (e.g. heads) check them their own way
 
 
-def register(name: str) -> Callable[[ExportFn], ExportFn]:
-    """Register an export format under ``name`` (``specdraft export --format NAME``)."""
+def register(name: str, check: CheckFn | None = None) -> Callable[[ExportFn], ExportFn]:
+    """Register an export format under ``name`` (``specdraft export --format NAME``); ``check`` replaces
+    :func:`check_drafter` for a format whose input is not a draft model checkpoint."""
 
     def decorator(fn: ExportFn) -> ExportFn:
         FORMATS[name] = fn
+        if check is not None:
+            CHECKS[name] = check
         return fn
 
     return decorator
@@ -113,4 +118,4 @@ def export(config: ExportConfig) -> Path:
     out = Path(config.out).expanduser()
     if out.exists() and not config.overwrite:
         raise SpecdraftError(f"{out} exists; pass --overwrite to replace it")
-    return FORMATS[config.format](config, check_drafter(config))
+    return FORMATS[config.format](config, CHECKS.get(config.format, check_drafter)(config))

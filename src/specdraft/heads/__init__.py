@@ -31,9 +31,10 @@ FORMAT = 1
 def _builders() -> dict[str, Callable[[dict], nn.Module]]:
     """Kind name -> build(spec) -> a fresh module; a new kind of heads adds its builder here."""
     from specdraft.heads.eagle import build_eagle
+    from specdraft.heads.eagle3 import build_eagle3
     from specdraft.heads.medusa import build_medusa
 
-    return {"medusa": build_medusa, "eagle": build_eagle}
+    return {"medusa": build_medusa, "eagle": build_eagle, "eagle3": build_eagle3}
 
 
 def build_heads(kind: str, spec: dict) -> nn.Module:

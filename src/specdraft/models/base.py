@@ -9,6 +9,7 @@ The cache is an explicit argument (house style): a model never hides decoding st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,6 +62,7 @@ class CausalLM(Protocol):
         attention_mask: torch.Tensor | None = None,
         return_hidden: bool = False,
         logits_to_keep: int = 0,
+        hidden_layers: Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids``.
 
@@ -72,6 +74,8 @@ class CausalLM(Protocol):
             return_hidden: also return the final-normed hidden states (B, T, D), the LM head's input.
             logits_to_keep: k > 0 computes logits for the last k positions only (a prefill needs at most one row;
                 transformers' argument of that name); 0 = every position. Hidden states are never cut.
+            hidden_layers: with ``return_hidden``, return instead the residual stream entering these layers
+                (increasing indices), concatenated (B, T, k*D): EAGLE-3's features.
 
         Returns:
             (B, T, V) logits in float32, (B, k, V) with ``logits_to_keep`` = k.

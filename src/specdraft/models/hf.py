@@ -7,6 +7,7 @@ architectures the native implementation does not cover.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -67,8 +68,10 @@ class HFCausalLM:
         attention_mask: torch.Tensor | None = None,
         return_hidden: bool = False,
         logits_to_keep: int = 0,
+        hidden_layers: Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`NativeLlama.forward`: a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool
+        """As :meth:`NativeLlama.forward` (``hidden_layers``: transformers' ``hidden_states[i]`` is the input of
+        layer i, concatenated for the given i); a tree step passes ``positions`` (T,) and ``attention_mask`` (T, T) bool
         among the new tokens, or (T, S) over every slot; it reaches the model as a 4D additive mask (models that
         ignore 4D masks cannot verify trees)."""
         start, num_new = cache.length, input_ids.shape[1]
@@ -95,4 +98,8 @@ class HFCausalLM:
         logits = out.logits.float()  # (B, T, V), or (B, k, V) when the model took logits_to_keep
         if logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]  # (B, k, V) either way
-        return (logits, out.hidden_states[-1]) if return_hidden else logits  # hidden: (B, T, D), final-normed
+        if not return_hidden:
+            return logits
+        if hidden_layers is not None:  # (B, T, k*D): the residual stream entering each given layer
+            return logits, torch.cat([out.hidden_states[int(i)] for i in hidden_layers], dim=-1)
+        return logits, out.hidden_states[-1]  # (B, T, D), final-normed

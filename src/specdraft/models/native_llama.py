@@ -420,6 +420,7 @@ class NativeLlama(nn.Module):
         return_hidden: bool = False,
         logits_weight: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        hidden_layers: Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``input_ids`` (B, T) written to cache slots ``cache.length ..``; returns (B, T, V) float32.
 
@@ -433,6 +434,8 @@ class NativeLlama(nn.Module):
         head, e.g. its rows of a draft vocabulary (:mod:`specdraft.draft_vocab`); logits are then (B, T, N).
         ``logits_to_keep`` = k > 0 applies the head to the last k positions only, (B, k, V): a long prompt's
         prefill otherwise spends a fifth of its work (SmolLM2's 49k x 576 head) on logits nobody reads.
+        ``hidden_layers`` (increasing layer indices, with ``return_hidden``) returns instead the residual stream
+        entering those layers, concatenated: (B, T, k*D) (EAGLE-3's low, middle and high features).
         """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] != cache.batch_size:
             raise SpecdraftError(
@@ -445,7 +448,12 @@ class NativeLlama(nn.Module):
         else:
             step = self._tree_step(cache.length, steps, positions, attention_mask)
         hidden = F.embedding(input_ids, self.embed_weight)  # (B, T, D)
-        if layers is None:
+        aux: list[torch.Tensor] = []
+        if hidden_layers is not None:
+            if layers is not None:
+                raise SpecdraftError("hidden_layers cannot be combined with a layer subset")
+            hidden = self._run_layers(hidden, cache, step, self._check_layers(hidden_layers), aux)
+        elif layers is None:
             hidden = self._run_layers(hidden, cache, step)
         else:
             hidden = self._run_layer_subset(hidden, cache, step, self._check_layers(layers))
@@ -454,6 +462,8 @@ class NativeLlama(nn.Module):
         weight = self.lm_head_weight if logits_weight is None else logits_weight
         rows = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden  # (B, k, D) or (B, T, D)
         logits = F.linear(rows, weight).float()  # (B, T or k, V) or (B, T or k, N)
+        if aux:
+            hidden = torch.cat(aux, dim=-1)  # (B, T, k*D)
         return (logits, hidden) if return_hidden else logits
 
     def _step(self, start: int, steps: int) -> _Step:
@@ -489,9 +499,13 @@ class NativeLlama(nn.Module):
             seen[:, start:] = attention_mask.to(device)
         return _Step(start, cos, sin, seen.repeat(groups, 1), explicit=True)
 
-    def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step) -> torch.Tensor:
-        """The decoder stack, layer by layer; each layer owns cache slot ``index``."""
+    def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step, taps: Sequence[int] = (),
+                    aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The decoder stack, layer by layer; each layer owns cache slot ``index``. The input of each layer in
+        ``taps`` is appended to ``aux``."""
         for index, layer in enumerate(self.layers):
+            if index in taps:
+                aux.append(hidden)  # (B, T, D)
             hidden = layer(hidden, cache, index, step)  # (B, T, D)
         return hidden
 

@@ -146,7 +146,7 @@ def _add_train_heads(sub) -> None:
     """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.training.heads`)."""
     from specdraft.training.heads import HeadsConfig
 
-    p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle) on a frozen target")
+    p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle, eagle3) on a frozen target")
     add_config_arguments(p, HeadsConfig)
     p.set_defaults(run=_run_train_heads, subcommand="train-heads")
 

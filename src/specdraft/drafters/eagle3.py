@@ -1,0 +1,78 @@
+"""EAGLE-3 drafting (Li et al. 2025, arXiv 2503.01840) as a chain or an EAGLE-2 dynamic tree (arXiv 2406.16858).
+
+The same feature stream and tree search as :mod:`specdraft.drafters.eagle`, with EAGLE-3's head
+(:mod:`specdraft.heads.eagle3`): the loop hands over the target's residual stream entering the head's
+``aux_layers`` (``hidden_layers``: the decoding loop asks the verify forward for them, so there is no extra target
+forward), which ``observe`` fuses with ``fc`` into the head's features; inside the tree a node's pair is (its
+parent's output, its token), unfused. Tokens come from the head's own LM head over its draft vocabulary (``d2t``);
+every other token gets q = 0 and is never drafted. ``top_k=1`` drafts a chain of ``num_draft_tokens`` tokens.
+Lossless: verification uses the target's full distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.eagle import EagleDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import check_finite
+from specdraft.verification import VerifyResult
+
+
+class Eagle3Drafter(EagleDrafter):
+    """Drafts with an EAGLE-3 head trained by ``specdraft train-heads --kind eagle3``.
+
+    Args:
+        heads: the heads folder (``<out>/heads``).
+        top_k: children per expanded node and frontier nodes per level (EAGLE-2's k; 1: a chain).
+        tree_nodes: nodes kept in the final tree (EAGLE-2's re-ranking).
+    """
+
+    name = "eagle3"
+
+    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16) -> None:
+        from specdraft.heads import load_heads
+
+        if not str(heads).strip():
+            raise SpecdraftError("eagle3 needs heads=PATH: a folder made by `specdraft train-heads --kind eagle3`")
+        _, head = load_heads(heads, kind="eagle3")
+        self._setup(head, top_k, tree_nodes)
+
+    def _setup(self, head, top_k: int, tree_nodes: int, keep: torch.Tensor | None = None) -> None:
+        super()._setup(head, top_k, tree_nodes)
+        self.hidden_layers = tuple(head.aux_layers)
+
+    def begin(self, target, cache) -> None:
+        """A new generation: forget the feature stream; take the target's frozen embeddings."""
+        from specdraft.models.shared_embeddings import target_weights
+
+        embed, _ = target_weights(target)
+        hidden = int(self.head.sizes["hidden_size"])
+        if tuple(embed.shape) != (self.vocab_size, hidden):
+            raise SpecdraftError(f"EAGLE-3 head mismatch: trained for vocabulary {self.vocab_size} and hidden size "
+                                 f"{hidden}, target {target.name!r} has embeddings {tuple(embed.shape)}")
+        layers = getattr(getattr(target, "config", None), "num_hidden_layers", None)
+        if layers is not None and max(self.hidden_layers) >= layers:
+            raise SpecdraftError(f"EAGLE-3 head reads target layers {list(self.hidden_layers)}, target "
+                                 f"{target.name!r} has {layers}")
+        if self.head.dtype != embed.dtype:
+            self.head.to(embed.dtype)
+        self._embed = self._lm_head = embed.detach()
+        self._ids = self.head.draft_token_ids  # (N,)
+        self._cache = self._root = None
+        self._features, self._received, self._fed = [], 0, 0
+
+    @torch.inference_mode()
+    def observe(self, result: VerifyResult) -> None:
+        """Fuse the committed tokens' target features (F, kD) into head features (F, D) for the next ``propose``."""
+        if result.hidden is not None and result.hidden.shape[0]:
+            aux = result.hidden.detach().reshape(-1, result.hidden.shape[-1])  # (F, kD)
+            self._features.append(self.head.fuse(aux))  # (F, D)
+            self._received += int(aux.shape[0])
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., D) head outputs -> (..., V) float32 logits, -inf outside the draft vocabulary."""
+        logits = self.head.logits(features).float()  # (..., N)
+        check_finite(logits, "draft")
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))  # (..., V)
+        return full.index_copy_(-1, self._ids, logits)

@@ -1,0 +1,185 @@
+"""Training EAGLE-3 heads (Li et al. 2025, arXiv 2503.01840): ``specdraft train-heads --kind eagle3``.
+
+The data is a distill-data folder (the target's own responses). For every batch the frozen target runs once under
+``no_grad`` and gives (i) the residual stream entering the ``aux_layers`` (the head's input, (B, L, 3D)) and (ii) its
+next-token logits restricted to the draft vocabulary, p (B, L, N). The head is then unrolled for ``ttt_steps`` steps
+on its own features (training-time test, :meth:`specdraft.heads.eagle3.Eagle3Head.unroll`): step i at pair t
+reads token x_{t+1+i} and is trained towards p at position t+1+i, the target's distribution of x_{t+2+i}. The loss
+is sum_i decay^i * loss_i (EAGLE-3 / SpecForge: decay 0.8), with loss_i one of
+
+- ``fkl``: forward KL(p || q) over the draft vocabulary (p renormalised there; SpecForge's soft cross-entropy, which
+  differs from it by p's entropy only; SpecForge also skips positions whose target argmax is not in the draft
+  vocabulary, which needs the full LM head: here they count);
+- ``tvd`` and ``tvdpp``: total variation distance and TVD++ (Goel et al. 2024, arXiv 2403.00858), from
+  :mod:`specdraft.training.losses`, on the same restricted distributions.
+
+Positions count where token x_{t+1+i} is a response token. The draft vocabulary is the ``draft_vocab`` most
+frequent tokens of the training responses (FR-Spec's ranking, :mod:`specdraft.draft_vocab`). The head's ``norm``
+and ``lm_head`` start from the target's final norm and its LM head rows of the draft vocabulary.
+
+Held-out metrics: the loss, top-1 agreement of each step's draft token with the target's greedy token
+(``heldout_top1_step0`` is the first draft token's acceptance in greedy decoding when the context is the target's
+own greedy text), and ``heldout_tau_est@k``: 1 + the mean number of leading steps that agree, a chain's block
+efficiency at num_draft_tokens k estimated without decoding. The generic trainer adds τ from real decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.errors import SpecdraftError
+from specdraft.heads.eagle import head_config
+from specdraft.heads.eagle3 import Eagle3Head, build_eagle3, default_aux_layers
+from specdraft.models.shared_embeddings import target_weights
+from specdraft.training.head_kinds import HeadKind
+from specdraft.training.losses import forward_kl, tvd, tvd_plus_plus
+
+LOSS_NAMES = ("fkl", "tvd", "tvdpp")
+_OPTIONS = {"loss": "fkl", "ttt_steps": "7", "decay": "0.8", "draft_vocab": "8192", "aux_layers": ""}
+
+
+def parse_settings(options: dict[str, str], num_layers: int, vocab_size: int) -> dict:
+    """The ``--options`` of ``--kind eagle3`` (loss, ttt_steps, decay, draft_vocab, aux_layers='2,15,27'),
+    checked, with their defaults."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise SpecdraftError(f"unknown eagle3 option {', '.join(unknown)}; eagle3 takes: {', '.join(_OPTIONS)}")
+    raw = _OPTIONS | options
+    if raw["loss"] not in LOSS_NAMES:
+        raise SpecdraftError(f"eagle3 option loss must be one of {', '.join(LOSS_NAMES)}, got {raw['loss']!r}")
+    try:
+        steps, decay, vocab = int(raw["ttt_steps"]), float(raw["decay"]), int(raw["draft_vocab"])
+        layers = [int(i) for i in raw["aux_layers"].split(",")] if raw["aux_layers"] else default_aux_layers(num_layers)
+    except ValueError:
+        raise SpecdraftError(f"eagle3 options ttt_steps, draft_vocab, aux_layers need integers, decay a number: "
+                             f"{options}") from None
+    if steps < 1 or not 0 < decay <= 1 or vocab < 1:
+        raise SpecdraftError(f"eagle3 needs ttt_steps >= 1, 0 < decay <= 1 and draft_vocab >= 1: {options}")
+    if not layers or any(not 0 <= i < num_layers for i in layers) or layers != sorted(set(layers)):
+        raise SpecdraftError(f"eagle3 aux_layers must be increasing layer indices in 0 .. {num_layers - 1}, "
+                             f"got {layers}")
+    return {"loss": raw["loss"], "ttt_steps": steps, "decay": decay, "aux_layers": layers,
+            "draft_vocab_size": min(vocab, vocab_size)}
+
+
+def _spec(target_config, config, options: dict[str, str]) -> dict:
+    """Sizes from the target, settings from ``options`` and, under ``draft_token_ids`` (consumed by ``build``),
+    the draft vocabulary: the most frequent tokens of the training split of ``config.data``."""
+    from specdraft.draft_vocab import rank_tokens
+    from specdraft.training.finetune import load_distill_records, split_by_prompt
+
+    sizes = head_config(target_config)
+    settings = parse_settings(options, target_config.num_hidden_layers, sizes["vocab_size"])
+    records = load_distill_records(config.data, config.allow_incomplete)
+    train, _ = split_by_prompt(records, config.heldout_every)
+    ranking = rank_tokens((r["response_token_ids"] for r in train), sizes["vocab_size"])
+    return sizes | settings | {"draft_token_ids": ranking[: settings["draft_vocab_size"]].tolist()}
+
+
+def _build(spec: dict) -> Eagle3Head:
+    """The head of a spec; a fresh spec's ``draft_token_ids`` set d2t / t2d and leave the spec (the saved spec
+    holds only ``draft_vocab_size``: d2t and t2d live in the weights)."""
+    ids = spec.pop("draft_token_ids", None)
+    return build_eagle3(spec, None if ids is None else torch.tensor(ids))
+
+
+@torch.no_grad()
+def _init(module: Eagle3Head, target_model) -> None:
+    """``norm`` and ``lm_head`` start as the target's final norm and its LM head's draft-vocabulary rows."""
+    _, lm_head = target_weights(target_model)
+    module.lm_head.weight.copy_(lm_head[module.draft_token_ids].float())
+    norm = getattr(getattr(target_model, "model", target_model), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        module.norm.copy_(norm.weight.float())
+
+
+@torch.no_grad()
+def teacher(target_model, tokens: torch.Tensor, seen: torch.Tensor, aux_layers: list[int], draft_ids: torch.Tensor,
+            greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The frozen transformers target on right-padded ``tokens`` (B, L): its features (B, L, kD) (the inputs of
+    ``aux_layers``), its logits restricted to the draft vocabulary (B, L, N) and, if asked (the full vocabulary's
+    LM head costs a fifth of SmolLM2's forward), its greedy tokens (B, L)."""
+    out = target_model.model(input_ids=tokens, attention_mask=seen, output_hidden_states=True, use_cache=False)
+    aux = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1)  # (B, L, kD)
+    lm_head = target_model.get_output_embeddings().weight
+    final = out.last_hidden_state  # (B, L, D), final-normed
+    top = F.linear(final, lm_head).argmax(-1) if greedy else None  # (B, L)
+    return aux, F.linear(final, lm_head[draft_ids]), top
+
+
+def _shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """x[:, by:] right-padded with ``fill`` back to x's length (dim 1)."""
+    if by == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(by, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def unrolled(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: bool = False):
+    """The teacher and the head's TTT unroll on a collated distill batch, for the T = L - 1 pairs of the sequences.
+    Returns per step i (lists of length ``steps``) the counted positions (B, T) bool and, at those n_i positions
+    only (the LM heads skip the prompt), the draft logits (n_i, N), the target's restricted logits (n_i, N) and,
+    with ``greedy``, its greedy tokens (n_i,) (else None)."""
+    head = getattr(module, "module", module)
+    if head is not module:
+        raise SpecdraftError("eagle3 heads train in one process (its unroll bypasses DistributedDataParallel)")
+    tokens = torch.cat([batch["input_ids"][:, :1], batch["labels"]], dim=1)  # (B, L)
+    seen = torch.cat([batch["attention_mask"][:, :1], batch["attention_mask"]], dim=1)  # (B, L)
+    aux, p_logits, top = teacher(target_model, tokens, seen, head.aux_layers, head.draft_token_ids, greedy)
+    embed, _ = target_weights(target_model)
+    embeds = [F.embedding(_shift(tokens[:, 1:], i, 0), embed.detach()) for i in range(steps)]  # (B, T, D) each
+    outputs = head.unroll(aux[:, :-1], embeds)  # (B, T, D) each
+    masks = [_shift(batch["mask"], i, False) for i in range(steps)]  # (B, T) each
+    draft = [head.logits(out[mask]) for out, mask in zip(outputs, masks, strict=True)]  # (n_i, N) each
+    target = [_shift(p_logits[:, 1:], i, 0.0)[mask] for i, mask in enumerate(masks)]  # (n_i, N) each
+    tops = [_shift(top[:, 1:], i, -1)[mask] if greedy else None for i, mask in enumerate(masks)]  # (n_i,) each
+    return masks, draft, target, tops
+
+
+def ttt_loss(name: str, decay: float, draft: list[torch.Tensor], target: list[torch.Tensor],
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+    """sum_i decay^i loss_i over the TTT steps' counted rows (n_i, N) (see the module docstring); returns (loss,
+    step-0 positions)."""
+    function = {"fkl": forward_kl, "tvd": tvd}.get(name)
+    total = None
+    for i, (q, p) in enumerate(zip(draft, target, strict=True)):
+        value = function(q, p) if function else tvd_plus_plus(q, p, generator=generator)
+        total = value * decay**i if total is None else total + value * decay**i
+    return total, int(draft[0].shape[0])
+
+
+def _loss(module, target_model, batch: dict, generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+    settings = module.train_settings
+    _, draft, target, _ = unrolled(module, target_model, batch, settings["ttt_steps"])
+    return ttt_loss(settings["loss"], settings["decay"], draft, target, generator)
+
+
+@torch.no_grad()
+def _metrics(module: Eagle3Head, target_model, batch: dict) -> dict[str, tuple[float, int]]:
+    """Held-out loss, per-step top-1 agreement with the target's greedy token, and the τ estimates."""
+    settings = module.train_settings
+    steps = settings["ttt_steps"]
+    masks, draft, target, tops = unrolled(module, target_model, batch, steps, greedy=True)
+    loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target)
+    ids = module.draft_token_ids
+    metrics = {"heldout_loss": (float(loss) * count, count)}
+    right = []  # (B, T) each: step i's draft token is the target's greedy token
+    for i, (q, top, mask) in enumerate(zip(draft, tops, masks, strict=True)):
+        hits = ids[q.argmax(-1)] == top  # (n_i,)
+        metrics[f"heldout_top1_step{i}"] = (float(hits.sum()), int(hits.shape[0]))
+        right.append(torch.zeros_like(mask).masked_scatter(mask, hits))
+    leading = torch.cumprod(torch.stack(right, dim=-1).long(), dim=-1)  # (B, T, steps): all right so far
+    for k in sorted({min(3, steps), min(5, steps), steps}):
+        accepted = leading[..., :k].sum(-1)[masks[0]].float()  # (n,)
+        metrics[f"heldout_tau_est@{k}"] = (float((1 + accepted).sum()), count)
+    return metrics
+
+
+def _drafter(module: Eagle3Head):
+    from specdraft.drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter.from_module(module)
+
+
+EAGLE3 = HeadKind(spec=_spec, build=_build, init=_init, loss=_loss, metrics=_metrics, drafter=_drafter)
