@@ -71,7 +71,8 @@ def test_llama_cpp_converts_and_drafts_with_the_exported_head(tmp_path):
     prompt = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
     run = subprocess.run([str(BIN / "llama-speculative-simple"), "-m", str(target_gguf), "-md",
                           str(tmp_path / "eagle3.gguf"), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3",
-                          "--temp", "0", "--top-k", "1", "-n", "48", "-t", "1", "-p", prompt],
+                          "--spec-draft-p-min", "0", "--temp", "0", "--top-k", "1", "-n", "48", "-t", "1",
+                          "-p", prompt],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     log = run.stdout + run.stderr
