@@ -121,3 +121,16 @@ def test_bad_inputs_are_refused(setup, tmp_path):
     with pytest.raises(SpecdraftError, match="outside the target's vocabulary"):
         _cli("train-heads", "--kind", "medusa", "--target", root / "target", "--data", tmp_path / "foreign",
              "--out", tmp_path / "d", "--steps", 2, "--no-progress", "--heldout-every", 8)
+
+
+def test_a_heads_run_folder_is_continued_or_replaced_never_clobbered(setup, tmp_path):
+    root, _ = setup
+    _train(root, tmp_path / "run", "--steps", 4, "--eval-prompts", 0)
+    exported = (tmp_path / "run" / "heads" / "heads.safetensors").read_bytes()
+    with pytest.raises(SpecdraftError, match=r"holds a train-heads run \(finished\); pass --resume"):
+        _train(root, tmp_path / "run", "--steps", 4, "--eval-prompts", 0)
+    with pytest.raises(SpecdraftError, match=r"num_heads \(4 -> 2\)"):
+        _train(root, tmp_path / "run", "--steps", 4, "--eval-prompts", 0, "--num-heads", 2, "--resume")
+    assert (tmp_path / "run" / "heads" / "heads.safetensors").read_bytes() == exported
+    _train(root, tmp_path / "run", "--steps", 4, "--eval-prompts", 0, "--num-heads", 2, "--overwrite")
+    assert load_heads(tmp_path / "run" / "heads")[0]["spec"]["num_heads"] == 2

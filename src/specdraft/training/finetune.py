@@ -476,12 +476,14 @@ def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
 def data_inputs(config) -> dict[str, tuple[str, str]]:
     """Content fingerprints of a distillation stage's data folders (their shards' checksums, verified), and of its
     starting drafter or heads when it has one (:mod:`specdraft.training.runs`)."""
+    from specdraft.models.registry import resolve, resolve_heads
     from specdraft.training.runs import data_fingerprint, folder_fingerprint
 
     inputs = {f"data:{folder}": (folder, data_fingerprint(folder)) for folder in data_folders(config.data)}
-    for name in ("drafter", "init_heads"):
-        if getattr(config, name, ""):
-            inputs[name] = (getattr(config, name), folder_fingerprint(getattr(config, name)))
+    for name, where in (("drafter", resolve), ("init_heads", resolve_heads)):
+        value = getattr(config, name, "")
+        if value:
+            inputs[name] = (value, folder_fingerprint(where(value)))
     return inputs
 
 
