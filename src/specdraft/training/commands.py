@@ -20,9 +20,10 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.drafter_config import InitDrafterConfig
-from specdraft.training.finetune import FinetuneConfig, data_inputs, finetune
+from specdraft.training.finetune import FinetuneConfig, data_folders, finetune
 from specdraft.training.generation import DistillDataConfig, distill_changes, generate_distillation_data
 from specdraft.training.pretrain import PretrainConfig, export_path, pretrain, source_inputs
+from specdraft.training.stages import data_inputs
 from specdraft.training.teacher import TeacherTopkConfig, annotate_topk
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
@@ -210,7 +211,8 @@ def train_drafter(spec: dict, command: str | None = None, overwrite: bool = Fals
     with _section("distill_data"):
         data_overwrite = overwrite and bool(distill_changes(data))
         generate_distillation_data(data, overwrite=data_overwrite, progress=fine.progress)
-    _training_stage("finetune", finetune, fine, lambda: data_inputs(fine), overwrite, command)
+    _training_stage("finetune", finetune, fine,
+                    lambda: data_inputs(data_folders(fine.data), drafter=fine.drafter), overwrite, command)
     return export_path(fine.out)
 
 

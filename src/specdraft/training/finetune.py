@@ -41,13 +41,12 @@ from specdraft.training import onpolicy, regenerate
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
 from specdraft.training.pretrain import EXPORT_DTYPES, export_path
+from specdraft.training.stages import begin_stage, data_inputs, end_stage
 from specdraft.training.trainer import (
     TrainerConfig,
     TrainResult,
-    begin_stage,
     check_choices,
     check_ints,
-    end_stage,
     init_distributed,
     train,
 )
@@ -473,20 +472,6 @@ def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
                              "was it made with another target?")
 
 
-def data_inputs(config) -> dict[str, tuple[str, str]]:
-    """Content fingerprints of a distillation stage's data folders (their shards' checksums, verified), and of its
-    starting drafter or heads when it has one (:mod:`specdraft.training.runs`)."""
-    from specdraft.models.registry import resolve, resolve_heads
-    from specdraft.training.runs import data_fingerprint, folder_fingerprint
-
-    inputs = {f"data:{folder}": (folder, data_fingerprint(folder)) for folder in data_folders(config.data)}
-    for name, where in (("drafter", resolve), ("init_heads", resolve_heads)):
-        value = getattr(config, name, "")
-        if value:
-            inputs[name] = (value, folder_fingerprint(where(value)))
-    return inputs
-
-
 def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
     from dataclasses import replace
@@ -499,7 +484,8 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     train_records, heldout = split_by_prompt(records, config.heldout_every)
     drafter, target_model, target, tokenizer = load_models(config)
     _check_token_ids(records, target.vocab_size, config.data)
-    plan, run_config = begin_stage("finetune", config, data_inputs(config), export_path("").name)
+    plan, run_config = begin_stage("finetune", config, data_inputs(data_folders(config.data), drafter=config.drafter),
+                                   export_path("").name)
     if plan.finished:
         return export_path(config.out)
     config = replace(config, bf16=run_config.bf16)

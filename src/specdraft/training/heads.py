@@ -33,13 +33,12 @@ from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.eagle3 import EAGLE3
 from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
 from specdraft.training.pretrain import EXPORT_DTYPES
+from specdraft.training.stages import begin_stage, data_inputs, end_stage
 from specdraft.training.trainer import (
     TrainerConfig,
     TrainResult,
-    begin_stage,
     check_choices,
     check_ints,
-    end_stage,
     init_distributed,
     train,
 )
@@ -164,7 +163,6 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
         DistillDataset,
         _check_token_ids,
         collate_distill,
-        data_inputs,
         load_distill_records,
         split_by_prompt,
     )
@@ -180,7 +178,8 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     kind.init(module, target_model)
     if config.init_heads:
         _warm_start(module, config)
-    plan, run_config = begin_stage("train-heads", config, data_inputs(config), HEADS_FOLDER)
+    plan, run_config = begin_stage("train-heads", config, data_inputs([config.data], init_heads=config.init_heads),
+                                   HEADS_FOLDER)
     if plan.finished:
         return Path(config.out) / HEADS_FOLDER
     config = replace(config, bf16=run_config.bf16)

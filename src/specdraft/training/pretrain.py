@@ -24,13 +24,12 @@ from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
 from specdraft.training.runs import text_source_fingerprint
+from specdraft.training.stages import begin_stage, end_stage
 from specdraft.training.trainer import (
     TrainerConfig,
     TrainResult,
-    begin_stage,
     check_choices,
     check_ints,
-    end_stage,
     train,
 )
 

@@ -43,7 +43,6 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
-from specdraft.training.runs import RunPlan, finish_run, plan_run, start_run
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
@@ -177,35 +176,6 @@ class BatchStream:
             raise SpecdraftError(f"cannot resume: checkpoint data had {state['size']} examples and seed "
                                  f"{state['seed']}, this run {self.size} and {self.seed}")
         self.epoch, self.offset = state["epoch"], state["offset"]
-
-
-def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, str]],
-                export: str) -> tuple[RunPlan, TrainerConfig]:
-    """Resolve ``bf16`` auto, check the run folder (:func:`specdraft.training.runs.plan_run`: refuse a run of other
-    settings or inputs, continue or replace one) and prepare it; returns the plan and the config to train with
-    (``out`` the working folder, ``resume`` set). Every process calls it."""
-    from dataclasses import MISSING, fields, replace
-
-    from specdraft.hardware import resolve_bf16
-
-    rank, world, device = init_distributed()
-    choice = resolve_bf16(config.bf16, device)
-    config = replace(config, bf16=choice.bf16)
-    defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-    plan = plan_run(stage, config, inputs, export, defaults)
-    barrier(world)
-    if rank == 0 and not plan.finished:
-        start_run(plan, choice.to_dict())
-    barrier(world)
-    return plan, replace(config, out=str(plan.work), resume=plan.resume, overwrite=False)
-
-
-def end_stage(plan: RunPlan, config: TrainerConfig, result: TrainResult) -> None:
-    """After the export: mark a run that reached its last step finished and swap in a replacement (rank 0)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if rank == 0 and result.steps == config.steps:
-        finish_run(plan)
-    barrier(world)
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -439,6 +409,12 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
     """Train ``model`` in place on ``dataset`` (indexable) with ``loss_fn``; see the module docstring.
     ``after_step(step, model)`` runs on every process after each optimizer step, before evaluation and checkpoint."""
     rank, world, device = init_distributed()
+    if config.bf16 is None:  # auto: callers that skip begin_stage get the machine's choice too
+        from dataclasses import replace
+
+        from specdraft.hardware import resolve_bf16
+
+        config = replace(config, bf16=resolve_bf16(None, device).bf16)
     collate = collate or torch.utils.data.default_collate
     out = Path(config.out)
     sharded = config.fsdp and world > 1
