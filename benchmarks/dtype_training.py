@@ -1,68 +1,90 @@
-"""bf16 autocast against fp32 for a short `specdraft finetune` on the real target, on this CPU's native paths and on
-its AVX2 paths (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``), interleaved, with
-what ``--bf16`` auto would choose under each. Each run is a fresh process; the rate is response tokens per second
-between the first and the last logged step (the first step's warm-up left out).
+"""bf16 autocast against fp32 for distillation fine-tuning steps on the real target, on this CPU's native paths and on
+its AVX2 paths (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``), with what the
+``auto`` precision chooses under each.
 
-    .venv/bin/python benchmarks/dtype_training.py --data DISTILL_DATA_FOLDER [--steps 6] [--rounds 2] [--batch-size 4]
-        [--max-seq-len 256]
+One step is what ``specdraft finetune`` does per batch: the target's forward under ``no_grad`` (p), the drafter's
+forward and backward with forward KL on the response positions, AdamW. The drafter is the ``small`` preset (2
+layers, d 192, the target's 49k vocabulary). fp32 and bf16 steps alternate in one process, so a shared machine's
+load hits both alike; each machine kind is its own process (the variables act at start-up). Reported: median
+seconds a step and tokens/s.
+
+    .venv/bin/python benchmarks/dtype_training.py [--steps 5] [--batch-size 2] [--seq-len 128]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+import time
 
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def run(args: argparse.Namespace, bf16: bool, env: dict, out: Path) -> float:
-    """Response tokens/s of one short finetune run (steps 2..last)."""
-    data, steps = args.data, args.steps
-    cmd = [sys.executable, "-m", "specdraft.cli", "finetune", "--drafter", "smollm2-135m-instruct-drafter",
-           "--target", "smollm2-135m-instruct", "--data", data, "--out", str(out), "--steps", str(steps),
-           "--batch-size", str(args.batch_size), "--max-seq-len", str(args.max_seq_len), "--log-every", "1",
-           "--eval-prompts", "0", "--heldout-every", "50", "--allow-incomplete", "--freeze-embeddings",
-           "--no-progress",
-           "--bf16" if bf16 else "--no-bf16", "--stop-after", str(steps)]
-    subprocess.run(cmd, check=True, env=os.environ | env, capture_output=True)
-    rows = list(csv.DictReader(open(out / "train_log.csv")))
-    first, last = rows[0], rows[-1]
-    return (int(last["tokens"]) - int(first["tokens"])) / (float(last["wall_s"]) - float(first["wall_s"]))
+def measure(steps: int, batch_size: int, seq_len: int) -> dict:
+    """Median step seconds for fp32 and bf16 autocast, alternating, after one warm-up step of each."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
 
+    from specdraft.hardware import cpu_capability, fast_dtype
+    from specdraft.models.registry import SMOLLM2, load_model, resolve
+    from specdraft.training.drafter_config import DrafterConfig
+    from specdraft.training.losses import distillation_loss
 
-def auto_choice(env: dict) -> str:
-    code = "from specdraft.hardware import fast_dtype; c = fast_dtype('cpu'); print(c.dtype, '|', c.reason)"
-    return subprocess.run([sys.executable, "-c", code], env=os.environ | env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    torch.manual_seed(0)
+    target = load_model(SMOLLM2, torch.float32, backend="hf").model.eval().requires_grad_(False)
+    drafter = LlamaForCausalLM(DrafterConfig(preset="small").llama_config(AutoConfig.from_pretrained(resolve(SMOLLM2))))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    ids = torch.randint(0, target.config.vocab_size, (batch_size, seq_len + 1))  # (B, T + 1)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.bool)  # (B, T)
+
+    def step(bf16: bool) -> float:
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.no_grad():
+                p_logits = target(input_ids=ids[:, :-1], use_cache=False).logits  # (B, T, V)
+            q_logits = drafter(input_ids=ids[:, :-1], use_cache=False).logits  # (B, T, V)
+            loss = distillation_loss("fkl", q_logits, p_logits, ids[:, 1:], mask)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    step(False), step(True)  # warm-up
+    for _ in range(steps):
+        for name, bf16 in (("fp32", False), ("bf16", True)):
+            times[name].append(step(bf16))
+    tokens = batch_size * seq_len
+    result = {name: {"s_per_step": round(statistics.median(t), 3), "tokens_per_s": round(tokens / statistics.median(t))}
+              for name, t in times.items()}
+    choice = fast_dtype("cpu")
+    return result | {"bf16_speedup": round(statistics.median(times["fp32"]) / statistics.median(times["bf16"]), 2),
+                     "torch_capability": cpu_capability(), "auto": choice.dtype, "auto_reason": choice.reason,
+                     "threads": torch.get_num_threads()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="a distill-data folder made for smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    machines = {"native": {}, "avx2 paths": AVX2}
-    rates: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for machine, env in machines.items():
-                for bf16 in (False, True):
-                    key = f"{machine} {'bf16' if bf16 else 'fp32'}"
-                    out = Path(tmp) / f"{key.replace(' ', '-')}-{round_}"
-                    rates.setdefault(key, []).append(run(args, bf16, env, out))
-                    print(f"{key}: {rates[key][-1]:.0f} response tokens/s", flush=True)
-    summary = {key: round(sorted(values)[len(values) // 2], 1) for key, values in rates.items()}
-    summary["auto"] = {machine: auto_choice(env) for machine, env in machines.items()}
-    print(json.dumps(summary, indent=1))
+    if args.child:
+        print(json.dumps(measure(args.steps, args.batch_size, args.seq_len)))
+        return
+    report = {}
+    for machine, env in (("native", {}), ("avx2 paths", AVX2)):
+        cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--seq-len", str(args.seq_len)]
+        out = subprocess.run(cmd, env=os.environ | env, capture_output=True, text=True, check=True).stdout
+        report[machine] = json.loads(out.strip().splitlines()[-1])
+        print(machine, json.dumps(report[machine]), flush=True)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ Prompts (ShareGPT first turns, every ShareGPT turn in context, prompt jsonl file
 :mod:`specdraft.training.prompt_sources`) are cut into fixed shards; each shard is generated in batches
 with left padding by transformers' ``generate`` and written atomically (temp file, then rename). A shard file that
 exists is complete, so a run killed at any moment (even ``kill -9``) and started again regenerates only missing
-shards: every prompt is answered exactly once. ``manifest.json`` lists the shards and says whether the set is
-complete; it is rewritten after every shard, so the shards of a run stopped part-way can be used at once
-(``--allow-incomplete``). Under ``torchrun`` rank r takes the shards with index ≡ r (mod world size).
+shards: every prompt is answered exactly once. ``manifest.json`` lists the shards with their record counts and
+sha256 checksums and says whether the set is complete; it is rewritten after every shard, so the shards of a run
+stopped part-way can be used at once (``--allow-incomplete``). Under ``torchrun`` rank r takes the shards with
+index ≡ r (mod world size).
+
+``distill_config.json`` records the settings and a digest of the prompts: a rerun continues exactly that run or is
+refused naming what changed; a shard damaged from outside is set aside (``.damaged``) and made again; ``overwrite``
+builds the new run beside the old one and swaps it in when complete (:mod:`specdraft.training.runs`).
 
 Output records (one JSON line per response): ``prompt_id``, ``messages``, ``prompt_token_ids``,
 ``response_token_ids``, ``response_text``, ``response_index``, ``finish_reason``, ``sampling``, ``target``,
