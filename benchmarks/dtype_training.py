@@ -2,11 +2,11 @@
 its AVX2 paths (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``), with what the
 ``auto`` precision chooses under each.
 
-One step is what ``specdraft finetune`` does per batch: the target's forward under ``no_grad`` (p), the drafter's
-forward and backward with forward KL on the response positions, AdamW. The drafter is the ``small`` preset (2
-layers, d 192, the target's 49k vocabulary). fp32 and bf16 steps alternate in one process, so a shared machine's
-load hits both alike; each machine kind is its own process (the variables act at start-up). Reported: median
-seconds a step and tokens/s.
+A finetune step is what ``specdraft finetune`` does per batch: the target's forward under ``no_grad`` (p), the
+drafter's forward and backward with forward KL, AdamW; a pretrain step is the drafter's alone with cross-entropy.
+The drafter is the ``small`` preset (2 layers, d 192, the target's 49k vocabulary). fp32 and bf16 steps alternate
+in one process, so a shared machine's load hits both alike; each machine kind is its own process (the variables
+act at start-up). Reported: median seconds a step and tokens/s.
 
     .venv/bin/python benchmarks/dtype_training.py [--steps 5] [--batch-size 2] [--seq-len 128]
 """
@@ -41,29 +41,34 @@ def measure(steps: int, batch_size: int, seq_len: int) -> dict:
     ids = torch.randint(0, target.config.vocab_size, (batch_size, seq_len + 1))  # (B, T + 1)
     mask = torch.ones(batch_size, seq_len, dtype=torch.bool)  # (B, T)
 
-    def step(bf16: bool) -> float:
+    def step(bf16: bool, kind: str) -> float:
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            with torch.no_grad():
-                p_logits = target(input_ids=ids[:, :-1], use_cache=False).logits  # (B, T, V)
             q_logits = drafter(input_ids=ids[:, :-1], use_cache=False).logits  # (B, T, V)
-            loss = distillation_loss("fkl", q_logits, p_logits, ids[:, 1:], mask)
+            if kind == "finetune":
+                with torch.no_grad():
+                    p_logits = target(input_ids=ids[:, :-1], use_cache=False).logits  # (B, T, V)
+                loss = distillation_loss("fkl", q_logits, p_logits, ids[:, 1:], mask)
+            else:
+                loss = distillation_loss("ce", q_logits, None, ids[:, 1:], mask)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - started
 
-    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    step(False), step(True)  # warm-up
-    for _ in range(steps):
-        for name, bf16 in (("fp32", False), ("bf16", True)):
-            times[name].append(step(bf16))
-    tokens = batch_size * seq_len
-    result = {name: {"s_per_step": round(statistics.median(t), 3), "tokens_per_s": round(tokens / statistics.median(t))}
-              for name, t in times.items()}
+    result = {}
+    for kind in ("pretrain", "finetune"):
+        times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+        step(False, kind), step(True, kind)  # warm-up
+        for _ in range(steps):
+            for name, bf16 in (("fp32", False), ("bf16", True)):
+                times[name].append(step(bf16, kind))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        result[kind] = {f"{name}_s_per_step": round(m, 3) for name, m in medians.items()} | {
+            f"{name}_tokens_per_s": round(batch_size * seq_len / m) for name, m in medians.items()} | {
+            "bf16_speedup": round(medians["fp32"] / medians["bf16"], 2)}
     choice = fast_dtype("cpu")
-    return result | {"bf16_speedup": round(statistics.median(times["fp32"]) / statistics.median(times["bf16"]), 2),
-                     "torch_capability": cpu_capability(), "auto": choice.dtype, "auto_reason": choice.reason,
+    return result | {"torch_capability": cpu_capability(), "auto": choice.dtype, "auto_reason": choice.reason,
                      "threads": torch.get_num_threads()}
 
 
