@@ -65,6 +65,20 @@ def test_rows_join_and_leave_between_steps(target, drafter_model):
     assert [r.token_ids for r in results] == expected
 
 
+def test_drafting_stops_above_max_draft_batch_and_output_is_unchanged(target, drafter_model):
+    config = GenerationConfig(20, 3)
+    expected = [_alone(target, p, None, config) for p in PROMPTS]
+    make = lambda: DraftModelDrafter(drafter_model)  # noqa: E731
+    full = generate_batch(target, PROMPTS, make, config, max_draft_batch=3)  # 4 rows, then 3, 2, 1 as they end
+    assert [r.token_ids for r in full] == expected
+    never = generate_batch(target, PROMPTS, make, config, max_draft_batch=1, batch_size=4)
+    assert [r.token_ids for r in never] == expected
+    drafted = [r.stats.draft_tokens_proposed for r in never]
+    assert sum(drafted) < sum(r.stats.draft_tokens_proposed for r in generate_batch(target, PROMPTS, make, config))
+    with pytest.raises(SpecdraftError, match="max_draft_batch"):
+        BatchDecoder(target, 2, 64, max_draft_batch=-1)
+
+
 def test_decoder_with_per_sequence_settings_and_eos(target):
     decoder = BatchDecoder(target, max_batch=4, capacity=128)
     plain = _alone(target, PROMPTS[0], None, GenerationConfig(20))

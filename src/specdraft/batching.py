@@ -82,9 +82,18 @@ _ROOM = 64  # cache slots beyond ``capacity`` for what one step feeds (tail, dra
 
 class BatchDecoder:
     """Continuous batching over one target: up to ``max_batch`` sequences of up to ``capacity`` positions each
-    (prompt and generated tokens; a step's draft lives in ``_ROOM`` extra slots)."""
+    (prompt and generated tokens; a step's draft lives in ``_ROOM`` extra slots).
 
-    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None) -> None:
+    ``max_draft_batch`` = k > 0 drafts only in steps with at most k sequences, and decodes plainly in fuller steps
+    (as vLLM's ``speculative_disable_by_batch_size``): a full batch already keeps the CPU busy, and every draft
+    token multiplies the rows of the verify forward. Lossless either way; 0 drafts at every batch size.
+    """
+
+    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None,
+                 max_draft_batch: int = 0) -> None:
+        if max_draft_batch < 0:
+            raise SpecdraftError(f"max_draft_batch must be >= 0 (0 = always draft), got {max_draft_batch}")
+        self.max_draft_batch = max_draft_batch
         if not supports_batching(target):
             raise SpecdraftError(f"batched decoding needs a native Llama target; {target.name!r} is not one "
                                  "(load it with backend auto or native)")
@@ -138,10 +147,11 @@ class BatchDecoder:
             self.cache.lengths[seq.row] = 0
         seq.row = -1
 
-    def _propose(self, seq: BatchSequence) -> _Fed:
-        """The row's draft, fitted as batch-1 decoding fits it, and the layout of what it feeds."""
+    def _propose(self, seq: BatchSequence, drafting: bool = True) -> _Fed:
+        """The row's draft (none unless ``drafting``), fitted as batch-1 decoding fits it, and the layout of what it
+        feeds."""
         config = seq.config
-        num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(seq.generated) - 1)
+        num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(seq.generated) - 1) if drafting else 0
         draft = seq.drafter.propose(seq.context, num_draft, config.sampling, seq.generator) if num_draft > 0 \
             else EMPTY_DRAFT
         if draft.is_tree:
@@ -184,6 +194,8 @@ class BatchDecoder:
 
     def _propose_all(self) -> list[_Fed]:
         """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
+        if self.max_draft_batch and len(self.rows) > self.max_draft_batch:
+            return [self._propose(seq, drafting=False) for seq in self.rows]
         feds: list[_Fed | None] = [None] * len(self.rows)
         groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
         for i, seq in enumerate(self.rows):
@@ -259,10 +271,12 @@ def generate_batch(
     generators: Sequence[torch.Generator | None] | None = None,
     tokenizer=None,
     batch_size: int | None = None,
+    max_draft_batch: int = 0,
 ) -> list[GenerationResult]:
     """Generate from ``target`` after every prompt, ``batch_size`` sequences at a time (default: all at once);
     a finished sequence's row goes to the next prompt. ``drafters``: one per prompt, or a factory called once per
-    prompt (drafters keep per-generation state), or None for plain decoding. Row i's output equals
+    prompt (drafters keep per-generation state), or None for plain decoding; ``max_draft_batch`` as
+    :class:`BatchDecoder`'s. Row i's output equals
     ``generate(target, prompts[i], drafters[i], config, generators[i], tokenizer)`` (greedy: token for token in
     fp32; sampling: in distribution)."""
     config = config or GenerationConfig()
@@ -273,7 +287,7 @@ def generate_batch(
     drafter_of = (lambda i: make()) if callable(drafters) else make
     generators = generators or [None] * count
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
-    decoder = BatchDecoder(target, min(batch_size or count, count), capacity, tokenizer)
+    decoder = BatchDecoder(target, min(batch_size or count, count), capacity, tokenizer, max_draft_batch)
     results: list[GenerationResult | None] = [None] * count
     waiting = list(range(count))
     while waiting or decoder.rows:

@@ -21,7 +21,7 @@ def build_server_app(config: ServeConfig):
                              options=dict(config.drafter_options))
     capacity = config.max_prompt_tokens + config.max_tokens
     make = lockstep_factory(prototype, 2 * config.max_batch + 2, capacity + 64, drafter_factory(prototype))
-    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue)
+    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, config.max_draft_batch)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 

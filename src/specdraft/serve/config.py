@@ -19,6 +19,8 @@ class ServeConfig:
     served_model_name: str | None = field(default=None, metadata={"help": "model id clients ask for (default target)"})
     num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens per target forward"})
     max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
+    max_draft_batch: int = field(default=0, metadata={"help": "draft only in steps of at most this many sequences; "
+                                                               "0 = always"})
     max_queue: int = field(default=64, metadata={"help": "waiting sequences beyond the batch; more answer 429"})
     max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted"})
     max_tokens: int = field(default=512, metadata={"help": "largest max_tokens accepted"})
@@ -32,8 +34,9 @@ class ServeConfig:
         for name in ("num_draft_tokens", "max_batch", "max_prompt_tokens", "max_tokens", "max_n"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
-        if self.max_queue < 0:
-            raise SpecdraftError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_queue < 0 or self.max_draft_batch < 0:
+            raise SpecdraftError(f"max_queue and max_draft_batch must be >= 0, got {self.max_queue}, "
+                                 f"{self.max_draft_batch}")
         if not 0 <= self.port <= 65535:
             raise SpecdraftError(f"port must be in 0 .. 65535, got {self.port}")
 

@@ -77,8 +77,8 @@ class Engine:
     """Owns the target, the batch and the decoding thread."""
 
     def __init__(self, target, tokenizer, make_drafter: Callable[[], Drafter | None], max_batch: int,
-                 capacity: int, max_queue: int) -> None:
-        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer)
+                 capacity: int, max_queue: int, max_draft_batch: int = 0) -> None:
+        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer, max_draft_batch)
         self.make_drafter, self.max_queue = make_drafter, max_queue
         self.metrics = Metrics()
         self._pending: collections.deque[tuple[Request, int]] = collections.deque()
