@@ -95,9 +95,12 @@ def _feed(native: NativeLlama, cache: StaticKVCache, input_ids: torch.Tensor, ch
     ids=["prefill", "prefill_then_steps", "prefill_then_chunk", "mixed_from_empty"],
 )
 @pytest.mark.parametrize("variant", CONFIGS)
-def test_cached_forwards_match_transformers(variant: str, chunks: list[int], batch: int) -> None:
+@pytest.mark.parametrize("prepack", [False, True], ids=["eager", "prepacked"])
+def test_cached_forwards_match_transformers(variant: str, chunks: list[int], batch: int, prepack: bool) -> None:
     model = _hf_model(_config(**CONFIGS[variant]))
     native = NativeLlama.from_hf(model)
+    if prepack:
+        native.prepack()
     input_ids = _ids(batch, sum(chunks))
     cache = native.new_cache(32, batch_size=batch)
     logits = _feed(native, cache, input_ids, chunks)
@@ -120,6 +123,14 @@ def test_crop_then_reforward_matches_transformers(variant: str) -> None:
     expected = _reference(model, torch.cat([prompt, draft[:, :1], replacement], dim=1))[:, 11:]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
     assert (logits - draft_logits[:, 1:]).abs().max() > 0.1  # the stale slots really were overwritten
+
+
+def test_prepack_packs_fp32_weights_where_onednn_is_available() -> None:
+    from specdraft.models import packed
+
+    native = NativeLlama.from_hf(_hf_model(_config()))
+    assert native.prepack() == packed.enabled()
+    assert all(bool(layer.packed) == packed.enabled() for layer in native.layers)
 
 
 def test_bf16_is_close_to_fp32_reference() -> None:

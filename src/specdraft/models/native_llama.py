@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.models import packed as packing
 
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -263,6 +264,16 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _weight(2 * ffn, dtype=dtype) if config.mlp_bias else None
         self.down_weight = _weight(hidden, ffn, dtype=dtype)
         self.down_bias = _weight(hidden, dtype=dtype) if config.mlp_bias else None
+        self.packed: dict[str, torch.Tensor] = {}  # name -> weight in oneDNN's layout (NativeLlama.prepack)
+
+    def prepack(self) -> None:
+        """Reorder this layer's four weight matrices for oneDNN (:mod:`specdraft.models.packed`), where possible."""
+        packed = {name: packing.pack(getattr(self, f"{name}_weight")) for name in ("qkv", "o", "gate_up", "down")}
+        self.packed = {name: weight for name, weight in packed.items() if weight is not None}
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
+        return packing.linear(x, weight, bias, self.packed.get(name))
 
     def forward(self, hidden: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); writes this layer's keys and values for the new positions into ``cache``."""
@@ -274,15 +285,15 @@ class DecoderLayer(nn.Module):
     def _attention(self, x: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
         batch, steps, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(batch, steps, -1, self.head_dim)  # (B, T, H+2K, hd)
+        qkv = self._linear("qkv", x).view(batch, steps, -1, self.head_dim)  # (B, T, H+2K, hd)
         rotated = _rotate(qkv[:, :, : heads + kv_heads], step.cos, step.sin)  # (B, T, H+K, hd)
         queries, new_keys = rotated.split((heads, kv_heads), dim=2)  # (B, T, H, hd), (B, T, K, hd)
         keys, values = cache.write(index, step.start, new_keys, qkv[:, :, heads + kv_heads :])  # (B, K, S, hd)
-        return F.linear(_attend(queries, keys, values, step), self.o_weight, self.o_bias)  # (B, T, D)
+        return self._linear("o", _attend(queries, keys, values, step))  # (B, T, D)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)  # (B, T, F) each
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)  # (B, T, D)
+        gate, up = self._linear("gate_up", x).chunk(2, dim=-1)  # (B, T, F) each
+        return self._linear("down", F.silu(gate) * up)  # (B, T, D)
 
 
 def _layer_layout(config, index: int) -> Layout:
@@ -357,7 +368,17 @@ class NativeLlama(nn.Module):
         cos, sin = _rope_table(config, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
+        self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (prepack)
         self.eval()
+
+    def prepack(self) -> bool:
+        """Reorder every linear weight once into oneDNN's layout (:mod:`specdraft.models.packed`): k-token
+        forwards then cost far less than k 1-token ones. Weights must not change afterwards (call it again if they
+        do). Returns whether anything was packed (False where this dtype cannot be packed on this CPU)."""
+        for layer in self.layers:
+            layer.prepack()
+        self.packed_head = packing.pack(self.lm_head_weight)
+        return self.packed_head is not None or any(layer.packed for layer in self.layers)
 
     @classmethod
     def from_hf(cls, model, dtype: torch.dtype | None = None) -> NativeLlama:
@@ -461,7 +482,8 @@ class NativeLlama(nn.Module):
         hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
         weight = self.lm_head_weight if logits_weight is None else logits_weight
         rows = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden  # (B, k, D) or (B, T, D)
-        logits = F.linear(rows, weight).float()  # (B, T or k, V) or (B, T or k, N)
+        head = self.packed_head if logits_weight is None else None
+        logits = packing.linear(rows, weight, None, head).float()  # (B, T or k, V) or (B, T or k, N)
         if aux:
             hidden = torch.cat(aux, dim=-1)  # (B, T, k*D)
         return (logits, hidden) if return_hidden else logits

@@ -159,7 +159,9 @@ def load_model(
                              "load it as a drafter of that target (--draft), not on its own")
     extra = {EMBEDDING_KEY: embeddings} if shared else None
     if backend == "native" or (backend == "auto" and isinstance(where, Path) and supports(config)):
-        return NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
+        model = NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
+        model.prepack()  # oneDNN's weight layout: k-token verifies cost far less (specdraft.models.packed)
+        return model
     model = _load_hf(where, name_or_path, dtype)
     if shared:
         with torch.no_grad():

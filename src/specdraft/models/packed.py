@@ -1,0 +1,46 @@
+"""Pre-packed linear weights: oneDNN's blocked weight layout, reordered once at load time.
+
+A batch-1 decoder multiplies a few rows (1 for a plain step, 2-17 for a verify) by every weight matrix. torch's
+eager ``F.linear`` hands such skinny products to MKL (fp32) or oneDNN (bf16) with the weight in its plain row-major
+layout, and for 2-16 rows both can cost several times a 1-row product. oneDNN's ``linear`` on a weight reordered
+once into its preferred blocked layout (what inductor's freezing pass does, ``torch.ops.mkldnn._linear_pointwise``)
+keeps a 5-row product within about 1.5x of a 1-row one on both AVX2 and AVX-512 (``benchmarks/bench_verify_cost.py``).
+
+Where oneDNN cannot pack a dtype on this CPU (bf16 without AVX-512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only
+machines), :func:`pack` returns None and :func:`linear` falls back to ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+_ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off (for comparisons)
+
+
+def enabled() -> bool:
+    """Whether packing is on (default) and this torch build has oneDNN's linear ops."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (os.environ.get(_ENV, "1") != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (N, K) reordered into oneDNN's layout for a CPU linear, or None where that is unavailable."""
+    if not enabled() or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    try:
+        with torch.no_grad():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    except RuntimeError:  # e.g. bf16 on a CPU without the instructions oneDNN's bf16 path needs
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+           ) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x (..., K): through the packed weight when given, else ``F.linear``."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., N)
