@@ -8,6 +8,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/toys.py
 torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI has 2 cores
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cost_curves_in_a_temporary_folder(tmp_path_factory):
+    """Cost curves measured for toy models stay out of the user's cache."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPECDRAFT_COSTS_DIR", str(tmp_path_factory.mktemp("costs")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
