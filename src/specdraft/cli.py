@@ -18,7 +18,12 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
 from specdraft.prompts import encode_prompt
 from specdraft.sampling import SamplingConfig
+from specdraft.speculation import SPECULATION, make_policy
 from specdraft.training.commands import add_training_commands
+
+SPECULATION_HELP = ("adaptive (default): each step proposes the draft that maximises expected tokens/s under this "
+                    "machine's measured costs, down to none (sampled text is exact in distribution, but draft lengths "
+                    "follow timings, so a seed replays it only with fixed); fixed: always num_draft_tokens")
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -46,7 +51,9 @@ def _add_generate(sub) -> None:
     what.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward (the most, "
+                                                                   "with adaptive speculation)")
+    p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -66,12 +73,14 @@ def _run_generate(args: argparse.Namespace) -> None:
     dtype = parse_dtype(args.dtype)
     target, tokenizer = load_target(args.target, dtype, args.backend)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, sampling,
-                              eos_token_ids(tokenizer, args.target), tuple(args.stop))
+                              eos_token_ids(tokenizer, args.target), tuple(args.stop), args.speculation)
     drafter = load_drafter(target, tokenizer, args.draft, args.drafter, dtype, args.backend,
                            parse_options(args.drafter_option))
+    policy = make_policy(target, args.speculation, args.num_draft_tokens) if drafter is not None else None
     ids = args.prompt_ids if args.prompt_ids is not None else encode_prompt(tokenizer, args.prompt, args.chat)
     for i in range(args.n):
-        result = generate(target, ids, drafter, config, torch.Generator().manual_seed(args.seed + i), tokenizer)
+        result = generate(target, ids, drafter, config, torch.Generator().manual_seed(args.seed + i), tokenizer,
+                          policy)
         text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
         if args.json:
             record = {"token_ids": result.token_ids, "text": text, "finish_reason": result.finish_reason,
@@ -94,8 +103,10 @@ def _add_demo(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="float32 (default) shows token-identical outputs; bfloat16 is faster but rounds differently")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto (default): the dtype fast on this CPU (bfloat16 with AVX-512 bf16, else float32); "
+                        "identity to plain decoding is checked in float32 beside it")
+    p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.set_defaults(run=_run_demo)
 
 
@@ -107,7 +118,8 @@ def _run_demo(args: argparse.Namespace) -> None:
     GenerationConfig(args.max_new_tokens, args.num_draft_tokens)  # validates both
     drafters = tuple(name.strip() for name in args.drafters.split(",") if name.strip())
     run_demo(DemoConfig(draft=args.draft, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                        num_draft_tokens=args.num_draft_tokens, dtype=parse_dtype(args.dtype), drafters=drafters))
+                        num_draft_tokens=args.num_draft_tokens, dtype=None if args.dtype == "auto" else
+                        parse_dtype(args.dtype), drafters=drafters, speculation=args.speculation))
 
 
 def _add_bench(sub) -> None:
@@ -129,6 +141,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per turn")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
     p.add_argument("--sweep", help="run every speculative method at each γ, e.g. num_draft_tokens=1,2,4,8")
+    p.add_argument("--speculation", default="adaptive",
+                   help="comma-separated policies each speculative method runs with: adaptive (the default; each "
+                        "step priced by this machine's costs), fixed (γ always; named NAME+fixed beside adaptive)")
     p.add_argument("--repeats", type=int, default=1, help="timing repeats per question and method")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -164,9 +179,37 @@ def _run_bench(args: argparse.Namespace) -> None:
             max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
             sweep=parse_sweep(args.sweep) if args.sweep else None, repeats=args.repeats, dtype=args.dtype,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            speculation=parse_list(args.speculation) or (),
         )
         summary = run_bench(config, command=_bench_command(args), overwrite=args.overwrite)
     print(render_markdown(summary), flush=True)
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure (or show the cached) forward cost of a model on this machine")
+    p.add_argument("--target", default=None, help="model (default: smollm2-135m-instruct)")
+    p.add_argument("--draft", help="also a draft model: built-in name, checkpoint folder or cached hub id")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--refresh", action="store_true", help="measure again even when a cached curve exists")
+    p.add_argument("--json", action="store_true", help="print the curves as JSON")
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    from specdraft.api import load_draft_model
+    from specdraft.costs import cost_curve, describe
+    from specdraft.models.registry import SMOLLM2
+
+    dtype = parse_dtype(args.dtype)
+    target, tokenizer = load_target(args.target or SMOLLM2, dtype)
+    models = [target] + ([load_draft_model(target, tokenizer, args.draft, dtype)] if args.draft else [])
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    curves = [cost_curve(model, refresh=args.refresh, log=log) for model in models]
+    if args.json:
+        print(json.dumps([curve.to_dict() for curve in curves], indent=1))
+        return
+    for curve in curves:
+        print("\n".join(describe(curve)), flush=True)
 
 
 def _add_build_datastore(sub) -> None:
@@ -281,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_bench(sub)
+    _add_calibrate(sub)
     _add_build_datastore(sub)
     _add_export(sub)
     _add_serve(sub)

@@ -17,6 +17,7 @@ from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.sampling import SamplingConfig, check_finite, warp
+from specdraft.speculation import SPECULATION, FixedPolicy, SpeculationPolicy, make_policy
 from specdraft.stats import GenerationStats
 from specdraft.stopping import Stopper
 from specdraft.trees import chain_parents, depths, keep_nodes, verify_layout
@@ -36,16 +37,21 @@ class GenerationConfig:
     """Decoding settings, validated on construction."""
 
     max_new_tokens: int = field(default=128, metadata={"help": "most tokens to generate"})
-    num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens proposed per target forward"})
+    num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens proposed per target forward (the "
+                                                                "most, with adaptive speculation)"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_token_ids: tuple[int, ...] = field(default=(), metadata={"help": "ids that end generation (kept)"})
     stop_strings: tuple[str, ...] = field(default=(), metadata={"help": "texts that end generation (kept)"})
+    speculation: str = field(default="adaptive", metadata={
+        "help": "adaptive: each step proposes what maximises expected tokens/s on this machine; fixed: γ always"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SpecdraftError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise SpecdraftError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens}")
+        if self.speculation not in SPECULATION:
+            raise SpecdraftError(f"speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}")
 
 
 @dataclass
@@ -87,9 +93,9 @@ def _fit_tree(draft: Draft, max_depth: int, room: int, max_position: int) -> Dra
     parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
     keep = (depths(parents) <= max_depth) & (torch.arange(len(draft)) < room)
     if bool(keep.all()):
-        return Draft(draft.tokens, draft.q, parents, aux)
+        return replace(draft, parents=parents, aux=aux)
     kept, parents = keep_nodes(parents, keep)
-    return Draft(draft.tokens[kept], None if draft.q is None else draft.q[kept], parents, aux)
+    return replace(draft.select(kept, parents), aux=aux)
 
 
 def _tree_step(target: CausalLM, cache, context: torch.Tensor, draft: Draft, config: GenerationConfig, generator,
@@ -153,14 +159,20 @@ def generate(
     config: GenerationConfig | None = None,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    policy: SpeculationPolicy | None = None,
 ) -> GenerationResult:
     """Generate from ``target`` after ``prompt_ids`` (batch 1), speculatively when a drafter is given.
 
     Lossless: greedy output equals plain greedy decoding token for token; sampled output follows the target's
     warped distribution exactly (Leviathan et al. 2023, Appendix A). ``tokenizer`` is needed only for stop strings.
+    ``policy`` decides how much to propose each step (:mod:`specdraft.speculation`); by default one is made from
+    ``config.speculation`` for this call (pass one to carry what it learns across generations).
     """
     config = config or GenerationConfig()
     drafter = drafter or NoDrafter()
+    if policy is None:
+        plain = isinstance(drafter, NoDrafter)
+        policy = FixedPolicy(0) if plain else make_policy(target, config.speculation, config.num_draft_tokens)
     prompt = _check_inputs(prompt_ids, target, drafter, config.max_new_tokens)
     stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, tokenizer)
     needed = prompt.numel() + config.max_new_tokens
@@ -173,8 +185,10 @@ def generate(
     stats.prefill_seconds = time.perf_counter() - start
     while reason is None:
         tick = time.perf_counter()
-        num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(generated) - 1)
+        num_draft = policy.budget(context.shape[0], config.max_new_tokens - len(generated) - 1)
         draft = drafter.propose(context, num_draft, config.sampling, generator) if num_draft > 0 else EMPTY_DRAFT
+        draft = policy.trim(draft, context.shape[0], context.shape[0] - cache.length, time.perf_counter() - tick,
+                            config.sampling.greedy)
         tock = time.perf_counter()
         if draft.is_tree:
             room = cache.capacity - context.shape[0]
@@ -182,7 +196,7 @@ def generate(
             result, accepted = _tree_step(target, cache, context, draft, config, generator, want_hidden)
         else:
             if len(draft) > num_draft:
-                draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
+                draft = draft.select(torch.arange(num_draft), None)
             fed = torch.cat([context[cache.length :], draft.tokens])  # (T,) uncached tokens, then the draft
             out = target.forward(fed.unsqueeze(0), cache, **(want_hidden or {}))
             logits = (out[0] if want_hidden else out)[0, -(len(draft) + 1) :]  # (γ + 1, V)
@@ -200,6 +214,7 @@ def generate(
         generated += new[:keep]
         context = torch.cat([context, torch.tensor(new[:keep], dtype=torch.long)])
         drafter.observe(result)
+        policy.observe(draft, result, tock - tick, verified - tock)
         stats.record_step(result, keep, draft_s=tock - tick, verify_s=verified - tock)
     stats.decode_seconds = time.perf_counter() - start
     return GenerationResult(generated, reason, stats)

@@ -1,4 +1,11 @@
-"""``specdraft demo``: the real target answering built-in chat prompts with plain decoding and each drafter."""
+"""``specdraft demo``: the real target answering built-in chat prompts with plain decoding and each drafter.
+
+It runs in the dtype fast on this CPU (:func:`fast_dtype`) with adaptive speculation, says what it is doing as it
+goes, and checks that each method's output is identical to plain decoding in float32 (where a k-token verify and a
+1-token step round alike): in the same run when the fast dtype is float32, else in a float32 pass of the same
+prompts (its first ``check_tokens`` tokens). Below the table, one line per method that is not faster says why,
+from the measured costs of this machine.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft.costs import CostCurve, cost_curve
 from specdraft.decoding import GenerationConfig, GenerationResult, generate
 from specdraft.drafters import TRAINING_FREE
 from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
+from specdraft.models import packed
 from specdraft.models.registry import DEFAULT_DRAFTERS, SHIPPED, SMOLLM2, eos_token_ids, load_target
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
+from specdraft.speculation import make_policy
 
 # layer-skip is left out by default: its first use calibrates for minutes, and on this small target it drafts slower
 # than plain decoding; medusa and eagle need trained heads (--drafter-option heads=PATH in generate)
@@ -25,46 +35,120 @@ class DemoConfig:
     num_prompts: int = 4
     max_new_tokens: int = 96
     num_draft_tokens: int = 4
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None  # None: the fast dtype of this CPU
     drafters: tuple[str, ...] = DEMO_DRAFTERS  # training-free drafters shown beside the draft model
+    speculation: str = "adaptive"
+    check_tokens: int = 32  # tokens per prompt of the float32 identity pass (when the fast dtype is not float32)
 
 
-def run_demo(config: DemoConfig, out=print) -> list[dict]:
-    """Answer the prompts with each method and print the answers and a summary table; return the table rows."""
-    target, tokenizer = load_target(config.target, config.dtype)
+def fast_dtype() -> tuple[torch.dtype, str]:
+    """bfloat16 where oneDNN multiplies several bf16 rows natively on this CPU (it can pack bf16 weights), else
+    float32 (its packed fp32 product keeps a k-token verify cheap on AVX2 too); and why, in words."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    if packed.pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None and isa.startswith("AVX512"):
+        return torch.bfloat16, f"bfloat16: this CPU ({isa}) multiplies bf16 natively"
+    return torch.float32, f"float32: without native bf16 matrix products here ({isa}) bf16 verifies cost k steps"
+
+
+def _load_methods(config: DemoConfig, dtype: torch.dtype, out) -> tuple[object, object, dict]:
+    out(f"loading {config.target} in {str(dtype).removeprefix('torch.')} ...")
+    target, tokenizer = load_target(config.target, dtype)
     methods = {"plain": None}
     draft = config.draft or DEFAULT_DRAFTERS.get(config.target)
     if draft and (config.draft or (SHIPPED[draft] / "config.json").is_file()):
-        methods[f"draft:{draft}"] = load_drafter(target, tokenizer, draft=draft, dtype=config.dtype)
+        out(f"loading draft model {draft} ...")
+        methods[f"draft:{draft}"] = load_drafter(target, tokenizer, draft=draft, dtype=dtype)
     for name in config.drafters:
         if name not in TRAINING_FREE:
             raise SpecdraftError(f"unknown drafter {name!r}; known: {', '.join(sorted(TRAINING_FREE))}")
         try:
+            out(f"loading {name} ...")
             methods[name] = load_drafter(target, tokenizer, drafter=name)
         except SpecdraftError as exc:  # e.g. rest without a datastore: say why and go on
             out(f"skipping {name}: {exc}")
-    gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, eos_token_ids=eos_token_ids(tokenizer))
-    prompts = [p for p in _one_per_category()][: config.num_prompts]
-    ids = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
-    generate(target, ids[0], None, GenerationConfig(8))  # warm-up
+    return target, tokenizer, methods
+
+
+def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, speculation: str, out,
+                verbose: bool = True) -> dict[str, list[GenerationResult]]:
+    """Every method answers every prompt; a policy per method learns across its prompts."""
     results: dict[str, list[GenerationResult]] = {}
     for name, drafter in methods.items():
-        results[name] = [generate(target, x, drafter, gen, torch.Generator().manual_seed(0)) for x in ids]
+        policy = make_policy(target, speculation, gen.num_draft_tokens) if drafter is not None else None
+        results[name] = []
+        for i, x in enumerate(ids):
+            results[name].append(generate(target, x, drafter, gen, torch.Generator().manual_seed(0), policy=policy))
+            if verbose:
+                s = results[name][-1].stats
+                out(f"  {name}: prompt {i + 1}/{len(ids)}, {s.new_tokens} tokens at {s.tokens_per_second:.1f} "
+                    f"tokens/s, block efficiency {s.block_efficiency:.2f}")
+    return results
+
+
+def run_demo(config: DemoConfig, out=print) -> list[dict]:
+    """Answer the prompts with each method and print the answers and a summary table; return the table rows."""
+    dtype, why = (config.dtype, "as asked") if config.dtype is not None else fast_dtype()
+    out(f"dtype {why}")
+    target, tokenizer, methods = _load_methods(config, dtype, out)
+    curve = cost_curve(target, log=out)
+    gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, eos_token_ids=eos_token_ids(tokenizer),
+                           speculation=config.speculation)
+    prompts = [p for p in _one_per_category()][: config.num_prompts]
+    ids = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
+    out(f"warming up, then {len(methods)} methods x {len(ids)} prompts x up to {config.max_new_tokens} tokens ...")
+    generate(target, ids[0], None, GenerationConfig(8))  # warm-up
+    results = _answer_all(target, methods, ids, gen, config.speculation, out)
     for prompt, *answers in zip(prompts, *results.values(), strict=True):
         out(f"\n## [{prompt.category}] {prompt.text[:100]}{'...' if len(prompt.text) > 100 else ''}")
         out(tokenizer.decode(answers[0].token_ids, skip_special_tokens=True).strip())
-    rows = [_row(name, rs, results["plain"]) for name, rs in results.items()]
-    out(f"\n{config.target}, {str(config.dtype).removeprefix('torch.')}, greedy, num_draft_tokens "
-        f"{config.num_draft_tokens}, {len(ids)} prompts x {config.max_new_tokens} new tokens max")
+    identical, how = _identity(config, dtype, ids, results, out)
+    rows = [_row(name, rs, results["plain"], identical[name]) for name, rs in results.items()]
+    out(f"\n{config.target}, {str(dtype).removeprefix('torch.')}, greedy, {config.speculation} speculation "
+        f"(num_draft_tokens up to {config.num_draft_tokens}), {len(ids)} prompts x {config.max_new_tokens} new "
+        f"tokens max; identical to plain: {how}")
     width = max(28, *(len(row["method"]) + 2 for row in rows))
     out(f"{'method':<{width}}{'tokens/s':>10}{'block eff.':>12}{'speed-up':>10}{'identical to plain':>20}")
     for row in rows:
         out(f"{row['method']:<{width}}{row['tokens_per_second']:>10.1f}{row['block_efficiency']:>12.2f}"
             f"{row['speedup']:>9.2f}x{row['identical']:>20}")
-    if config.dtype != torch.float32:
-        out("note: in bf16 a k-token verify and a 1-token step round differently, so greedy outputs may differ from "
-            "plain decoding where logits nearly tie; --dtype float32 gives token-identical outputs.")
+    for name, rs in results.items():
+        if name != "plain" and rows[list(results).index(name)]["speedup"] < 1.0:
+            out(why_not_faster(name, rs, results["plain"], curve))
     return rows
+
+
+def _identity(config: DemoConfig, dtype: torch.dtype, ids: list, results: dict, out) -> tuple[dict, str]:
+    """Per method "k/n" prompts whose greedy output equals plain decoding's, checked in float32, and how."""
+    if dtype == torch.float32:
+        checked = results
+        how = "float32, this run"
+    else:
+        out(f"checking identity in float32 (first {config.check_tokens} tokens of each answer) ...")
+        fp32 = DemoConfig(**{**config.__dict__, "dtype": torch.float32})
+        target, _, methods = _load_methods(fp32, torch.float32, lambda line: None)
+        gen = GenerationConfig(config.check_tokens, config.num_draft_tokens, speculation=config.speculation)
+        checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen,
+                              config.speculation, out, verbose=False)
+        how = f"float32 pass, first {config.check_tokens} tokens"
+    plain = checked["plain"]
+    counts = {name: sum(r.token_ids == b.token_ids for r, b in zip(rs, plain, strict=True))
+              for name, rs in checked.items()}
+    return {name: f"{counts.get(name, 0)}/{len(ids)}" for name in results}, how
+
+
+def why_not_faster(name: str, results: list[GenerationResult], plain: list[GenerationResult],
+                   curve: CostCurve) -> str:
+    """One line: a method's speed-up is τ over what a step costs in plain steps (verify + drafting), here."""
+    calls = sum(r.stats.target_forward_calls for r in results)
+    tau = sum(r.stats.new_tokens for r in results) / calls
+    fed = 1 + sum(r.stats.draft_tokens_proposed for r in results) / calls  # tokens per verify forward
+    step = sum(r.stats.decode_seconds for r in plain) / sum(r.stats.target_forward_calls for r in plain)
+    verify = curve.seconds(round(fed)) / curve.seconds(1)
+    drafting = sum(r.stats.draft_seconds for r in results) / calls / step
+    isa, dtype = curve.machine["isa"], curve.model["dtype"]
+    return (f"{name} is not faster here: a step commits {tau:.2f} tokens (τ) but costs {verify + drafting:.2f} plain "
+            f"steps, verifying {fed:.1f} tokens at {verify:.2f}x a 1-token forward on this {isa} CPU in {dtype} and "
+            f"drafting {drafting:.2f} more")
 
 
 def _one_per_category():
@@ -75,11 +159,11 @@ def _one_per_category():
     return first + rest
 
 
-def _row(name: str, results: list[GenerationResult], plain: list[GenerationResult]) -> dict:
+def _row(name: str, results: list[GenerationResult], plain: list[GenerationResult], identical: str) -> dict:
     tokens = sum(r.stats.new_tokens for r in results)
     seconds = sum(r.stats.decode_seconds for r in results)
     calls = sum(r.stats.target_forward_calls for r in results)
     base_tps = sum(r.stats.new_tokens for r in plain) / sum(r.stats.decode_seconds for r in plain)
-    same = sum(r.token_ids == b.token_ids for r, b in zip(results, plain, strict=True))
     return {"method": name, "tokens_per_second": tokens / seconds, "block_efficiency": tokens / calls,
-            "speedup": tokens / seconds / base_tps, "identical": f"{same}/{len(results)}"}
+            "speedup": tokens / seconds / base_tps, "identical": identical}
+

@@ -44,7 +44,7 @@ def _answers(out, method_file):
 def full_run(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     methods = f"ar,draft:{files['draft']},prompt-lookup,hf,hf-assisted:{files['draft']}"
-    assert _bench(files, out, "--num-draft-tokens", "3", methods=methods) == 0
+    assert _bench(files, out, "--num-draft-tokens", "3", "--speculation", "fixed", methods=methods) == 0
     return out, json.loads((out / "summary.json").read_text())
 
 
@@ -62,7 +62,17 @@ def test_summary_json_has_the_exact_shape(files, full_run):
     assert setup["dtype"] == "float32" and setup["target"] == files["target"] and setup["max_new_tokens"] == 8
     assert setup["num_draft_tokens"] == 3 and setup["repeats"] == 1 and setup["sampling"]["greedy"] is True
     assert {"torch", "transformers", "specdraft"} <= set(setup["versions"])
-    assert {"cpu", "threads"} <= set(setup["hardware"])
+    assert {"cpu", "threads", "isa"} <= set(setup["hardware"])
+    assert setup["speculation"] == ["fixed"] and setup["cost_curve"]["sizes"][0] == 1  # the machine's costs
+
+
+def test_adaptive_and_fixed_run_side_by_side(files, tmp_path):
+    out = tmp_path / "both"
+    assert _bench(files, out, "--speculation", "adaptive,fixed", "--categories", "writing",
+                  methods="prompt-lookup") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["methods"]) == ["ar", "prompt-lookup", "prompt-lookup+fixed"]
+    assert all(m["overall"]["greedy_equal"] is True for m in summary["methods"].values())
 
 
 def test_methods_measure_what_they_can(files, full_run):

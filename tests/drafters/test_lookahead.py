@@ -154,7 +154,8 @@ OPTIONS = [
 @pytest.mark.parametrize("num_draft_tokens", [1, 4])
 def test_greedy_lookahead_equals_plain(target, options, num_draft_tokens):
     plain = generate(target, PROMPT, None, GenerationConfig(60)).token_ids
-    result = generate(target, PROMPT, LookaheadDrafter(**options), GenerationConfig(60, num_draft_tokens))
+    result = generate(target, PROMPT, LookaheadDrafter(**options),
+                      GenerationConfig(60, num_draft_tokens, speculation="fixed"))
     assert result.token_ids == plain
     if num_draft_tokens == 4 and options in ({}, {"pool_from_context": True}):
         # tiny0's greedy output repeats ("53 38 53 38", "18 43 21 3"): the window finds those n-grams
@@ -166,8 +167,8 @@ def test_greedy_equal_on_other_models_and_repeatable(seed):
     target = NativeLlama.from_hf(tiny_llama(seed))
     plain = generate(target, PROMPT, None, GenerationConfig(60)).token_ids
     drafter = LookaheadDrafter()
-    first = generate(target, PROMPT, drafter, GenerationConfig(60, 3))
-    again = generate(target, PROMPT, drafter, GenerationConfig(60, 3))  # begin() resets pool and window
+    first = generate(target, PROMPT, drafter, GenerationConfig(60, 3, speculation="fixed"))
+    again = generate(target, PROMPT, drafter, GenerationConfig(60, 3, speculation="fixed"))  # begin() resets pool and window
     assert first.token_ids == plain == again.token_ids
     assert first.stats.accept_lengths == again.stats.accept_lengths
     assert first.stats.block_efficiency > 1

@@ -11,6 +11,7 @@ from specdraft.drafters import TRAINING_FREE
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import SMOLLM2, parse_dtype
 from specdraft.sampling import SamplingConfig
+from specdraft.speculation import SPECULATION
 
 SWEEPABLE = ("num_draft_tokens",)
 
@@ -39,6 +40,8 @@ class BenchConfig:
     top_k: int = field(default=0, metadata={"help": "0 = off"})
     top_p: float = field(default=1.0, metadata={"help": "1 = off"})
     seed: int = field(default=0, metadata={"help": "each answer's generator is seeded with this"})
+    speculation: tuple[str, ...] = field(default=("adaptive",), metadata={
+        "help": "policies every speculative method runs with (adaptive, fixed); NAME+fixed names the fixed one"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "methods", tuple(parse_methods(self.methods)))
@@ -50,6 +53,8 @@ class BenchConfig:
             raise SpecdraftError(f"per_category must be an integer >= 1, got {self.per_category}")
         if self.sweep is not None and (not self.sweep or any(not isinstance(k, int) or k < 1 for k in self.sweep)):
             raise SpecdraftError(f"sweep num_draft_tokens values must be integers >= 1, got {self.sweep}")
+        if not self.speculation or set(self.speculation) - set(SPECULATION):
+            raise SpecdraftError(f"speculation must list some of {', '.join(SPECULATION)}, got {self.speculation}")
         unknown = sorted(set(self.categories or ()) - set(CATEGORY_TO_SUBTASK))
         if unknown:
             raise SpecdraftError(f"unknown category {', '.join(unknown)}; subtasks: {', '.join(SUBTASKS)}")

@@ -31,6 +31,7 @@ from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_
 from specdraft.drafters.loading import load_draft_model, load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
+from specdraft.speculation import make_policy
 
 
 @dataclass
@@ -85,12 +86,16 @@ class SpecdraftMethod:
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+    speculation: str = "adaptive"  # specdraft.speculation: "adaptive" or "fixed"
+    policy: object | None = field(default=None, repr=False)  # made on first use, learns across answers
 
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         if self.num_draft_tokens is not None:
-            config = replace(config, num_draft_tokens=self.num_draft_tokens)
+            config = replace(config, num_draft_tokens=self.num_draft_tokens, speculation=self.speculation)
+        if self.policy is None and self.drafter is not None:
+            self.policy = make_policy(self.target, self.speculation, config.num_draft_tokens)
         start = time.perf_counter()
-        result = generate(self.target, prompt_ids, self.drafter, config, generator)
+        result = generate(self.target, prompt_ids, self.drafter, config, generator, policy=self.policy)
         wall = time.perf_counter() - start
         s = result.stats
         return TurnResult(
@@ -181,6 +186,7 @@ class BuildContext:
     target_name: str
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)
+    speculations: tuple[str, ...] = ("adaptive",)  # policies every speculative method runs with
 
     def hf_target(self):
         """The target's weights as a transformers model (loaded once, shared by ``hf`` and ``hf-assisted``)."""
@@ -194,8 +200,20 @@ class BuildContext:
         return count_parameters(draft_model) / self.cache["target_params"]
 
 
-def _variants(base: str, gammas: Sequence[int], sweep: bool, make: Callable[[str, int], Method]) -> list[Method]:
-    return [make(f"{base}@γ={k}" if sweep else base, k) for k in gammas]
+def _variants(base: str, gammas: Sequence[int], sweep: bool, make: Callable[[str, int], Method],
+              speculations: Sequence[str] = ("adaptive",)) -> list[Method]:
+    """One method per γ (named ``BASE@γ=K`` in a sweep) and per speculation policy (``BASE+fixed`` when more than
+    one policy runs; the adaptive one keeps the plain name)."""
+    methods = []
+    for k in gammas:
+        for speculation in speculations:
+            suffix = f"+{speculation}" if len(speculations) > 1 and speculation != "adaptive" else ""
+            name = (f"{base}@γ={k}" if sweep else base) + suffix
+            method = make(name, k)
+            if isinstance(method, SpecdraftMethod):
+                method.speculation = speculation
+            methods.append(method)
+    return methods
 
 
 def _build_ar(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
@@ -207,13 +225,15 @@ def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -
     drafter: DraftModelDrafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype,
                                               options=parse_options(options))
     ratio = ctx.param_ratio(drafter.model)
-    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec))
+    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec),
+                     ctx.speculations)
 
 
 def _build_training_free(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
     name = spec.partition(":")[0]
     drafter = load_drafter(ctx.target, ctx.tokenizer, drafter=name, options=parse_options(arg))
-    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, 0.0, spec))
+    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, 0.0, spec),
+                     ctx.speculations)
 
 
 def _build_hf(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:

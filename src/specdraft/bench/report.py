@@ -225,8 +225,10 @@ def make_setup(run_info: dict) -> dict:
         "questions_sha256": run_info.get("questions_sha256"),
         "categories": config.get("categories"),
         "per_category": config.get("per_category"),
+        "speculation": config.get("speculation", ["fixed"]),
         "versions": env.get("versions"),
         "hardware": env.get("hardware"),
+        "cost_curve": run_info.get("cost_curve"),  # the target's measured forward seconds (specdraft.costs)
         "command": run_info.get("command"),
         "started": run_info.get("started"),
     }

@@ -34,6 +34,7 @@ from specdraft.bench.records import (
     record_key,
 )
 from specdraft.bench.report import write_report
+from specdraft.costs import cost_curve
 from specdraft.decoding import GenerationConfig
 from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
 
@@ -49,7 +50,8 @@ def environment() -> dict:
     return {
         "versions": {"specdraft": specdraft.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
-        "hardware": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "hardware": {"cpu": _cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
+                     "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                      "platform": platform.platform(), "cuda": torch.cuda.is_available()},
     }
 
@@ -122,8 +124,9 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
     check_out(out, run_info, overwrite)
     dtype = parse_dtype(config.dtype)
     target, tokenizer = load_target(config.target, dtype)
-    ctx = BuildContext(target, tokenizer, config.target, dtype)
+    ctx = BuildContext(target, tokenizer, config.target, dtype, speculations=config.speculation)
     methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)
+    run_info["cost_curve"] = cost_curve(target, log=lambda line: print(line, file=sys.stderr, flush=True)).to_dict()
     gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, config.sampling,
                            eos_token_ids(tokenizer, config.target))
     run_info["method_names"] = [m.name for m in methods]

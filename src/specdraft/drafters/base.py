@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import AuxBranch, check_tree
@@ -38,16 +39,36 @@ class Draft:
     parents: None for a chain, else (N,) the tree (see :mod:`specdraft.trees`: -1 = child of the root,
        parents[i] < i).
     aux: tokens fed in the same target forward whose logits come back in ``VerifyResult.aux_logits``.
+    confidence: None, or (N,) float: the drafter's own probability for node i, read from the distribution node i
+       was drawn from *before* drawing it (its largest probability; for a greedy draft that is q(token)), NaN where
+       the drafter has none. Adaptive speculation (:mod:`specdraft.speculation`) learns what it is worth.
+    source: None, or (N,) long: a drafter-defined kind of each node (e.g. the n-gram size a copy matched), so that
+       acceptance is learned per kind; None = all one kind.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     parents: torch.Tensor | None = None
     aux: AuxBranch | None = None
+    confidence: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.parents is not None:
             check_tree(self.tokens, self.parents, self.q)
+        for name in ("confidence", "source"):
+            value = getattr(self, name)
+            if value is not None and value.shape != self.tokens.shape:
+                raise SpecdraftError(f"draft {name} must have one value per token, got {tuple(value.shape)} for "
+                                     f"{len(self)} tokens")
+
+    def select(self, kept: torch.Tensor, parents: torch.Tensor | None) -> Draft:
+        """The nodes ``kept`` (M,) (closed under parents, increasing) with ``parents`` (M,) renumbered, or None
+        for a chain prefix; every per-node field follows, the auxiliary branch stays."""
+        def pick(value):
+            return None if value is None else value[kept]
+
+        return Draft(self.tokens[kept], pick(self.q), parents, self.aux, pick(self.confidence), pick(self.source))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

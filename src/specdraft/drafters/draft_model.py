@@ -51,6 +51,12 @@ from specdraft.sampling import SamplingConfig, check_finite, sample, warp
 from specdraft.trees import add_children, chain_parents, expansion_mask, insert_path, is_chain, most_confident
 from specdraft.verification import VerifyResult
 
+MODEL, SIBLING, COPY = 0, 1, 10  # Draft.source of the model's chain, its siblings, and a copy (+ n-gram size)
+
+
+def _with_source(draft: Draft, source: int) -> Draft:
+    return Draft(draft.tokens, draft.q, draft.parents, draft.aux, None, torch.full((len(draft),), source))
+
 
 class DraftModelDrafter:
     """Draft with a small model. Its cache is synchronised to the context by longest common prefix, so rejected
@@ -112,34 +118,44 @@ class DraftModelDrafter:
             return self._propose_tree(context, num_draft_tokens, sampling, generator)
         if not sampling.greedy:  # the greedy-only branches (copy, siblings) are off: see the module docstring
             return self._propose_chain(context, num_draft_tokens, sampling, generator)[0]
-        copied = EMPTY_DRAFT
+        copied, size = EMPTY_DRAFT, 0
         if self._lookup is not None:
             size, copied = self._lookup.match(context, num_draft_tokens)
             if self.prompt_lookup_alone and size >= self.prompt_lookup_alone and len(copied) == num_draft_tokens:
-                return copied  # a long match: the copy alone, no draft forwards
+                return _with_source(copied, COPY + size)  # a long match: the copy alone, no draft forwards
         chain, alternatives = self._propose_chain(context, num_draft_tokens, sampling, generator)
         tokens, parents = chain.tokens, chain_parents(len(chain))  # greedy: q is None
-        for depth, siblings in enumerate(alternatives):  # leaves beside chain[depth]: never equal to a node there
+        confidence, source = chain.confidence, torch.full((len(chain),), MODEL)
+        for depth, (siblings, probs) in enumerate(alternatives):  # leaves beside chain[depth], never equal to it
             tokens = torch.cat([tokens, siblings])
             parents = torch.cat([parents, torch.full((len(siblings),), depth - 1, dtype=torch.long)])
+            confidence, source = torch.cat([confidence, probs]), torch.cat([source, torch.full_like(siblings, SIBLING)])
         if len(copied):
             tokens, parents = insert_path(tokens, parents, copied.tokens)
-        return Draft(tokens) if is_chain(parents) else Draft(tokens, None, parents)
+            added = tokens.shape[0] - confidence.shape[0]
+            confidence = torch.cat([confidence, torch.full((added,), float("nan"))])
+            source = torch.cat([source, torch.full((added,), COPY + size)])
+        return Draft(tokens, None, None if is_chain(parents) else parents, None, confidence, source)
 
     def _propose_chain(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> tuple[Draft, list[torch.Tensor]]:
-        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop), and when greedy
-        with ``siblings`` = k, the k next most likely draft tokens at each of its depths ((k,) each; [] otherwise)."""
+    ) -> tuple[Draft, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop), with each
+        token's confidence; when greedy with ``siblings`` = k, the k next most likely draft tokens at each of its
+        depths and their draft probabilities ((k,), (k,) each; [] otherwise)."""
         logits = self._sync(context, num_draft_tokens)
-        tokens, probs, alternatives = [], [], []
+        tokens, probs, alternatives, confidence = [], [], [], []
         for i in range(num_draft_tokens):
             if sampling.greedy:
                 token = logits.argmax(-1)
+                soft = torch.softmax(logits.float(), -1)  # (V,)
+                confidence.append(soft[token])
                 if self.siblings:
-                    alternatives.append(self._runners_up(logits, token))
+                    runners_up = self._runners_up(logits, token)
+                    alternatives.append((runners_up, soft[runners_up]))
             else:
                 probs.append(warp(logits, sampling))  # (V,)
+                confidence.append(probs[-1].max())  # read before the draw: a stopping time (speculation module)
                 token = sample(probs[-1], generator)
             tokens.append(token)
             if self.confidence_threshold and self._unsure(logits, token, probs, sampling):
@@ -148,7 +164,8 @@ class DraftModelDrafter:
                 logits = self._forward(token.view(1, 1))[0, -1]  # (V,)
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
         self._cached = torch.cat([context, draft[:-1]])
-        return Draft(draft, torch.stack(probs) if probs else None), alternatives
+        sure = torch.stack(confidence).float() if confidence else torch.empty(0)  # (γ,)
+        return Draft(draft, torch.stack(probs) if probs else None, confidence=sure), alternatives
 
     def _runners_up(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The ``siblings`` most likely tokens after ``token`` (the argmax of ``logits`` (V,)), finite logits only
@@ -209,7 +226,10 @@ class DraftModelDrafter:
         """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order."""
         kept, new_parents = most_confident(parents, scores, self.tree_nodes)
         q = None if greedy else torch.stack(q_rows)[kept]  # (N, V)
-        return Draft(torch.tensor(tokens, dtype=torch.long)[kept], q, new_parents)
+        score = torch.tensor(scores, dtype=torch.float32)  # (N,) cumulative draft log-probabilities
+        parent = torch.tensor(parents, dtype=torch.long)  # (N,)
+        confidence = (score - torch.where(parent >= 0, score[parent.clamp_min(0)], 0.0)).exp()  # q(node | parent)
+        return Draft(torch.tensor(tokens, dtype=torch.long)[kept], q, new_parents, None, confidence[kept])
 
     def begin(self, target, cache) -> None:
         pass

@@ -37,7 +37,8 @@ class PromptLookupDrafter:
             hits = (windows == context[length - n :]).all(-1).nonzero()  # (h, 1) start positions
             if hits.numel():
                 start = int(hits[-1]) + n  # most recent earlier occurrence
-                return n, Draft(context[start : start + num_draft_tokens].clone())
+                copied = context[start : start + num_draft_tokens].clone()  # (γ,)
+                return n, Draft(copied, source=torch.full_like(copied, n))  # acceptance is learned per n
         return 0, EMPTY_DRAFT
 
     def begin(self, target, cache) -> None:

@@ -1,0 +1,246 @@
+"""How much to speculate each step: a fixed γ, or adaptive speculation priced by the machine's cost model.
+
+The decoding loop asks a :class:`SpeculationPolicy` three things per step:
+
+- ``budget(context_length, limit)``: how many draft tokens (depth) to ask the drafter for; 0 = a plain step.
+- ``trim(draft, ...)``: which drafted nodes to verify (a prefix of a chain, an ancestor-closed subset of a tree).
+- ``observe(draft, result, draft_seconds, verify_seconds)``: what happened, to learn from.
+
+Only how much is proposed changes, so output stays exact: greedy verification returns the target's argmax
+whatever is proposed, and speculative sampling is exact for any draft length that is a stopping time of the
+drafting process (Leviathan et al. 2023; SpecDec++, Huang et al. 2024): whether node i+1 is verified may depend on
+nodes 1..i and on the past, never on node i+1's own draw. A node's ``Draft.confidence`` is read from the
+distribution it was drawn from before the draw (its largest probability), so it qualifies; when sampling, chains
+are cut by a sequential stop that looks at one node more only through that value, and trees are not cut.
+
+:class:`AdaptivePolicy` maximises expected tokens per second. With a_i the learned probability that node i is
+accepted once its parent is, node i is accepted with P_i = prod of a_j on its path, and verifying a node set S
+yields E[tokens] = 1 + sum_{i in S} P_i (the recovered or bonus token included; Leviathan et al. 2023, eq. 1, with
+per-node rates as in SpecInfer and EAGLE-2's tree value). It costs the drafting time plus c(T0 + |S|, L), the
+target's forward over the T0 uncached tokens and |S| draft nodes at context L, read from the measured
+:class:`~specdraft.costs.CostCurve`. Prior adaptive schemes stop drafting when a rejection grows likely (SpecDec++:
+a threshold on the predicted rejection probability; AdaEDL: an entropy bound; DISCO: a learned classifier; vLLM:
+profiled per-batch costs with a constant per-token verify cost); none prices how the verify cost itself grows with
+the number of verified tokens, which on CPUs without fast skinny GEMMs is what decides.
+
+The confidence-to-acceptance map is learned online: counts of accepted / reached nodes per (source, confidence
+decile) or, for nodes without a confidence (prompt lookup, REST, Lookahead, heads), per (source, depth), with a
+Beta prior at the confidence itself (or 0.5). The drafter's cost per requested token and a scale on the measured
+verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specdraft.costs import CostCurve
+from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.trees import chain_parents, depths, keep_nodes
+from specdraft.verification import VerifyResult
+
+_PRIOR_WEIGHT = 2.0  # pseudo-observations behind each bucket's prior
+_MAX_WEIGHT = 200.0  # counts are halved beyond this, so the map follows drift
+_MAX_DEPTH_KEY = 8  # depths beyond this share a bucket
+_EMA = 0.1  # weight of the newest timing in the moving averages
+_EXPLORE_EVERY = 8  # after this many plain steps in a row, one cheap draft keeps the estimates alive
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """Decides, step by step, how much to propose (see the module docstring)."""
+
+    def budget(self, context_length: int, limit: int) -> int:
+        """Draft tokens (chain length or tree depth) to ask for, 0 .. ``limit``; 0 = a plain step."""
+        ...
+
+    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
+        """The part of ``draft`` to verify; ``tail`` uncached context tokens are fed with it."""
+        ...
+
+    def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
+        """``draft`` (as verified) and its ``result``, with the step's timings."""
+        ...
+
+
+class FixedPolicy:
+    """Always γ = ``num_draft_tokens``, everything drafted is verified (the classic setting)."""
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+
+    def budget(self, context_length: int, limit: int) -> int:
+        return min(self.num_draft_tokens, limit)
+
+    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
+        return draft
+
+    def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
+def _key(source: int, confidence: float, depth: int) -> tuple[int, str, int]:
+    if math.isnan(confidence):
+        return source, "depth", min(depth, _MAX_DEPTH_KEY)
+    return source, "q", min(int(confidence * 10), 9)
+
+
+class AcceptanceMap:
+    """P(node accepted | its parent accepted) per bucket, learned online (Beta-smoothed counts)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple, list[float]] = {}  # key -> [accepted, reached]
+
+    def rate(self, key: tuple) -> float:
+        prior = (key[2] + 0.5) / 10 if key[1] == "q" else 0.5
+        accepted, reached = self.counts.get(key, (0.0, 0.0))
+        return (accepted + _PRIOR_WEIGHT * prior) / (reached + _PRIOR_WEIGHT)
+
+    def update(self, key: tuple, accepted: bool) -> None:
+        counts = self.counts.setdefault(key, [0.0, 0.0])
+        counts[0] += accepted
+        counts[1] += 1
+        if counts[1] > _MAX_WEIGHT:
+            counts[0], counts[1] = counts[0] / 2, counts[1] / 2
+
+
+def _node_keys(draft: Draft) -> tuple[list[tuple], torch.Tensor]:
+    """Each node's bucket and the tree's parents (N,)."""
+    parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+    node_depths = depths(parents).tolist()
+    confidence = draft.confidence.tolist() if draft.confidence is not None else [math.nan] * len(draft)
+    source = draft.source.tolist() if draft.source is not None else [0] * len(draft)
+    return [_key(s, c, d) for s, c, d in zip(source, confidence, node_depths, strict=True)], parents
+
+
+class AdaptivePolicy:
+    """Adaptive speculation: each step, the draft size that maximises expected tokens per second, 0 included.
+
+    ``target_costs`` is the target's measured forward-cost curve; ``max_draft_tokens`` bounds the depth.
+    """
+
+    def __init__(self, target_costs: CostCurve, max_draft_tokens: int, draft_seconds_per_token: float = 0.0) -> None:
+        self.costs = target_costs
+        self.max_draft_tokens = max_draft_tokens
+        self.acceptance = AcceptanceMap()
+        self.draft_seconds_per_token = draft_seconds_per_token  # moving average, per requested token
+        self.verify_scale = 1.0  # moving average of measured / predicted verify seconds
+        self.nodes_per_depth = 1.0  # moving average of verified nodes per requested depth (trees > 1)
+        self._plain_run = 0
+        self._asked = 0
+        self._context = 0
+
+    def _verify_seconds(self, new_tokens: int, context_length: int) -> float:
+        return self.verify_scale * self.costs.seconds(new_tokens, context_length)
+
+    def budget(self, context_length: int, limit: int) -> int:
+        """The depth with the best expected rate under the per-depth acceptance seen so far."""
+        limit = min(limit, self.max_draft_tokens)
+        best, best_rate, expected, reach = 0, 1.0 / self._verify_seconds(1, context_length), 1.0, 1.0
+        for depth in range(1, limit + 1):
+            reach *= self.acceptance.rate((-1, "depth", min(depth, _MAX_DEPTH_KEY)))
+            expected += reach
+            nodes = max(depth, round(self.nodes_per_depth * depth))
+            seconds = self.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length)
+            if expected / seconds > best_rate:
+                best, best_rate = depth, expected / seconds
+        if best == 0 and limit > 0:
+            self._plain_run += 1
+            if self._plain_run >= _EXPLORE_EVERY:
+                best, self._plain_run = 1, 0
+        else:
+            self._plain_run = 0
+        self._asked, self._context = best, context_length
+        return best
+
+    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
+        if len(draft) == 0 or (not greedy and draft.parents is not None):
+            return draft  # sampled trees: cutting siblings by their draws would bias them (module docstring)
+        keys, parents = _node_keys(draft)
+        rates = [self.acceptance.rate(key) for key in keys]
+        reach = []
+        for node, parent in enumerate(parents.tolist()):
+            reach.append(rates[node] * (reach[parent] if parent >= 0 else 1.0))
+        extra = 0 if draft.aux is None else draft.aux.tokens.shape[0]
+
+        def rate(size: int, expected: float) -> float:
+            return expected / (draft_seconds + self._verify_seconds(tail + size + extra, context_length))
+
+        if draft.parents is None and not greedy:
+            return draft.select(torch.arange(_sequential_stop(reach, rate)), None)
+        order = sorted(range(len(draft)), key=lambda node: (-reach[node], node))  # parents before children
+        best, best_rate, expected = 0, rate(0, 1.0), 1.0
+        for size, node in enumerate(order, start=1):
+            expected += reach[node]
+            if rate(size, expected) > best_rate:
+                best, best_rate = size, rate(size, expected)
+        if best == len(draft):
+            return draft
+        if best == 0 and draft.aux is None:
+            return EMPTY_DRAFT
+        keep = torch.zeros(len(draft), dtype=torch.bool)
+        keep[order[:best]] = True
+        kept, new_parents = keep_nodes(parents, keep)
+        return draft.select(kept, None if draft.parents is None else new_parents)
+
+    def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
+        """Update the acceptance map from the nodes verification reached, and the timing averages."""
+        keys, parents = _node_keys(draft)
+        accepted = set(getattr(result, "accepted_nodes", range(result.num_accepted)))
+        for node, parent in enumerate(parents.tolist()):
+            if parent < 0 or parent in accepted:  # reached: its parent was accepted
+                self.acceptance.update(keys[node], node in accepted)
+        self._learn_depths(draft, parents, accepted)
+        if self._asked > 0:
+            per_token = draft_seconds / self._asked
+            self.draft_seconds_per_token += _EMA * (per_token - self.draft_seconds_per_token)
+            self.nodes_per_depth += _EMA * (len(draft) / self._asked - self.nodes_per_depth)
+        predicted = self.costs.seconds(1 + len(draft), self._context)
+        if predicted > 0 and verify_seconds > 0:
+            ratio = min(max(verify_seconds / predicted, 0.5), 3.0)
+            self.verify_scale += _EMA * (ratio - self.verify_scale)
+
+    def _learn_depths(self, draft: Draft, parents: torch.Tensor, accepted: set[int]) -> None:
+        """Per-depth acceptance of the deepest reached level (what ``budget`` prices before drafting)."""
+        if len(draft) == 0:
+            return
+        node_depths = depths(parents).tolist()
+        deepest = max((node_depths[n] for n in accepted), default=0)
+        for depth in range(1, min(max(node_depths), deepest + 1) + 1):
+            key = (-1, "depth", min(depth, _MAX_DEPTH_KEY))
+            self.acceptance.update(key, depth <= deepest)
+
+
+def _sequential_stop(reach: list[float], rate) -> int:
+    """Chain length for sampling: node i+1 is kept while the best rate reachable by extending (assuming later
+    nodes keep node i+1's rate, which is known before node i+1 is drawn) beats stopping. A stopping time."""
+    expected = 1.0
+    for size in range(len(reach)):
+        step = reach[size] / max(reach[size - 1] if size else 1.0, 1e-12)  # a_{size+1}
+        future, best_future, gain = expected, 0.0, reach[size]
+        for extra in range(1, len(reach) - size + 1):
+            future += gain
+            best_future = max(best_future, rate(size + extra, future))
+            gain *= step
+        if best_future <= rate(size, expected):
+            return size
+        expected += reach[size]
+    return len(reach)
+
+
+SPECULATION = ("adaptive", "fixed")
+
+
+def make_policy(target, speculation: str, num_draft_tokens: int, log=None) -> SpeculationPolicy:
+    """``fixed``: :class:`FixedPolicy` (γ = ``num_draft_tokens``); ``adaptive``: :class:`AdaptivePolicy` up to
+    ``num_draft_tokens``, priced by ``target``'s cost curve on this machine (measured once, then cached)."""
+    from specdraft.costs import cost_curve
+    from specdraft.errors import SpecdraftError
+
+    if speculation == "fixed":
+        return FixedPolicy(num_draft_tokens)
+    if speculation != "adaptive":
+        raise SpecdraftError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+    return AdaptivePolicy(cost_curve(target, log=log), num_draft_tokens)

@@ -1,0 +1,141 @@
+"""Adaptive speculation: the policy's choices on hand-made cost curves, what it learns, and that output stays exact
+with it on (greedy token for token, sampling by chi-square)."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdraft.costs import CostCurve
+from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdraft.drafters.base import Draft
+from specdraft.sampling import SamplingConfig
+from specdraft.speculation import AdaptivePolicy, FixedPolicy, _sequential_stop, make_policy
+from specdraft.verification import VerifyResult
+from toys import PatternDrafter, hf_target, random_bigram
+
+PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]
+
+
+def _curve(per_token: float, step: float = 0.01) -> CostCurve:
+    """A forward costs ``step`` plus ``per_token`` x step for every new token beyond the first."""
+    sizes = (1, 2, 4, 8, 16)
+    row = tuple(step * (1 + per_token * (size - 1)) for size in sizes)
+    return CostCurve(sizes, (64,), (row,), {"name": "toy"}, {"cpu": "toy"})
+
+
+def _chain(confidence: list[float]) -> Draft:
+    return Draft(torch.arange(len(confidence)), confidence=torch.tensor(confidence))
+
+
+def test_cost_curve_interpolates_and_extrapolates() -> None:
+    curve = _curve(0.5)
+    assert curve.seconds(1) == pytest.approx(0.01)
+    assert curve.seconds(3) == pytest.approx(0.02)  # between the measured sizes 2 and 4
+    assert curve.seconds(32) == pytest.approx(0.01 * (1 + 0.5 * 31))  # the last slope, beyond 16
+    assert curve.ratios()[-1] == pytest.approx(8.5)
+    assert CostCurve.from_dict(curve.to_dict()) == curve
+
+
+def test_free_verification_and_sure_drafts_verify_everything() -> None:
+    policy = AdaptivePolicy(_curve(0.0), 5)
+    assert policy.budget(100, 10) == 5 and policy.budget(100, 3) == 3
+    draft = _chain([0.95] * 5)
+    assert len(policy.trim(draft, 100, 1, 0.0, greedy=True)) == 5
+
+
+def test_verification_as_dear_as_steps_means_plain_steps() -> None:
+    """When k tokens cost k steps no draft can pay: the policy proposes nothing, and trims a draft to nothing."""
+    policy = AdaptivePolicy(_curve(1.0), 5)
+    assert len(policy.trim(_chain([0.5] * 4), 100, 1, 0.0, greedy=True)) == 0
+    for _ in range(20):  # unsure drafts at every depth, all rejected
+        policy.budget(100, 5)
+        policy.observe(_chain([0.5]), VerifyResult(1, 0, 7), 0.001, 0.02)
+    assert policy.budget(100, 5) == 0
+
+
+def test_trim_keeps_the_confident_prefix() -> None:
+    policy = AdaptivePolicy(_curve(0.3), 6)
+    trimmed = policy.trim(_chain([0.99, 0.98, 0.97, 0.15, 0.9, 0.9]), 100, 1, 0.0, greedy=True)
+    assert trimmed.tokens.tolist() == [0, 1, 2] and trimmed.confidence.shape == (3,)
+
+
+def test_tree_trim_keeps_an_ancestor_closed_subset() -> None:
+    parents = torch.tensor([-1, 0, -1, 1, 2])
+    draft = Draft(torch.arange(5), parents=parents, confidence=torch.tensor([0.95, 0.9, 0.05, 0.9, 0.9]))
+    trimmed = AdaptivePolicy(_curve(0.3), 4).trim(draft, 100, 1, 0.0, greedy=True)
+    assert trimmed.tokens.tolist() == [0, 1, 3] and trimmed.parents.tolist() == [-1, 0, 1]
+
+
+def test_acceptance_is_learned_per_source() -> None:
+    """A copy kind that is always right and one that is always wrong end up far apart."""
+    policy = AdaptivePolicy(_curve(0.2), 4)
+    for _ in range(50):
+        good = Draft(torch.arange(3), source=torch.full((3,), 3))
+        policy.observe(good, VerifyResult(3, 3, 9), 0.0, 0.01)
+        bad = Draft(torch.arange(3), source=torch.full((3,), 1))
+        policy.observe(bad, VerifyResult(3, 0, 9), 0.0, 0.01)
+    assert policy.acceptance.rate((3, "depth", 2)) > 0.95 > 0.05 > policy.acceptance.rate((1, "depth", 1))
+    assert len(policy.trim(Draft(torch.arange(3), source=torch.full((3,), 3)), 100, 1, 0.0, True)) == 3
+    assert len(policy.trim(Draft(torch.arange(3), source=torch.full((3,), 1)), 100, 1, 0.0, True)) == 0
+
+
+def test_sequential_stop_never_looks_at_the_node_it_decides_on() -> None:
+    """Keeping node i+1 may depend on what is known before it is drawn (reach[i] uses its parent's row), never on
+    anything later: changing later values cannot change an earlier decision."""
+    def rate(size, expected):
+        return expected / (1.0 + 0.4 * size)
+
+    reach = [0.9, 0.8, 0.3, 0.25]
+    stop = _sequential_stop(reach, rate)
+    for later in ([0.9, 0.8, 0.3, 0.29], [0.9, 0.8, 0.3, 0.0001]):
+        assert _sequential_stop(later, rate) >= min(stop, 3)
+    assert _sequential_stop([0.99] * 4, rate) == 4 and _sequential_stop([0.01] * 4, rate) == 0
+
+
+@pytest.mark.parametrize("pattern", ["always", "sometimes", "never"])
+def test_adaptive_greedy_equals_plain_with_a_persistent_policy(pattern: str) -> None:
+    target = hf_target(0)
+    plain = generate(target, PROMPT, None, GenerationConfig(40)).token_ids
+    rules = {"always": lambda s, i: False, "sometimes": lambda s, i: (s * 7 + i * 3) % 5 == 0,
+             "never": lambda s, i: i == 0}
+    policy = AdaptivePolicy(_curve(0.15), 5)
+    for _ in range(3):
+        result = generate(target, PROMPT, PatternDrafter(target, rules[pattern]), GenerationConfig(40, 5),
+                          policy=policy)
+        assert result.token_ids == plain
+    if pattern == "never":  # it learned that drafting does not pay and mostly stopped proposing
+        assert result.stats.draft_tokens_proposed < 40 / 3
+
+
+def test_make_policy_measures_the_target_once() -> None:
+    target = hf_target(0)
+    assert isinstance(make_policy(target, "fixed", 4), FixedPolicy)
+    policy = make_policy(target, "adaptive", 4)
+    assert policy.costs is make_policy(target, "adaptive", 4).costs  # remembered, not remeasured
+    assert all(math.isfinite(s) and s > 0 for row in policy.costs.table for s in row)
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup"])
+def test_adaptive_sampling_distribution_chi_square(drafter_kind: str) -> None:
+    """With a policy that cuts drafts by their confidence (a steep cost curve) and learns as it goes, speculative
+    samples still follow the target's distribution (chi-square over all 3-token continuations, p > 1e-3)."""
+    target, draft = random_bigram(5, seed=0), random_bigram(5, seed=1)
+    prompt = [0, 1, 2, 0, 1, 2, 0]
+    drafter = DraftModelDrafter(draft) if drafter_kind == "draft-model" else PromptLookupDrafter()
+    sampling, runs = SamplingConfig(1.0), 4000
+    generator, policy = torch.Generator().manual_seed(99), AdaptivePolicy(_curve(0.35), 3)
+    config = GenerationConfig(3, 3, sampling)
+    counts = Counter(tuple(generate(target, prompt, drafter, config, generator, policy=policy).token_ids)
+                     for _ in range(runs))
+    probs = torch.softmax(target.table, -1)
+    exact = {}
+    for seq in counts.keys() | {(a, b, c) for a in range(5) for b in range(5) for c in range(5)}:
+        exact[seq] = float(probs[prompt[-1], seq[0]] * probs[seq[0], seq[1]] * probs[seq[1], seq[2]])
+    cells = [seq for seq, p in exact.items() if p * runs >= 5]
+    observed = [counts[s] for s in cells] + [runs - sum(counts[s] for s in cells)]
+    expected = [exact[s] * runs for s in cells] + [runs - sum(exact[s] * runs for s in cells)]
+    assert chisquare(observed, expected).pvalue > 1e-3
