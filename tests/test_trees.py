@@ -176,7 +176,7 @@ class OracleTreeDrafter:
 @pytest.mark.parametrize("wrong_at", [None, 0, 2])
 def test_greedy_tree_decoding_equals_plain(target, wrong_at):
     plain = generate(target, PROMPT, None, GenerationConfig(30)).token_ids
-    result = generate(target, PROMPT, OracleTreeDrafter(target, wrong_at), GenerationConfig(30, 4))
+    result = generate(target, PROMPT, OracleTreeDrafter(target, wrong_at), GenerationConfig(30, 4, speculation="fixed"))
     assert result.token_ids == plain
     if wrong_at is None:
         assert result.stats.block_efficiency > 4
@@ -286,7 +286,7 @@ def test_draft_model_tree_mode_greedy_equals_plain(kind, branching, nodes):
     plain = generate(target, PROMPT, None, GenerationConfig(30)).token_ids
     chain = generate(target, PROMPT, DraftModelDrafter(draft_model), GenerationConfig(30, 4))
     tree = generate(target, PROMPT, DraftModelDrafter(draft_model, tree_branching=branching, tree_nodes=nodes),
-                    GenerationConfig(30, 4))
+                    GenerationConfig(30, 4, speculation="fixed"))
     assert tree.token_ids == plain == chain.token_ids
     if branching == 1:  # a one-wide tree is the chain
         assert tree.stats.accept_lengths == chain.stats.accept_lengths

@@ -4,9 +4,10 @@ Speculative decoding pays off only when a forward over k new tokens costs less t
 much less depends on the CPU (AVX2 or AVX-512, bf16 instructions or not), the dtype, the thread count and the
 torch build. Nothing here assumes: :func:`measure` times the model's forward for each new-token count in
 ``sizes`` (1 for a plain step, 2..K+1 for a K-token chain, the tree sizes in use) at a short and a long context,
-median of a few interleaved repeats, in seconds. The curve is measured once per model, dtype and machine and
-cached as JSON beside the converted checkpoints (``<cache>/costs/``, written beside then renamed), keyed by the
-model's identity and :func:`machine` (CPU model, ISA torch dispatches to, threads, torch version).
+the fastest of a few interleaved repeats (the least disturbed by other processes on a shared CPU), in seconds.
+The curve is measured once per model, dtype and machine and cached as JSON beside the converted checkpoints
+(``<cache>/costs/``, written beside then renamed), keyed by the model's identity and :func:`machine` (CPU model,
+ISA torch dispatches to, threads, torch version).
 
 :class:`CostCurve.seconds` interpolates linearly between the measured sizes and contexts (beyond the largest size,
 along the last segment's slope), so a policy can price any draft (:mod:`specdraft.speculation`).
@@ -18,7 +19,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -31,8 +31,8 @@ from specdraft.models.base import CausalLM
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
 CONTEXTS = (64, 512)  # context lengths measured; others are interpolated
-REPEATS = 3  # timed repeats per point (after one warm-up sweep); the median is kept
-FORMAT = 1  # bumped when the measurement changes, so old cached curves are remeasured
+REPEATS = 3  # timed repeats per point (after one warm-up sweep); the fastest is kept
+FORMAT = 2  # bumped when the measurement changes, so old cached curves are remeasured
 
 
 def machine() -> dict:
@@ -124,7 +124,7 @@ def measure(model: CausalLM, sizes: Sequence[int] = SIZES, contexts: Sequence[in
 
     One prefill of the longest context; each point crops the cache back to its context, so every forward sees the
     same keys. Sizes are swept in turn ``repeats`` times after a warm-up sweep (interleaved, so drift in a shared
-    CPU's load spreads over all sizes) and the median is kept.
+    CPU's load spreads over all sizes) and the fastest is kept: other processes only ever add time.
     """
     started = time.perf_counter()
     sizes = [size for size in sizes if size < model.max_context] or [1]
@@ -144,7 +144,7 @@ def measure(model: CausalLM, sizes: Sequence[int] = SIZES, contexts: Sequence[in
                 model.forward(ids[:, context : context + size], cache)
                 if sweep:
                     times[size].append(time.perf_counter() - tick)
-        table.insert(0, tuple(statistics.median(times[size]) for size in sizes))
+        table.insert(0, tuple(min(times[size]) for size in sizes))
     return CostCurve(tuple(sizes), tuple(contexts), tuple(table), model_identity(model), machine(),
                      time.perf_counter() - started)
 

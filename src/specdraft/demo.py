@@ -70,7 +70,7 @@ def _load_methods(config: DemoConfig, dtype: torch.dtype, out) -> tuple[object, 
 
 
 def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, speculation: str, out,
-                verbose: bool = True) -> dict[str, list[GenerationResult]]:
+                label: str = "") -> dict[str, list[GenerationResult]]:
     """Every method answers every prompt; a policy per method learns across its prompts."""
     results: dict[str, list[GenerationResult]] = {}
     for name, drafter in methods.items():
@@ -78,10 +78,9 @@ def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, specula
         results[name] = []
         for i, x in enumerate(ids):
             results[name].append(generate(target, x, drafter, gen, torch.Generator().manual_seed(0), policy=policy))
-            if verbose:
-                s = results[name][-1].stats
-                out(f"  {name}: prompt {i + 1}/{len(ids)}, {s.new_tokens} tokens at {s.tokens_per_second:.1f} "
-                    f"tokens/s, block efficiency {s.block_efficiency:.2f}")
+            s = results[name][-1].stats
+            out(f"  {label}{name}: prompt {i + 1}/{len(ids)}, {s.new_tokens} tokens at {s.tokens_per_second:.1f} "
+                f"tokens/s, block efficiency {s.block_efficiency:.2f}")
     return results
 
 
@@ -128,7 +127,7 @@ def _identity(config: DemoConfig, dtype: torch.dtype, ids: list, results: dict, 
         target, _, methods = _load_methods(fp32, torch.float32, lambda line: None)
         gen = GenerationConfig(config.check_tokens, config.num_draft_tokens, speculation=config.speculation)
         checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen,
-                              config.speculation, out, verbose=False)
+                              config.speculation, out, label="float32 check, ")
         how = f"float32 pass, first {config.check_tokens} tokens"
     plain = checked["plain"]
     counts = {name: sum(r.token_ids == b.token_ids for r, b in zip(rs, plain, strict=True))

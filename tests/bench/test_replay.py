@@ -29,7 +29,8 @@ def test_replay_equals_the_accept_lengths_of_a_real_run(options, gamma, max_new)
     draft_model = NativeLlama.from_hf(tiny_llama(0, std=0.2))  # the target's weights, scaled: agrees in part
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(max_new)).token_ids
-    real = generate(target, prompt, DraftModelDrafter(draft_model, **options), GenerationConfig(max_new, gamma, speculation="fixed"))
+    real = generate(target, prompt, DraftModelDrafter(draft_model, **options),
+                    GenerationConfig(max_new, gamma, speculation="fixed"))
     assert real.token_ids == plain
     replayed = replay(DraftModelDrafter(draft_model, **options), prompt, plain, gamma, max_new)
     assert replayed == real.stats.accept_lengths and sum(replayed) == len(plain)

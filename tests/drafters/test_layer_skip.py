@@ -70,7 +70,8 @@ def test_bad_layer_subsets(native4, layers):
 @pytest.mark.parametrize("skip", ["1", "2", "3", "1,2", "0,3", "1,2,3"])
 def test_greedy_equals_plain_decoding(native4, skip):
     plain = generate(native4, PROMPT, None, GenerationConfig(30)).token_ids
-    result = generate(native4, PROMPT, LayerSkipDrafter(native4, skip=skip), GenerationConfig(30, 4, speculation="fixed"))
+    result = generate(native4, PROMPT, LayerSkipDrafter(native4, skip=skip),
+                      GenerationConfig(30, 4, speculation="fixed"))
     assert result.token_ids == plain
     if skip in ("2", "3"):  # one of four layers skipped: some drafts are accepted
         assert result.stats.block_efficiency > 1

@@ -168,7 +168,7 @@ def test_greedy_equal_on_other_models_and_repeatable(seed):
     plain = generate(target, PROMPT, None, GenerationConfig(60)).token_ids
     drafter = LookaheadDrafter()
     first = generate(target, PROMPT, drafter, GenerationConfig(60, 3, speculation="fixed"))
-    again = generate(target, PROMPT, drafter, GenerationConfig(60, 3, speculation="fixed"))  # begin() resets pool and window
+    again = generate(target, PROMPT, drafter, GenerationConfig(60, 3, speculation="fixed"))  # begin() resets all
     assert first.token_ids == plain == again.token_ids
     assert first.stats.accept_lengths == again.stats.accept_lengths
     assert first.stats.block_efficiency > 1

@@ -101,7 +101,7 @@ def test_greedy_equals_plain_decoding(target):
     noise = [rng.integers(3, 64, 30).tolist() for _ in range(20)]
     wrong = [t if i % 5 else (t + 1) % 64 for i, t in enumerate(plain)]  # the greedy text with mistakes
     store = _store(PROMPT + plain[:25], PROMPT[-3:] + wrong, *noise)
-    result = generate(target, PROMPT, RESTDrafter(store=store), GenerationConfig(40, 4))
+    result = generate(target, PROMPT, RESTDrafter(store=store), GenerationConfig(40, 4, speculation="fixed"))
     assert result.token_ids == plain
     assert result.stats.block_efficiency > 1.5
     assert result.stats.draft_tokens_accepted < result.stats.draft_tokens_proposed

@@ -128,8 +128,8 @@ def test_trained_head_learns_the_target_continuation(trained):
     untrained = EagleDrafter.from_module(_head(model))
     for prompt in PROMPTS:
         plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
-        result = generate(target, prompt, EagleDrafter.from_module(head), GenerationConfig(24, 4))
-        base = generate(target, prompt, untrained, GenerationConfig(24, 4)).stats.block_efficiency
+        result = generate(target, prompt, EagleDrafter.from_module(head), GenerationConfig(24, 4, speculation="fixed"))
+        base = generate(target, prompt, untrained, GenerationConfig(24, 4, speculation="fixed")).stats.block_efficiency
         assert result.token_ids == plain
         assert result.stats.block_efficiency > max(1.5, base), (result.stats.block_efficiency, base)
 
@@ -192,7 +192,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     assert isinstance(loaded, EagleDrafter) and (loaded.top_k, loaded.tree_nodes) == (2, 6)
     for name, tensor in head.state_dict().items():
         torch.testing.assert_close(loaded.head.state_dict()[name], tensor)
-    config = GenerationConfig(20, 4)
+    config = GenerationConfig(20, 4, speculation="fixed")  # accept lengths replay only at fixed γ
     same = EagleDrafter.from_module(head, top_k=2, tree_nodes=6)
     assert generate(target, PROMPTS[0], loaded, config).stats.accept_lengths == \
         generate(target, PROMPTS[0], same, config).stats.accept_lengths

@@ -129,11 +129,12 @@ def test_trained_heads_learn_the_pattern_and_draft_it(trained):
     drafter = MedusaDrafter.from_module(heads)
     for prompt in PROMPTS:
         plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
-        result = generate(target, prompt, drafter, GenerationConfig(24, 4))
+        result = generate(target, prompt, drafter, GenerationConfig(24, 4, speculation="fixed"))
         assert result.token_ids == plain
         assert result.stats.block_efficiency > 2.0, result.stats.block_efficiency
     chain = MedusaDrafter.from_module(heads, top_k=1)  # each head's argmax: a chain through the tree path
-    assert generate(target, PROMPTS[0], chain, GenerationConfig(24, 4)).stats.block_efficiency > 1.5
+    fixed = GenerationConfig(24, 4, speculation="fixed")
+    assert generate(target, PROMPTS[0], chain, fixed).stats.block_efficiency > 1.5
 
 
 @pytest.mark.parametrize("kind", ["native", "hf"])

@@ -392,7 +392,7 @@ def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], nu
         draft = NativeLlama.from_hf(drafter_model, torch.float32)  # a CPU fp32 copy
     else:
         draft = HFCausalLM(drafter_model)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, speculation="fixed",
                               eos_token_ids=tuple(eos_token_ids))
     keep = None if keep is None else keep.cpu()
     new_tokens, forwards = 0, 0

@@ -109,6 +109,7 @@ def heads_block_efficiency(kind: HeadKind, module, target, prompts, config: Head
 
     drafter = kind.drafter(copy.deepcopy(module).float().cpu().eval())
     gen = GenerationConfig(max_new_tokens=config.eval_max_new_tokens, num_draft_tokens=config.eval_num_draft_tokens,
+                           speculation="fixed",
                            eos_token_ids=tuple(eos))
     new_tokens, forwards = 0, 0
     for prompt in prompts:
