@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import specdraft.models.packed as packing
 from specdraft.errors import SpecdraftError
-from specdraft.models import packed as packing
 
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
