@@ -6,8 +6,8 @@ layout, and for 2-16 rows both can cost several times a 1-row product. oneDNN's 
 once into its preferred blocked layout (what inductor's freezing pass does, ``torch.ops.mkldnn._linear_pointwise``)
 keeps a 5-row product within about 1.5x of a 1-row one on both AVX2 and AVX-512 (``benchmarks/bench_verify_cost.py``).
 
-Where oneDNN cannot pack a dtype on this CPU (bf16 without AVX-512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only
-machines), :func:`pack` returns None and :func:`linear` falls back to ``F.linear``.
+Where oneDNN cannot pack bf16 on this CPU (without AVX-512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only machines),
+a bf16 model keeps ``F.linear`` for 1-row products and multiplies several rows in fp32 on a packed fp32 copy.
 """
 
 from __future__ import annotations
@@ -27,15 +27,30 @@ def enabled() -> bool:
             and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
 
 
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # (N, K) in oneDNN's blocked layout, batch hint 1
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (N, K) reordered into oneDNN's layout for a CPU linear, or None where that is unavailable."""
+    """``weight`` (N, K) reordered into oneDNN's layout for a CPU linear, or None where that is unavailable.
+
+    A bf16 weight that oneDNN cannot pack on this CPU is packed as its exact fp32 upcast instead (twice the bytes):
+    :func:`linear` then multiplies one row in bf16 (``F.linear`` streams half the bytes) and several rows in fp32,
+    the better dtype per shape.
+    """
     if not enabled() or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    try:
-        with torch.no_grad():
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-    except RuntimeError:  # e.g. bf16 on a CPU without the instructions oneDNN's bf16 path needs
-        return None
+    with torch.no_grad():
+        weight = weight.detach().contiguous()
+        try:
+            return _reorder(weight)
+        except RuntimeError:  # bf16 on a CPU without the instructions oneDNN's bf16 path needs (AVX2 machines)
+            if weight.dtype != torch.bfloat16:
+                return None
+        try:
+            return _reorder(weight.float())
+        except RuntimeError:
+            return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
@@ -43,4 +58,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     """``x @ weight.T + bias`` for x (..., K): through the packed weight when given, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., N)
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., N)
+    if x.numel() == x.shape[-1]:  # one bf16 row beside an fp32 packed copy: bf16 reads half the bytes
+        return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.float()
+    return torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias, "none", [], "").to(x.dtype)  # (..., N)

@@ -1,0 +1,42 @@
+"""Prepacked linears against ``F.linear``: same products in fp32 and bf16, and the fp32 copy a bf16 weight gets
+where oneDNN cannot pack bf16 (AVX2-only CPUs)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdraft.models import packed
+
+pytestmark = pytest.mark.skipif(not packed.enabled(), reason="this torch build has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_in_fp32(rows: int, bias: bool) -> None:
+    weight, x = torch.randn(48, 32), torch.randn(1, rows, 32)
+    b = torch.randn(48) if bias else None
+    torch.testing.assert_close(packed.linear(x, weight, b, packed.pack(weight)), F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_weight_gets_an_fp32_copy_where_onednn_cannot_pack_bf16(monkeypatch, rows: int) -> None:
+    real = packed._reorder
+
+    def without_bf16(weight):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs avx512bw")
+        return real(weight)
+
+    monkeypatch.setattr(packed, "_reorder", without_bf16)
+    weight, x = torch.randn(48, 32).bfloat16(), torch.randn(1, rows, 32).bfloat16()
+    copy = packed.pack(weight)
+    assert copy is not None and copy.dtype == torch.float32
+    out = packed.linear(x, weight, None, copy)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float()) if rows > 1 else F.linear(x, weight).float()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_packing_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv("SPECDRAFT_PREPACK", "0")
+    assert packed.pack(torch.randn(4, 4)) is None
