@@ -25,7 +25,8 @@ from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import SMOLLM2, resolve
 
 
-def _forward_seconds(model: NativeLlama, cache, ids: torch.Tensor, context: int, size: int, tree: bool) -> float:
+def _forward_seconds(model: NativeLlama, cache, ids: torch.Tensor, context: int, size: int, tree: bool,
+                     clock=time.perf_counter) -> float:
     cache.crop(context)
     kwargs = {}
     if tree:  # a binary tree's mask and depths over the new tokens
@@ -36,9 +37,9 @@ def _forward_seconds(model: NativeLlama, cache, ids: torch.Tensor, context: int,
             mask[i] |= mask[parents[i]]
             depth[i] = depth[parents[i]] + 1
         kwargs = {"positions": context + torch.tensor(depth), "attention_mask": mask}
-    tick = time.perf_counter()
+    tick = clock()
     model.forward(ids[:, context : context + size], cache, **kwargs)
-    return time.perf_counter() - tick
+    return clock() - tick
 
 
 @torch.inference_mode()
@@ -50,11 +51,15 @@ def main() -> None:
     parser.add_argument("--trees", default="8,16", help="tree verify sizes (explicit-mask path)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (with OMP_NUM_THREADS=1, the compute a forward needs, "
+                             "unaffected by other processes on a shared CPU)")
     parser.add_argument("--json", help="also write the table here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     points = [(s, False) for s in sizes] + [(int(s), True) for s in args.trees.split(",") if s]
-    print(json.dumps(machine()), flush=True)
+    print(json.dumps({**machine(), "clock": args.clock}), flush=True)
     variants = {}
     for name in args.dtypes.split(","):
         for packed in (False, True):
@@ -72,7 +77,7 @@ def main() -> None:
     for round_ in range(args.rounds + 1):
         for label, model in variants.items():
             for point in points:
-                seconds = _forward_seconds(model, caches[label], ids, args.context, *point)
+                seconds = _forward_seconds(model, caches[label], ids, args.context, *point, clock=clock)
                 if round_:  # the first round warms up
                     times[label, point].append(seconds)
     rows = []
@@ -86,7 +91,7 @@ def main() -> None:
             print(f"{label:<22}{kind:>12}{ms:>10.1f}{ms / 1e3 / step:>16.2f}", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": machine(), "context": args.context, "rows": rows}, f, indent=1)
+            json.dump({"machine": machine(), "context": args.context, "clock": args.clock, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def _run_generate(args: argparse.Namespace) -> None:
                               eos_token_ids(tokenizer, args.target), tuple(args.stop), args.speculation)
     drafter = load_drafter(target, tokenizer, args.draft, args.drafter, dtype, args.backend,
                            parse_options(args.drafter_option))
-    policy = make_policy(target, args.speculation, args.num_draft_tokens) if drafter is not None else None
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    policy = make_policy(target, args.speculation, args.num_draft_tokens, log) if drafter is not None else None
     ids = args.prompt_ids if args.prompt_ids is not None else encode_prompt(tokenizer, args.prompt, args.chat)
     for i in range(args.n):
         result = generate(target, ids, drafter, config, torch.Generator().manual_seed(args.seed + i), tokenizer,
