@@ -19,6 +19,7 @@ def test_measure_covers_every_size_and_context() -> None:
     assert all(s > 0 for row in curve.table for s in row)
     assert curve.machine["isa"] == machine()["isa"] and curve.model["num_hidden_layers"] == 2
     assert len(describe(curve)) == 2 + 3
+    assert curve.clock == "cpu"  # one torch thread (conftest): CPU time, robust to other processes
 
 
 def test_curve_is_cached_beside_the_checkpoints_and_reloaded(tmp_path) -> None:

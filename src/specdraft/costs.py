@@ -4,7 +4,9 @@ Speculative decoding pays off only when a forward over k new tokens costs less t
 much less depends on the CPU (AVX2 or AVX-512, bf16 instructions or not), the dtype, the thread count and the
 torch build. Nothing here assumes: :func:`measure` times the model's forward for each new-token count in
 ``sizes`` (1 for a plain step, 2..K+1 for a K-token chain, the tree sizes in use) at a short and a long context,
-the fastest of a few interleaved repeats (the least disturbed by other processes on a shared CPU), in seconds.
+the fastest of a few interleaved repeats (the least disturbed by other processes on a shared CPU), in seconds of
+this process's CPU time when torch runs one thread (what a forward needs, whatever else the CPU is doing), else
+of wall time.
 The curve is measured once per model, dtype and machine and cached as JSON beside the converted checkpoints
 (``<cache>/costs/``, written beside then renamed), keyed by the model's identity and :func:`machine` (CPU model,
 ISA torch dispatches to, threads, torch version).
@@ -32,7 +34,7 @@ from specdraft.models.base import CausalLM
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
 CONTEXTS = (64, 512)  # context lengths measured; others are interpolated
 REPEATS = 3  # timed repeats per point (after one warm-up sweep); the fastest is kept
-FORMAT = 2  # bumped when the measurement changes, so old cached curves are remeasured
+FORMAT = 3  # bumped when the measurement changes, so old cached curves are remeasured
 
 
 def machine() -> dict:
@@ -74,6 +76,7 @@ class CostCurve:
     model: dict
     machine: dict
     measured_seconds: float = 0.0  # how long the calibration took
+    clock: str = "wall"  # "cpu": this process's CPU time (one thread), "wall": elapsed time
 
     def seconds(self, new_tokens: int, context: int = 0) -> float:
         """Predicted seconds of a forward over ``new_tokens`` after ``context`` cached tokens."""
@@ -95,7 +98,8 @@ class CostCurve:
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')} is not {FORMAT}")
             curve = cls(tuple(data["sizes"]), tuple(data["contexts"]), tuple(tuple(r) for r in data["table"]),
-                        dict(data["model"]), dict(data["machine"]), float(data.get("measured_seconds", 0.0)))
+                        dict(data["model"]), dict(data["machine"]), float(data.get("measured_seconds", 0.0)),
+                        str(data.get("clock", "wall")))
             if len(curve.table) != len(curve.contexts) or any(len(r) != len(curve.sizes) for r in curve.table):
                 raise ValueError("table shape does not match sizes and contexts")
         except (KeyError, TypeError, ValueError) as exc:
@@ -127,6 +131,8 @@ def measure(model: CausalLM, sizes: Sequence[int] = SIZES, contexts: Sequence[in
     CPU's load spreads over all sizes) and the fastest is kept: other processes only ever add time.
     """
     started = time.perf_counter()
+    cpu = torch.get_num_threads() == 1
+    clock = time.process_time if cpu else time.perf_counter
     sizes = [size for size in sizes if size < model.max_context] or [1]
     limit = model.max_context - max(sizes)
     contexts = sorted({max(1, min(c, limit)) for c in contexts})
@@ -140,13 +146,13 @@ def measure(model: CausalLM, sizes: Sequence[int] = SIZES, contexts: Sequence[in
         for sweep in range(repeats + 1):
             for size in sizes:
                 cache.crop(context)
-                tick = time.perf_counter()
+                tick = clock()
                 model.forward(ids[:, context : context + size], cache)
                 if sweep:
-                    times[size].append(time.perf_counter() - tick)
+                    times[size].append(clock() - tick)
         table.insert(0, tuple(min(times[size]) for size in sizes))
     return CostCurve(tuple(sizes), tuple(contexts), tuple(table), model_identity(model), machine(),
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, "cpu" if cpu else "wall")
 
 
 def costs_dir() -> Path:
@@ -210,7 +216,7 @@ def describe(curve: CostCurve) -> list[str]:
     """Lines for ``specdraft calibrate``: ms per forward and the ratio to a 1-token step, per size and context."""
     lines = [f"{curve.model['name']} ({curve.model['dtype']}, prepacked {curve.model['prepacked']}) on "
              f"{curve.machine['cpu']} ({curve.machine['isa']}, {curve.machine['threads']} threads, torch "
-             f"{curve.machine['torch']})",
+             f"{curve.machine['torch']}; {curve.clock} clock)",
              f"{'new tokens':>10}" + "".join(f"{f'ms @ctx {c}':>14}{'x step':>8}" for c in curve.contexts)]
     for i, size in enumerate(curve.sizes):
         cells = "".join(f"{row[i] * 1e3:>14.2f}{row[i] / row[0]:>8.2f}" for row in curve.table)

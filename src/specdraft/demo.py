@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft import hardware
 from specdraft.costs import CostCurve, cost_curve
 from specdraft.decoding import GenerationConfig, GenerationResult, generate
 from specdraft.drafters import TRAINING_FREE
 from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.models import packed
 from specdraft.models.registry import DEFAULT_DRAFTERS, SHIPPED, SMOLLM2, eos_token_ids, load_target
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 from specdraft.speculation import make_policy
@@ -42,12 +42,9 @@ class DemoConfig:
 
 
 def fast_dtype() -> tuple[torch.dtype, str]:
-    """bfloat16 where oneDNN multiplies several bf16 rows natively on this CPU (it can pack bf16 weights), else
-    float32 (its packed fp32 product keeps a k-token verify cheap on AVX2 too); and why, in words."""
-    isa = torch.backends.cpu.get_cpu_capability()
-    if packed.pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None and isa.startswith("AVX512"):
-        return torch.bfloat16, f"bfloat16: this CPU ({isa}) multiplies bf16 natively"
-    return torch.float32, f"float32: without native bf16 matrix products here ({isa}) bf16 verifies cost k steps"
+    """The dtype fast on this CPU (:func:`specdraft.hardware.fast_dtype`: bf16 where it is native) and why."""
+    choice = hardware.fast_dtype()
+    return (torch.bfloat16 if choice.bf16 else torch.float32), f"{choice.dtype}: {choice.reason}"
 
 
 def _load_methods(config: DemoConfig, dtype: torch.dtype, out) -> tuple[object, object, dict]:

@@ -148,9 +148,9 @@ def test_trained_head_drafts_the_continuation(trained):
     for prompt in PROMPTS:
         plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
         base = generate(target, prompt, Eagle3Drafter.from_module(_head(model, draft_vocab=64)),
-                        GenerationConfig(24, 4)).stats.block_efficiency
+                        GenerationConfig(24, 4, speculation="fixed")).stats.block_efficiency
         for drafter in (Eagle3Drafter.from_module(head, top_k=1, tree_nodes=4), Eagle3Drafter.from_module(head)):
-            result = generate(target, prompt, drafter, GenerationConfig(24, 4))
+            result = generate(target, prompt, drafter, GenerationConfig(24, 4, speculation="fixed"))
             assert result.token_ids == plain
             assert result.stats.block_efficiency > max(1.5, base), (result.stats.block_efficiency, base)
 

@@ -18,7 +18,7 @@ def test_packed_linear_equals_f_linear_in_fp32(rows: int, bias: bool) -> None:
     torch.testing.assert_close(packed.linear(x, weight, b, packed.pack(weight)), F.linear(x, weight, b))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 6, 9])
 def test_bf16_weight_gets_an_fp32_copy_where_onednn_cannot_pack_bf16(monkeypatch, rows: int) -> None:
     real = packed._reorder
 
@@ -33,7 +33,8 @@ def test_bf16_weight_gets_an_fp32_copy_where_onednn_cannot_pack_bf16(monkeypatch
     assert copy is not None and copy.dtype == torch.float32
     out = packed.linear(x, weight, None, copy)
     assert out.dtype == torch.bfloat16
-    expected = F.linear(x.float(), weight.float()) if rows > 1 else F.linear(x, weight).float()
+    few = rows < packed.UPCAST_MIN_ROWS
+    expected = F.linear(x, weight).float() if few else F.linear(x.float(), weight.float())
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 

@@ -7,7 +7,8 @@ once into its preferred blocked layout (what inductor's freezing pass does, ``to
 keeps a 5-row product within about 1.5x of a 1-row one on both AVX2 and AVX-512 (``benchmarks/bench_verify_cost.py``).
 
 Where oneDNN cannot pack bf16 on this CPU (without AVX-512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only machines),
-a bf16 model keeps ``F.linear`` for 1-row products and multiplies several rows in fp32 on a packed fp32 copy.
+a bf16 model keeps ``F.linear`` for products of up to 5 rows and multiplies more rows in fp32 on a packed fp32
+copy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 _ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off (for comparisons)
+UPCAST_MIN_ROWS = 6  # a bf16 product of this many rows or more uses the fp32 copy (AVX2: 5 rows cost the same
+#                      either way, 9 rows 1.4x and 17 rows 2.1x less through the fp32 copy)
 
 
 def enabled() -> bool:
@@ -35,8 +38,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (N, K) reordered into oneDNN's layout for a CPU linear, or None where that is unavailable.
 
     A bf16 weight that oneDNN cannot pack on this CPU is packed as its exact fp32 upcast instead (twice the bytes):
-    :func:`linear` then multiplies one row in bf16 (``F.linear`` streams half the bytes) and several rows in fp32,
-    the better dtype per shape.
+    :func:`linear` then multiplies up to 5 rows in bf16 (``F.linear`` streams half the bytes) and more rows in
+    fp32, the better dtype per shape.
     """
     if not enabled() or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -60,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         return F.linear(x, weight, bias)
     if packed.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., N)
-    if x.numel() == x.shape[-1]:  # one bf16 row beside an fp32 packed copy: bf16 reads half the bytes
+    if x.numel() < UPCAST_MIN_ROWS * x.shape[-1]:  # few bf16 rows: bf16 reads half the bytes
         return F.linear(x, weight, bias)
     bias = None if bias is None else bias.float()
     return torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias, "none", [], "").to(x.dtype)  # (..., N)
