@@ -22,3 +22,20 @@ def test_demo_runs_each_method_and_skips_what_cannot_load(tmp_path, monkeypatch)
     assert table[1].startswith(f"draft:{draft} ") or table[2].startswith(f"draft:{draft} ")
     with pytest.raises(SpecdraftError, match="unknown drafter 'nope'"):
         run_demo(DemoConfig(target=target, num_prompts=1, max_new_tokens=4, drafters=("nope",)), out=lines.append)
+
+
+def test_why_not_faster_prices_a_step_in_plain_steps():
+    from specdraft.costs import CostCurve
+    from specdraft.decoding import GenerationResult
+    from specdraft.demo import why_not_faster
+    from specdraft.stats import GenerationStats
+
+    plain = [GenerationResult([1] * 10, "length", GenerationStats(new_tokens=10, target_forward_calls=10,
+                                                                  decode_seconds=1.0))]
+    spec = [GenerationResult([1] * 10, "length", GenerationStats(new_tokens=10, target_forward_calls=8,
+                                                                 draft_tokens_proposed=24, verify_seconds=1.6,
+                                                                 draft_seconds=0.4, decode_seconds=2.0))]
+    curve = CostCurve((1, 4), (64,), ((0.1, 0.3),), {"dtype": "float32"}, {"isa": "AVX2"})
+    line = why_not_faster("x", spec, plain, curve)
+    assert "commits 1.25 tokens" in line and "costs 2.50 plain steps" in line and "verifying 4.0 tokens 2.00" in line
+    assert "calibrated 3.00x" in line and "AVX2" in line and "drafting 0.50" in line
