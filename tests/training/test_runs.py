@@ -356,3 +356,15 @@ def test_auto_dtype_is_resolved_and_logged_in_the_runs_config(target, tmp_path, 
     generate_distillation_data(_data(target, prompts, tmp_path / "x", dtype="auto"), progress=False)
     saved = json.loads((tmp_path / "x" / "distill_config.json").read_text())
     assert saved["dtype"] == "float32" and saved["dtype_choice"]["reason"] == "auto: test machine without bf16"
+
+
+def test_training_stages_resolve_bf16_auto_and_record_why(pipeline, tmp_path, monkeypatch):
+    from specdraft import hardware
+
+    monkeypatch.setattr(hardware, "cpu_bf16", lambda: (False, "test machine without bf16"))
+    assert _stage_cli(pipeline, "pretrain", tmp_path / "run", "--steps", 2) == 0
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["precision"] == {"dtype": "float32", "reason": "auto: test machine without bf16"}
+    assert record["settings"]["bf16"] is False and record["finished"] is True
+    assert _stage_cli(pipeline, "pretrain", tmp_path / "on", "--steps", 2, "--bf16") == 0
+    assert json.loads((tmp_path / "on" / "run.json").read_text())["precision"]["reason"] == "set explicitly"
