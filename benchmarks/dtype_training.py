@@ -1,6 +1,6 @@
 """bf16 autocast against fp32 for distillation fine-tuning steps on the real target, on this CPU's native paths and on
-its AVX2 paths (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``), with what the
-``auto`` precision chooses under each.
+its AVX2 paths (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``) and with only
+torch's own kernels at AVX2 (``ATEN_CPU_CAPABILITY=avx2``), with what the ``auto`` precision chooses under each.
 
 A finetune step is what ``specdraft finetune`` does per batch: the target's forward under ``no_grad`` (p), the
 drafter's forward and backward with forward KL, AdamW; a pretrain step is the drafter's alone with cross-entropy.
@@ -83,7 +83,7 @@ def main() -> None:
         print(json.dumps(measure(args.steps, args.batch_size, args.seq_len)))
         return
     report = {}
-    for machine, env in (("native", {}), ("avx2 paths", AVX2)):
+    for machine, env in (("native", {}), ("avx2 paths", AVX2), ("torch avx2 only", {"ATEN_CPU_CAPABILITY": "avx2"})):
         cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--seq-len", str(args.seq_len)]
         out = subprocess.run(cmd, env=os.environ | env, capture_output=True, text=True, check=True).stdout

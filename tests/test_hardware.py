@@ -1,5 +1,5 @@
-"""The machine's fast dtype: bf16 only where torch runs native bf16 kernels (the decision follows torch's kernel
-level, so ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU counts as AVX2)."""
+"""The machine's fast dtype: bf16 only where oneDNN multiplies bf16 natively (a bf16 CPU flag, and no
+ONEDNN_MAX_CPU_ISA cap below its bf16 kernels, as the AVX2 emulation sets)."""
 
 import os
 import subprocess
@@ -14,7 +14,7 @@ from specdraft import hardware
     ("AVX512", {"avx512f", "avx512_bf16"}, "", True),
     ("AVX512", {"avx512f", "amx_bf16"}, "", True),
     ("AVX512", {"avx512f"}, "", False),  # AVX-512 without bf16 instructions: emulated
-    ("AVX2", {"avx2", "avx512_bf16"}, "", False),  # torch told to take its AVX2 paths
+    ("AVX2", {"avx2", "avx512_bf16"}, "", True),  # ATEN_CPU_CAPABILITY=avx2 alone: oneDNN still multiplies bf16
     ("AVX512", {"avx512_bf16"}, "AVX2", False),  # oneDNN capped below its bf16 kernels
     ("AVX512", {"avx512_bf16"}, "AVX512_CORE_AMX", True),
     ("DEFAULT", set(), "", False),
@@ -38,8 +38,8 @@ def test_explicit_values_are_kept_and_bad_ones_refused():
         hardware.resolve_dtype("fp16")
 
 
-def test_the_avx2_emulation_variable_is_respected_in_a_fresh_process():
+def test_the_avx2_emulation_is_respected_in_a_fresh_process():
     code = "from specdraft import hardware; print(hardware.fast_dtype('cpu').dtype, hardware.cpu_capability())"
-    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2"}
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["float32", "AVX2"]

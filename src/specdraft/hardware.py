@@ -1,11 +1,14 @@
 """What this machine computes fast: whether bf16 is native here, decided from the kernels torch will actually run.
 
 bf16 pays only where the hardware multiplies bf16 natively: CUDA devices that support it, and x86 CPUs with
-AVX-512-BF16 or AMX-BF16 (oneDNN's bf16 GEMMs), or aarch64 CPUs with the BF16 extension. Elsewhere torch emulates
-it by converting to fp32, and a bf16 run is several times slower than fp32 (17x for pretraining on an AVX2-only
-CPU). The decision follows the paths torch and oneDNN will take, not only the CPU's flags: under
-``ATEN_CPU_CAPABILITY=avx2`` (or ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16) torch runs its AVX2 kernels on an
-AVX-512 CPU, so the machine is treated as AVX2-only, as its timings are.
+AVX-512-BF16 or AMX-BF16 (oneDNN's bf16 matrix products), or aarch64 CPUs with the BF16 extension. Elsewhere it is
+emulated by converting to fp32, and a bf16 run is several times slower than fp32 (17x for pretraining on an
+AVX2-only CPU). The decision follows the kernels that do the matrix products, oneDNN's: ``ONEDNN_MAX_CPU_ISA``
+below AVX512_CORE_BF16 turns native bf16 off (as on an AVX2-only machine). torch's own kernel level
+(``ATEN_CPU_CAPABILITY``, :func:`cpu_capability`) is reported but does not decide: measured on an AVX-512-BF16 CPU
+under ``ATEN_CPU_CAPABILITY=avx2`` alone, bf16 training steps were still 1.3-1.9x faster than fp32, because the
+products still ran in oneDNN; with ``ONEDNN_MAX_CPU_ISA=AVX2`` as well they were 2-2.4x slower
+(``benchmarks/dtype_training.py``).
 
 Nothing here imports the rest of specdraft; :func:`fast_dtype` and :func:`resolve_dtype` are the entry points.
 """
@@ -65,7 +68,7 @@ def cpu_capability() -> str:
 
 
 def cpu_bf16() -> tuple[bool, str]:
-    """(whether bf16 is native on this CPU for torch, the reason in words)."""
+    """(whether bf16 matrix products are native on this CPU, the reason in words)."""
     capability, flags = cpu_capability(), cpu_flags()
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
@@ -75,12 +78,9 @@ def cpu_bf16() -> tuple[bool, str]:
     if onednn and not onednn.startswith(_ONEDNN_BF16_ISAS):
         return False, f"ONEDNN_MAX_CPU_ISA={onednn} keeps oneDNN below its bf16 kernels"
     found = [flag for flag in _BF16_CPU_FLAGS if flag in flags]
-    if capability != "AVX512":
-        have = f" (the CPU has {', '.join(found)}, but torch runs {capability})" if found else ""
-        return False, f"torch's CPU kernels are {capability}, without native bf16{have}"
     if not found:
-        return False, "AVX-512 CPU without avx512_bf16 / amx_bf16: bf16 is emulated"
-    return True, f"CPU with {', '.join(found)} and torch's AVX512 kernels: bf16 is native"
+        return False, f"CPU without avx512_bf16 / amx_bf16 (torch kernels {capability}): bf16 is emulated"
+    return True, f"CPU with {', '.join(found)} (torch kernels {capability}): oneDNN multiplies bf16 natively"
 
 
 def fast_dtype(device: str | torch.device = "cpu") -> DtypeChoice:
