@@ -122,9 +122,14 @@ def refuse_changes(where: str | Path, what: str, changed: list[str], hint: str) 
                              f"{hint}")
 
 
+_NOTED: set[str] = set()
+
+
 def note(message: str) -> None:
-    """One line on stderr (a warning that does not stop the run)."""
-    print(f"specdraft: note: {message}", file=sys.stderr, flush=True)
+    """One line on stderr (a warning that does not stop the run), once per process."""
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print(f"specdraft: note: {message}", file=sys.stderr, flush=True)
 
 
 # --- shards ----------------------------------------------------------------------------------------------------------
