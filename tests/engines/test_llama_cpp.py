@@ -40,20 +40,24 @@ def exports(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("gguf_type", ["bf16", "q8_0"])
-def test_llama_cpp_accepts_the_gguf_export_within_5_points_of_specdraft(llama_server, exports, tmp_path, gguf_type):
+def test_llama_cpp_accepts_the_gguf_exports_within_5_points_of_specdraft(llama_server, exports, tmp_path):
+    """One interleaved run, fp32 in specdraft, greedy, γ 4, 128 tokens, the first 8 held-out ShareGPT prompts (on
+    fewer, shorter answers the gap is noisier: 5.5-5.9 points were seen on 6 prompts of 64 tokens)."""
     from specdraft.bench.config import BenchConfig
     from specdraft.bench.runner import run_bench
 
     draft = f"draft:{SMOLLM2_DRAFTER};{PLAIN}"
-    llama = f"llama.cpp-draft:{exports[gguf_type]}"
-    config = BenchConfig(out=str(tmp_path / "run"), target=SMOLLM2, methods=(draft, llama),
-                         questions="sharegpt-heldout", per_category=6, max_new_tokens=64, num_draft_tokens=4,
+    llama = [f"llama.cpp-draft:{exports[kind]}" for kind in ("bf16", "q8_0")]
+    config = BenchConfig(out=str(tmp_path / "run"), target=SMOLLM2, methods=(draft, *llama),
+                         questions="sharegpt-heldout", per_category=8, max_new_tokens=128, num_draft_tokens=4,
                          dtype="float32")
     methods = run_bench(config, progress=False, plots=False)["methods"]
-    ours, theirs = methods[draft]["overall"], methods[llama]["overall"]
+    ours = methods[draft]["overall"]
     assert ours["greedy_equal"] is True
-    assert abs(ours["acceptance_rate"] - theirs["acceptance_rate"]) <= 0.05, (ours, theirs)
+    for name in llama:
+        theirs = methods[name]["overall"]
+        assert theirs["acceptance_rate"] > 0
+        assert abs(ours["acceptance_rate"] - theirs["acceptance_rate"]) <= 0.05, (name, ours, theirs)
 
 
 def test_transformers_assisted_generation_with_the_hf_export_equals_plain_greedy(exports):
