@@ -197,3 +197,24 @@ def test_heads_folder_round_trip_and_errors(trained, tmp_path):
     shallow = NativeLlama.from_hf(tiny_llama(1, layers=2))
     with pytest.raises(SpecdraftError, match="reads target layers"):
         generate(shallow, PROMPTS[0], direct, GenerationConfig(4, 3))
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_greedy_equals_plain_decoding():
+    """The real target in fp32 with a head on its aux layers [2, 15, 27] (the shipped one if there is one, else
+    an initialised one): chain and tree output are plain greedy decoding's on built-in prompts."""
+    from specdraft.models.registry import SHIPPED_HEADS, SMOLLM2, eos_token_ids, load_model, load_tokenizer
+    from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
+
+    target, tokenizer = load_model(SMOLLM2, torch.float32), load_tokenizer(SMOLLM2)
+    if "smollm2-135m-instruct-eagle3" in SHIPPED_HEADS:
+        _, head = load_heads("smollm2-135m-instruct-eagle3", kind="eagle3")
+    else:
+        head = _head(load_model(SMOLLM2, torch.float32, backend="hf").model, draft_vocab=8192)
+    assert head.aux_layers == [2, 15, 27]
+    config = GenerationConfig(32, 4, eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
+    for prompt in BUILTIN_PROMPTS[::3]:
+        ids = encode_prompt(tokenizer, prompt.text, chat=True)
+        plain = generate(target, ids, None, config).token_ids
+        for drafter in (Eagle3Drafter.from_module(head, top_k=1), Eagle3Drafter.from_module(head, top_k=4)):
+            assert generate(target, ids, drafter, config).token_ids == plain, prompt.category
