@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import cpu_model
 from specdraft.models.base import CausalLM
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
@@ -39,20 +39,9 @@ FORMAT = 3  # bumped when the measurement changes, so old cached curves are reme
 
 def machine() -> dict:
     """What a forward's cost depends on besides the model: CPU model, the ISA torch dispatches to, threads, torch."""
-    return {"cpu": _cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
             "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def model_identity(model: CausalLM) -> dict:

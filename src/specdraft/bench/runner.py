@@ -36,6 +36,7 @@ from specdraft.bench.records import (
 from specdraft.bench.report import write_report
 from specdraft.costs import cost_curve
 from specdraft.decoding import GenerationConfig
+from specdraft.hardware import cpu_model
 from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
 
 WARMUP_TOKENS = 8
@@ -50,21 +51,10 @@ def environment() -> dict:
     return {
         "versions": {"specdraft": specdraft.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
-        "hardware": {"cpu": _cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
+        "hardware": {"cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
                      "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                      "platform": platform.platform(), "cuda": torch.cuda.is_available()},
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def schedule(questions: Sequence[Question], methods: Sequence[Method], repeats: int,

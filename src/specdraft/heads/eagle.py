@@ -141,19 +141,7 @@ class EagleHead(nn.Module):
         return hidden
 
     def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> _Step:
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        device = self.rope_cos.device
-        if positions is None:
-            positions = start + torch.arange(steps, device=device)  # (T,)
-        if int(positions.max()) >= self.rope_cos.shape[0]:
-            raise SpecdraftError(f"EAGLE head positions must be below {self.rope_cos.shape[0]}")
-        cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # (T, 1, hd/2)
-        sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)  # (T, 1, hd/2)
-        if mask is None:
-            return _Step(start, cos, sin, _attention_mask(start, steps, groups, device))
-        if mask.shape != (steps, start + steps):
-            raise SpecdraftError(f"EAGLE tree mask must be ({steps}, {start + steps}), got {tuple(mask.shape)}")
-        return _Step(start, cos, sin, mask.to(device).repeat(groups, 1), explicit=True)
+        return step_layout(self, start, steps, positions, mask, "EAGLE")
 
 
 def num_parameters(head: EagleHead) -> int:
@@ -228,3 +216,23 @@ def build_eagle(spec: dict) -> EagleHead:
         raise SpecdraftError(f"bad EAGLE head spec {spec!r}: {exc}") from None
     head.loss_settings = {name: float(spec.get(name, default)) for name, default in LOSS_OPTIONS.items()}
     return head
+
+
+def step_layout(head, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None,
+                kind: str) -> _Step:
+    """Rotary tables and attention mask of one head forward over ``steps`` new tokens after ``start`` cached ones:
+    causal, or the given tree ``mask`` (T, start + T). ``head`` carries ``config``, ``rope_cos``/``rope_sin`` and
+    ``dtype`` (the EAGLE and EAGLE-3 heads)."""
+    groups = head.config.num_attention_heads // head.config.num_key_value_heads
+    device = head.rope_cos.device
+    if positions is None:
+        positions = start + torch.arange(steps, device=device)  # (T,)
+    if int(positions.max()) >= head.rope_cos.shape[0]:
+        raise SpecdraftError(f"{kind} head positions must be below {head.rope_cos.shape[0]}")
+    cos = head.rope_cos[positions].unsqueeze(1).to(head.dtype)  # (T, 1, hd/2)
+    sin = head.rope_sin[positions].unsqueeze(1).to(head.dtype)  # (T, 1, hd/2)
+    if mask is None:
+        return _Step(start, cos, sin, _attention_mask(start, steps, groups, device))
+    if mask.shape != (steps, start + steps):
+        raise SpecdraftError(f"{kind} tree mask must be ({steps}, {start + steps}), got {tuple(mask.shape)}")
+    return _Step(start, cos, sin, mask.to(device).repeat(groups, 1), explicit=True)

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.heads.eagle import _llama_config
-from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _attention_mask, _rope_table, _rotate, _Step
+from specdraft.heads.eagle import _llama_config, step_layout
+from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _rope_table, _rotate, _Step
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -188,19 +188,7 @@ class Eagle3Head(nn.Module):
         return self.layer.unroll([e.to(self.dtype) for e in embeds], self.fuse(aux), cos, sin)
 
     def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> _Step:
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        device = self.rope_cos.device
-        if positions is None:
-            positions = start + torch.arange(steps, device=device)  # (T,)
-        if int(positions.max()) >= self.rope_cos.shape[0]:
-            raise SpecdraftError(f"EAGLE-3 head positions must be below {self.rope_cos.shape[0]}")
-        cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # (T, 1, hd/2)
-        sin = self.rope_sin[positions].unsqueeze(1).to(self.dtype)  # (T, 1, hd/2)
-        if mask is None:
-            return _Step(start, cos, sin, _attention_mask(start, steps, groups, device))
-        if mask.shape != (steps, start + steps):
-            raise SpecdraftError(f"EAGLE-3 tree mask must be ({steps}, {start + steps}), got {tuple(mask.shape)}")
-        return _Step(start, cos, sin, mask.to(device).repeat(groups, 1), explicit=True)
+        return step_layout(self, start, steps, positions, mask, "EAGLE-3")
 
 
 def build_eagle3(spec: dict, draft_token_ids: torch.Tensor | None = None) -> Eagle3Head:
