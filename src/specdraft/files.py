@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -26,3 +28,28 @@ def write_text_atomic(path: Path, text: str) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, path)
+
+
+def usual_modes(folder: Path) -> None:
+    """The modes a folder and files made by ``mkdir`` / ``open`` would get (mkdtemp and safetensors make 0700 and
+    0600, which would hide a shipped drafter from the other users of a shared folder)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
+def build_folder(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Build a folder by ``fill(tmp)`` in a temporary folder beside ``out``, give it the usual modes, then rename it
+    to ``out`` (:func:`replace_folder`). Returns ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        fill(tmp)
+        usual_modes(tmp)
+        replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

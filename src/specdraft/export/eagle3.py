@@ -14,16 +14,13 @@ bool. No ``embed_tokens``: every engine then uses the target's embedding table, 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.export.base import CheckedDrafter, ExportConfig, register
-from specdraft.files import replace_folder
+from specdraft.files import build_folder
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -89,18 +86,13 @@ def export_eagle3(heads: str | Path, out: str | Path, dtype: torch.dtype = torch
     from specdraft.heads import load_heads
 
     meta, head = load_heads(heads, kind="eagle3")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         save_file(eagle3_tensors(head, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = eagle3_config(head, dtype, str(meta.get("target", "")))
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        os.chmod(tmp, 0o755)
-        replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_folder(Path(out), fill)
 
 
 def check_heads(config: ExportConfig) -> CheckedDrafter:

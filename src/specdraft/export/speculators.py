@@ -74,7 +74,7 @@ def check_config(config: dict) -> None:
 
 @register("speculators")
 def export_speculators(config: ExportConfig, drafter: CheckedDrafter) -> Path:
-    from specdraft.models.standalone import build_folder
+    from specdraft.files import build_folder
 
     if drafter.config.get("speculators_model_type"):
         raise SpecdraftError(f"{drafter.name} is already a speculators model")

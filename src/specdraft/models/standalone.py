@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.files import build_folder
 from specdraft.models.shared_embeddings import (
     EMBEDDING_KEY,
     FINGERPRINT_RTOL,
@@ -35,40 +34,6 @@ WEIGHTS_FILE = "model.safetensors"
 SOURCE_FILE = "specdraft_source.json"  # what a materialised copy was made from (to notice a changed package)
 OPTIONS_FILE = "drafter_options.json"  # specdraft's default options for the drafter (drafters.options)
 _SKIP = {SHARED_EMBEDDINGS_FILE, WEIGHTS_FILE, SOURCE_FILE}
-
-
-def usual_modes(folder: Path) -> None:
-    """The modes ``mkdir`` / ``open`` would give (mkdtemp and safetensors make 0700 / 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for path in folder.iterdir():
-        if path.is_file():
-            os.chmod(path, 0o666 & ~umask)
-
-
-def replace_path(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` (file or folder) to ``out``; an old ``out`` is moved aside first, then deleted."""
-    old = None
-    if out.exists() and out.is_dir():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def build_folder(out: Path, fill: Callable[[Path], None]) -> Path:
-    """Build a folder by ``fill(tmp)`` in a temporary folder beside ``out``, then rename it to ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        fill(tmp)
-        usual_modes(tmp)
-        replace_path(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def check_table(folder: Path, table: torch.Tensor, target_name: str) -> None:

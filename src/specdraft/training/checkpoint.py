@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.files import replace_folder as _replace_folder
+from specdraft.files import build_folder
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng", "data")
@@ -102,10 +101,7 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
 
     from specdraft.models.registry import load_tokenizer
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         copy = type(model)(model.config)
         copy.load_state_dict(model.state_dict())
         copy.to(dtype).save_pretrained(tmp)
@@ -127,22 +123,8 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
             from specdraft.drafters.options import DRAFTER_OPTIONS_FILE
 
             (tmp / DRAFTER_OPTIONS_FILE).write_text(json.dumps(options) + "\n")
-        _usual_modes(tmp)
-        _replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
-
-def _usual_modes(folder: Path) -> None:
-    """The modes a folder and files made by ``mkdir`` / ``open`` would get (mkdtemp and safetensors make 0700 and
-    0600, which would hide a shipped drafter from the other users of a shared folder)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for path in folder.iterdir():
-        if path.is_file():
-            os.chmod(path, 0o666 & ~umask)
+    return build_folder(Path(out), fill)
 
 
 def model_card(card: dict) -> str:
