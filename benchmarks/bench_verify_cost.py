@@ -1,10 +1,13 @@
-"""Cost of a k-token verify against a 1-token step, with and without prepacked weights, per dtype, on this CPU.
+"""Cost of a k-token verify against a 1-token step, per dtype and linear kernel path, on this CPU.
 
     PYTHONPATH=src python benchmarks/bench_verify_cost.py --dtypes float32,bfloat16
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
         PYTHONPATH=src python benchmarks/bench_verify_cost.py   # the AVX2 paths on an AVX-512 CPU
 
-Every variant (dtype x eager/prepacked) is a separate copy of the model; rounds alternate between them and between
+Variants per dtype: ``eager`` (``F.linear``), ``onednn`` (oneDNN's packed layout; for bf16 where oneDNN has no bf16
+kernel, an fp32 copy for 6+ rows), ``rows`` (the row-invariant AVX2 kernel, :mod:`specdraft.models.rowgemm`); the
+one the loader picks on this CPU is marked ``*``. Every variant is a separate copy of the model; rounds alternate
+between them and between
 sizes (a shared CPU's load drifts), and the median of the rounds is printed: ms per forward at the given context
 and the ratio to that variant's 1-token step. ``tree-N`` rows time an N-node verify through the explicit-mask path
 (positions and a tree mask, as token-tree verification runs it).
@@ -21,6 +24,7 @@ import torch
 
 from specdraft.api import parse_dtype
 from specdraft.costs import machine
+from specdraft.models import packed as packing
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import SMOLLM2, resolve
 
@@ -47,7 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=SMOLLM2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--sizes", default="1,2,3,5,9,17", help="new tokens per forward")
+    parser.add_argument("--sizes", default="1,2,3,4,5,8", help="new tokens per forward")
+    parser.add_argument("--paths", default="eager,onednn,rows", help="linear kernel paths to compare")
     parser.add_argument("--trees", default="8,16", help="tree verify sizes (explicit-mask path)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
@@ -62,11 +67,14 @@ def main() -> None:
     print(json.dumps({**machine(), "clock": args.clock}), flush=True)
     variants = {}
     for name in args.dtypes.split(","):
-        for packed in (False, True):
+        default = packing.pack(torch.zeros(8, 16, dtype=parse_dtype(name)))  # what the loader picks here
+        chosen = "eager" if default is None else default.kind
+        for kind in args.paths.split(","):
             model = NativeLlama.from_pretrained(resolve(args.model), dtype=parse_dtype(name), name=args.model)
-            if packed and not model.prepack():
-                print(f"{name}: oneDNN cannot pack this dtype on this CPU; prepacked = eager", flush=True)
-            variants[f"{name} {'prepacked' if packed else 'eager'}"] = model
+            if kind != "eager" and (not model.prepack(kind) or model.packing != kind):
+                print(f"{name}: no {kind} path on this CPU", flush=True)
+                continue
+            variants[f"{name} {kind}{'*' if kind == chosen else ''}"] = model
     top = args.context + max(s for s, _ in points)
     ids = torch.randint(0, 49152, (1, top), generator=torch.Generator().manual_seed(0))  # (1, L)
     caches = {}

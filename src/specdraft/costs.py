@@ -34,7 +34,7 @@ from specdraft.models.base import CausalLM
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
 CONTEXTS = (64, 512)  # context lengths measured; others are interpolated
 REPEATS = 3  # timed repeats per point (after one warm-up sweep); the fastest is kept
-FORMAT = 3  # bumped when the measurement changes, so old cached curves are remeasured
+FORMAT = 4  # bumped when the measurement changes, so old cached curves are remeasured
 
 
 def machine() -> dict:
@@ -49,8 +49,7 @@ def model_identity(model: CausalLM) -> dict:
     config = getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
     shape = {key: getattr(config, key, None) for key in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                                           "num_attention_heads", "num_key_value_heads")}
-    packed = bool(getattr(model, "packed_head", None) is not None
-                  or any(getattr(layer, "packed", None) for layer in getattr(model, "layers", ())))
+    packed = getattr(model, "packing", "none")  # the kernel kind: its curve differs (specdraft.models.packed)
     return {"name": model.name, "class": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch."),
             "vocab_size": model.vocab_size, "prepacked": packed, **shape}
 

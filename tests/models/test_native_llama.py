@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
 from specdraft.errors import SpecdraftError
+from specdraft.models import rowgemm
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.models.native_llama import NativeLlama, StaticKVCache, supports
 
@@ -125,12 +126,34 @@ def test_crop_then_reforward_matches_transformers(variant: str) -> None:
     assert (logits - draft_logits[:, 1:]).abs().max() > 0.1  # the stale slots really were overwritten
 
 
-def test_prepack_packs_fp32_weights_where_onednn_is_available() -> None:
-    from specdraft.models import packed
+def test_prepack_packs_fp32_weights_where_a_kernel_is_available() -> None:
+    from specdraft.models import packed, rowgemm
 
     native = NativeLlama.from_hf(_hf_model(_config()))
-    assert native.prepack() == packed.enabled()
-    assert all(bool(layer.packed) == packed.enabled() for layer in native.layers)
+    can = packed.enabled() or rowgemm.available()
+    assert native.prepack() == can
+    assert all(bool(layer.packed) == can for layer in native.layers)
+
+
+@pytest.mark.skipif(not rowgemm.available(), reason="no AVX2 CPU or C++ compiler for the row kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_make_a_k_token_forward_equal_k_steps_bit_for_bit(dtype: torch.dtype) -> None:
+    """With ``rows`` packing, a chain of 5 and a tree verify reproduce 1-token forwards exactly (bf16 too)."""
+    native = NativeLlama.from_hf(_hf_model(_config()), dtype=dtype)
+    assert native.prepack("rows") and native.packing == "rows"
+    ids = _ids(1, 16, seed=4)
+    cache = native.new_cache(32)
+    native(ids[:, :10], cache)
+    chain = native(ids[:, 10:15], cache)  # (1, 5, V)
+    cache.crop(10)
+    steps = torch.cat([native(ids[:, 10 + i : 11 + i], cache) for i in range(5)], dim=1)
+    assert torch.equal(chain, steps)
+    cache.crop(10)  # a tree: node 2 is a sibling of node 1, node 3 a child of node 1
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tree = native(ids[:, 10:14], cache, positions=10 + torch.tensor([0, 1, 1, 2]), attention_mask=mask)
+    cache.crop(10)
+    path = torch.cat([native(ids[:, 10:12], cache), native(ids[:, 13:14], cache)], dim=1)
+    assert torch.equal(tree[:, [0, 1, 3]], path)
 
 
 def test_bf16_is_close_to_fp32_reference() -> None:

@@ -1,11 +1,11 @@
-"""Prepacked linears against ``F.linear``: same products in fp32 and bf16, and the fp32 copy a bf16 weight gets
-where oneDNN cannot pack bf16 (AVX2-only CPUs)."""
+"""Prepacked linears against ``F.linear``: same products in fp32 and bf16, which path each dtype takes, and the
+fp32 copy a bf16 weight gets where neither oneDNN nor the row kernel packs bf16."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.models import packed
+from specdraft.models import packed, rowgemm
 
 pytestmark = pytest.mark.skipif(not packed.enabled(), reason="this torch build has no oneDNN linear")
 
@@ -19,8 +19,9 @@ def test_packed_linear_equals_f_linear_in_fp32(rows: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 9])
-def test_bf16_weight_gets_an_fp32_copy_where_onednn_cannot_pack_bf16(monkeypatch, rows: int) -> None:
+def test_bf16_weight_gets_an_fp32_copy_where_nothing_packs_bf16(monkeypatch, rows: int) -> None:
     real = packed._reorder
+    monkeypatch.setattr(rowgemm, "available", lambda: False)
 
     def without_bf16(weight):
         if weight.dtype == torch.bfloat16:
@@ -30,7 +31,7 @@ def test_bf16_weight_gets_an_fp32_copy_where_onednn_cannot_pack_bf16(monkeypatch
     monkeypatch.setattr(packed, "_reorder", without_bf16)
     weight, x = torch.randn(48, 32).bfloat16(), torch.randn(1, rows, 32).bfloat16()
     copy = packed.pack(weight)
-    assert copy is not None and copy.dtype == torch.float32
+    assert copy is not None and copy.kind == "onednn" and copy.dtype == torch.float32
     out = packed.linear(x, weight, None, copy)
     assert out.dtype == torch.bfloat16
     few = rows < packed.UPCAST_MIN_ROWS
@@ -41,3 +42,24 @@ def test_bf16_weight_gets_an_fp32_copy_where_onednn_cannot_pack_bf16(monkeypatch
 def test_packing_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("SPECDRAFT_PREPACK", "0")
     assert packed.pack(torch.randn(4, 4)) is None
+
+
+@pytest.mark.skipif(not rowgemm.available(), reason="no AVX2 CPU or C++ compiler for the row kernel")
+def test_paths_per_dtype(monkeypatch) -> None:
+    """fp32 takes the row kernel; bf16 takes oneDNN where it packs bf16, else the row kernel; a kind can be asked."""
+    weight = torch.randn(48, 32)
+    assert packed.pack(weight).kind == "rows"
+    assert packed.pack(weight, "onednn").kind == "onednn"
+    real = packed._reorder
+
+    def without_bf16(w):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs avx512bw")
+        return real(w)
+
+    monkeypatch.setattr(packed, "_reorder", without_bf16)
+    bf16 = packed.pack(weight.bfloat16())
+    assert bf16.kind == "rows" and bf16.dtype == torch.bfloat16
+    x = torch.randn(1, 5, 32).bfloat16()
+    torch.testing.assert_close(packed.linear(x, weight.bfloat16(), None, bf16).float(),
+                               F.linear(x.float(), weight.bfloat16().float()), atol=5e-2, rtol=2e-2)

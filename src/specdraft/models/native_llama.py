@@ -29,8 +29,10 @@ from torch import nn
 
 import specdraft.models.packed as packing
 from specdraft.errors import SpecdraftError
+from specdraft.models import rowgemm
 
 _ROPE_TYPES = ("default", "llama3")
+ROWWISE_MAX_STEPS = 64  # forwards of up to this many new tokens after a prefill attend row-invariantly (rows packing)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # (native parameter name, [(checkpoint tensor name, expected shape), ...] concatenated along dim 0)
@@ -200,6 +202,7 @@ class _Step:
     sin: torch.Tensor  # (T, 1, hd/2)
     mask: torch.Tensor | None  # (G*T, start + T) bool, or None when no mask is needed
     explicit: bool = False  # the mask is given (tree step): never take the is_causal prefill path
+    rowwise: bool = False  # attend each query on its own (rowgemm.attention): a k-token step = k 1-token steps
 
 
 def _attention_mask(start: int, steps: int, groups: int, device: torch.device) -> torch.Tensor | None:
@@ -225,6 +228,8 @@ def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ste
         (B, T, H*hd) attention output.
     """
     batch, steps, heads, head_dim = queries.shape
+    if step.rowwise:
+        return rowgemm.attention(queries, keys, values, None if step.mask is None else step.mask[:steps])
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     if step.start == 0 and not step.explicit:
@@ -264,11 +269,11 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _weight(2 * ffn, dtype=dtype) if config.mlp_bias else None
         self.down_weight = _weight(hidden, ffn, dtype=dtype)
         self.down_bias = _weight(hidden, dtype=dtype) if config.mlp_bias else None
-        self.packed: dict[str, torch.Tensor] = {}  # name -> weight in oneDNN's layout (NativeLlama.prepack)
+        self.packed: dict[str, packing.PackedWeight] = {}  # name -> weight prepared once (NativeLlama.prepack)
 
-    def prepack(self) -> None:
-        """Reorder this layer's four weight matrices for oneDNN (:mod:`specdraft.models.packed`), where possible."""
-        packed = {name: packing.pack(getattr(self, f"{name}_weight")) for name in ("qkv", "o", "gate_up", "down")}
+    def prepack(self, kind: str | None = None) -> None:
+        """Pack this layer's four weight matrices for this CPU's kernels (:mod:`specdraft.models.packed`)."""
+        packed = {name: packing.pack(getattr(self, f"{name}_weight"), kind) for name in ("qkv", "o", "gate_up", "down")}
         self.packed = {name: weight for name, weight in packed.items() if weight is not None}
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -368,17 +373,24 @@ class NativeLlama(nn.Module):
         cos, sin = _rope_table(config, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
-        self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (prepack)
+        self.packed_head: packing.PackedWeight | None = None  # the LM head prepared once (prepack)
         self.eval()
 
-    def prepack(self) -> bool:
-        """Reorder every linear weight once into oneDNN's layout (:mod:`specdraft.models.packed`): k-token
+    def prepack(self, kind: str | None = None) -> bool:
+        """Pack every linear weight once for this CPU's fastest kernel (:mod:`specdraft.models.packed`): k-token
         forwards then cost far less than k 1-token ones. Weights must not change afterwards (call it again if they
-        do). Returns whether anything was packed (False where this dtype cannot be packed on this CPU)."""
+        do). ``kind`` (``rows`` or ``onednn``) asks for one path, for comparisons. Returns whether anything was
+        packed (False where this dtype cannot be packed so on this CPU)."""
         for layer in self.layers:
-            layer.prepack()
-        self.packed_head = packing.pack(self.lm_head_weight)
+            layer.prepack(kind)
+        self.packed_head = packing.pack(self.lm_head_weight, kind)
         return self.packed_head is not None or any(layer.packed for layer in self.layers)
+
+    @property
+    def packing(self) -> str:
+        """How the linears are packed: ``rows``, ``onednn`` (:mod:`specdraft.models.packed`) or ``none``."""
+        head = self.packed_head or next((p for layer in self.layers for p in layer.packed.values()), None)
+        return "none" if head is None else head.kind
 
     @classmethod
     def from_hf(cls, model, dtype: torch.dtype | None = None) -> NativeLlama:
@@ -492,7 +504,8 @@ class NativeLlama(nn.Module):
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         cos = self.rope_cos[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
         sin = self.rope_sin[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
-        return _Step(start, cos, sin, _attention_mask(start, steps, groups, cos.device))
+        return _Step(start, cos, sin, _attention_mask(start, steps, groups, cos.device),
+                     rowwise=start > 0 and self._rowwise(steps))
 
     def _tree_step(
         self, start: int, steps: int, positions: torch.Tensor | None, attention_mask: torch.Tensor | None
@@ -519,7 +532,14 @@ class NativeLlama(nn.Module):
         else:
             seen = torch.ones(steps, start + steps, dtype=torch.bool, device=device)  # (T, S): all cached slots
             seen[:, start:] = attention_mask.to(device)
-        return _Step(start, cos, sin, seen.repeat(groups, 1), explicit=True)
+        return _Step(start, cos, sin, seen.repeat(groups, 1), explicit=True, rowwise=self._rowwise(steps))
+
+    def _rowwise(self, steps: int) -> bool:
+        """Whether a forward of ``steps`` new tokens after a prefill attends row-invariantly: with the row-invariant
+        linears (``rows`` packing) and up to :data:`ROWWISE_MAX_STEPS` tokens (a long prompt keeps SDPA)."""
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        return steps <= ROWWISE_MAX_STEPS and getattr(self.config, "head_dim", head_dim) % 8 == 0 \
+            and self.packing == "rows"
 
     def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step, taps: Sequence[int] = (),
                     aux: list[torch.Tensor] | None = None) -> torch.Tensor:

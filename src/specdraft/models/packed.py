@@ -1,26 +1,46 @@
-"""Pre-packed linear weights: oneDNN's blocked weight layout, reordered once at load time.
+"""Pre-packed linear weights: each weight reordered once at load time for the kernel that multiplies it fastest.
 
-A batch-1 decoder multiplies a few rows (1 for a plain step, 2-17 for a verify) by every weight matrix. torch's
+A batch-1 decoder multiplies a few rows (1 for a plain step, 2-20 for a verify) by every weight matrix. torch's
 eager ``F.linear`` hands such skinny products to MKL (fp32) or oneDNN (bf16) with the weight in its plain row-major
-layout, and for 2-16 rows both can cost several times a 1-row product. oneDNN's ``linear`` on a weight reordered
-once into its preferred blocked layout (what inductor's freezing pass does, ``torch.ops.mkldnn._linear_pointwise``)
-keeps a 5-row product within about 1.5x of a 1-row one on both AVX2 and AVX-512 (``benchmarks/bench_verify_cost.py``).
+layout, and for 2-16 rows both can cost several times a 1-row product (bf16 on AVX2: k rows cost k times one).
+Two packed paths, chosen per dtype from what this CPU and build can do (no setting):
 
-Where oneDNN cannot pack bf16 on this CPU (without AVX-512BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only machines),
-a bf16 model keeps ``F.linear`` for products of up to 5 rows and multiplies more rows in fp32 on a packed fp32
-copy.
+- ``rows``: :mod:`specdraft.models.rowgemm`, a weight-stationary AVX2 kernel on a blocked copy. fp32 weights on
+  any AVX2 CPU and bf16 weights where oneDNN has no bf16 kernel (AVX2-only CPUs). It is row-invariant: a k-token
+  forward computes each token's products bit for bit as a 1-token forward does.
+- ``onednn``: oneDNN's blocked layout (what inductor's freezing pass does, ``torch.ops.mkldnn._linear_pointwise``),
+  for bf16 where oneDNN multiplies bf16 natively (AVX-512-BF16, AMX), and for fp32 where the kernel cannot be
+  built. Where neither packs bf16, a bf16 weight gets an exact fp32 oneDNN copy for products of 6 rows or more.
+
+``benchmarks/bench_verify_cost.py`` prints what each path costs per number of rows.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specdraft.models import rowgemm
+
 _ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off (for comparisons)
-UPCAST_MIN_ROWS = 6  # a bf16 product of this many rows or more uses the fp32 copy (AVX2: 5 rows cost the same
-#                      either way, 9 rows 1.4x and 17 rows 2.1x less through the fp32 copy)
+UPCAST_MIN_ROWS = 6  # without either kernel, a bf16 product of this many rows or more uses the fp32 oneDNN copy
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight (N, K) prepared once: ``kind`` is ``rows`` (:mod:`rowgemm`'s blocked copy) or ``onednn``
+    (oneDNN's layout, in the weight's dtype or as an exact fp32 copy of a bf16 weight)."""
+
+    kind: str
+    tensor: torch.Tensor
+    out_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
 
 
 def enabled() -> bool:
@@ -34,36 +54,42 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # (N, K) in oneDNN's blocked layout, batch hint 1
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (N, K) reordered into oneDNN's layout for a CPU linear, or None where that is unavailable.
+def _onednn(weight: torch.Tensor) -> PackedWeight | None:
+    try:
+        return PackedWeight("onednn", _reorder(weight), weight.shape[0])
+    except RuntimeError:  # bf16 on a CPU without the instructions oneDNN's bf16 path needs (AVX2 machines)
+        return None
 
-    A bf16 weight that oneDNN cannot pack on this CPU is packed as its exact fp32 upcast instead (twice the bytes):
-    :func:`linear` then multiplies up to 5 rows in bf16 (``F.linear`` streams half the bytes) and more rows in
-    fp32, the better dtype per shape.
-    """
-    if not enabled() or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+
+def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight | None:
+    """``weight`` (N, K) prepared for :func:`linear` on this CPU, or None where nothing packs it (then
+    ``F.linear``). ``kind`` None chooses as the module docstring says; ``rows`` or ``onednn`` asks for that path
+    (for comparisons), None where it cannot pack this weight."""
+    if (os.environ.get(_ENV, "1") == "0" or weight.device.type != "cpu"
+            or weight.dtype not in (torch.float32, torch.bfloat16)):
         return None
     with torch.no_grad():
         weight = weight.detach().contiguous()
-        try:
-            return _reorder(weight)
-        except RuntimeError:  # bf16 on a CPU without the instructions oneDNN's bf16 path needs (AVX2 machines)
-            if weight.dtype != torch.bfloat16:
-                return None
-        try:
-            return _reorder(weight.float())
-        except RuntimeError:
+        native = _onednn(weight) if enabled() and kind != "rows" else None
+        if native is not None and (kind == "onednn" or weight.dtype == torch.bfloat16):
+            return native
+        if kind != "onednn" and rowgemm.available():
+            return PackedWeight("rows", rowgemm.pack(weight), weight.shape[0])
+        if kind == "rows" or not enabled():
             return None
+        return native or _onednn(weight.float())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
            ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x (..., K): through the packed weight when given, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.kind == "rows":
+        return rowgemm.linear(x, packed.tensor, bias, packed.out_features)  # (..., N)
     if packed.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # (..., N)
+        return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")  # (..., N)
     if x.numel() < UPCAST_MIN_ROWS * x.shape[-1]:  # few bf16 rows: bf16 reads half the bytes
         return F.linear(x, weight, bias)
     bias = None if bias is None else bias.float()
-    return torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias, "none", [], "").to(x.dtype)  # (..., N)
+    return torch.ops.mkldnn._linear_pointwise(x.float(), packed.tensor, bias, "none", [], "").to(x.dtype)

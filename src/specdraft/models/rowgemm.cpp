@@ -1,0 +1,280 @@
+// Weight-stationary products of a few rows: out (M, N) = x (M, K) @ w (N, K)^T + bias, for the 1 to ~20 rows of a
+// batch-1 decode step or verify, with w in bf16 or fp32 and 256-bit FMA (AVX2 + FMA).
+//
+// Each block of w rows is read from memory once, widened to fp32 in registers (bf16 -> fp32 is exact: a 16-bit
+// shift) and multiplied into every row of x, so M rows cost about one pass over the weights plus M times the FMAs,
+// instead of M passes. Every output element is computed by the same instruction sequence whatever M is and
+// wherever its row falls in a block (8-lane FMA accumulation over k in order from zero, one fixed horizontal sum,
+// then the bias, then one rounding to the output dtype): a row's result does not depend on the other rows, so a
+// k-token forward reproduces k 1-token forwards bit for bit.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+#include <torch/library.h>
+
+namespace {
+
+constexpr int64_t kRows = 4;    // weight rows per block
+constexpr int64_t kStep = 16;   // k per step: one 256-bit load of 16 bf16, two of 8 fp32
+
+// Weights are stored blocked, (N / 4, K / 16, 4, 16): each step of a block reads one contiguous 128 (bf16) or
+// 256 (fp32) bytes, one sequential stream in all. Within a step the 16 values are in k order for bf16 (a 32-bit
+// lane holds k = 2j and 2j + 1, split into two fp32 vectors by a shift and a mask) and as 8 even then 8 odd k for
+// fp32; x is stored the same way (even then odd), so both dtypes multiply the same pairs in the same order.
+inline void widen(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline void widen(const float* p, __m256& even, __m256& odd) {
+  even = _mm256_loadu_ps(p);
+  odd = _mm256_loadu_ps(p + 8);
+}
+
+inline float hsum(__m256 v) {  // one fixed order: (lo + hi), then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Weight rows [n0, n0 + NT) of one block (NT of 4) times MB rows of x (each (Kp,) fp32, even/odd per step):
+// NT * MB accumulators in registers.
+template <int NT, int MB, typename W, typename O>
+inline void tile(const W* w, int n0, const float* x, int64_t Kp, const float* bias, O* out, int64_t N,
+                 const W* next = nullptr) {
+  __m256 acc[NT][MB];
+  for (int n = 0; n < NT; ++n)
+    for (int m = 0; m < MB; ++m) acc[n][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += kStep) {
+    const W* ws = w + k * kRows + n0 * kStep;
+    if (next) {  // the next block's same step: the stream stays ahead while this block is read more than once
+      const char* line = reinterpret_cast<const char*>(next + k * kRows);
+      for (int64_t byte = 0; byte < static_cast<int64_t>(kRows * kStep * sizeof(W)); byte += 64)
+        _mm_prefetch(line + byte, _MM_HINT_T0);
+    }
+    for (int n = 0; n < NT; ++n) {
+      __m256 even, odd;
+      widen(ws + n * kStep, even, odd);
+      for (int m = 0; m < MB; ++m) {
+        acc[n][m] = _mm256_fmadd_ps(even, _mm256_loadu_ps(x + m * Kp + k), acc[n][m]);
+        acc[n][m] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + m * Kp + k + 8), acc[n][m]);
+      }
+    }
+  }
+  for (int n = 0; n < NT; ++n) {
+    for (int m = 0; m < MB; ++m) {
+      float s = hsum(acc[n][m]);
+      if (bias) s += bias[n];
+      out[m * N + n] = static_cast<O>(s);
+    }
+  }
+}
+
+// Every row of x against one block of 4 weight rows (kept in L1 while x's rows pass): up to 3 rows at a time
+// against all 4 weight rows, more in groups of up to 6 against 2 weight rows at a time (at most 12 accumulators).
+template <typename W, typename O>
+void block_rows(const W* w, const float* x, int64_t M, int64_t Kp, const float* bias, O* out, int64_t N,
+                int64_t n0, const W* next) {
+  const int64_t live = std::min<int64_t>(kRows, N - n0);  // the padded rows of the last block are not written
+  if (live < kRows) {
+    std::vector<O> full(M * kRows);
+    std::vector<float> b(kRows, 0.0f);
+    if (bias) std::copy(bias + n0, bias + n0 + live, b.begin());
+    block_rows(w, x, M, Kp, bias ? b.data() : nullptr, full.data(), kRows, 0, next);
+    for (int64_t m = 0; m < M; ++m) std::copy(&full[m * kRows], &full[m * kRows] + live, out + m * N + n0);
+    return;
+  }
+  const float* b = bias ? bias + n0 : nullptr;
+  O* o = out + n0;
+  switch (M) {
+    case 1: return tile<4, 1>(w, 0, x, Kp, b, o, N);
+    case 2: return tile<4, 2>(w, 0, x, Kp, b, o, N);
+    case 3: return tile<4, 3>(w, 0, x, Kp, b, o, N);
+    default: break;
+  }
+  for (int64_t m = 0; m < M; m += 6) {
+    const float* xm = x + m * Kp;
+    O* om = o + m * N;
+    for (int half = 0; half < kRows; half += 2) {
+      const float* bh = b ? b + half : nullptr;
+      switch (std::min<int64_t>(6, M - m)) {
+        case 1: tile<2, 1>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
+        case 2: tile<2, 2>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
+        case 3: tile<2, 3>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
+        case 4: tile<2, 4>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
+        case 5: tile<2, 5>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
+        default: tile<2, 6>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
+      }
+    }
+  }
+}
+
+template <typename W, typename O>
+void product(const W* w, const float* x, int64_t M, int64_t N, int64_t Kp, const float* bias, O* out) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      block_rows(w + block * kRows * Kp, x, M, Kp, bias, out, N, block * kRows,
+                 block + 1 < end ? w + (block + 1) * kRows * Kp : nullptr);
+  });
+}
+
+// (N, K) -> (ceil(N / 4), Kp / 16, 4, 16), zero-padded (Kp = K rounded up to 16).
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "rowgemm: weight must be an (N, K) matrix");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "rowgemm: weight must be float32 or bfloat16");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t Np = (N + kRows - 1) / kRows * kRows, Kp = (K + kStep - 1) / kStep * kStep;
+  at::Tensor padded = at::zeros({Np, Kp}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  at::Tensor steps = padded.view({Np / kRows, kRows, Kp / kStep, kStep});  // (blocks, 4, steps, 16)
+  if (weight.scalar_type() == at::kFloat) {  // 8 even then 8 odd k per step
+    steps = steps.view({Np / kRows, kRows, Kp / kStep, 8, 2}).transpose(3, 4).reshape({Np / kRows, kRows, Kp / kStep, kStep});
+  }
+  return steps.transpose(1, 2).contiguous();  // (blocks, steps, 4, 16)
+}
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t N) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kRows && packed.size(3) == kStep && packed.is_contiguous(),
+              "rowgemm: weight must come from rowgemm pack");
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
+              "rowgemm: input must be float32 or bfloat16");
+  const int64_t Kp = packed.size(1) * kStep, K = input.size(-1);
+  TORCH_CHECK(K <= Kp && Kp - K < kStep && N <= packed.size(0) * kRows, "rowgemm: input does not match the weight");
+  at::Tensor rows = input.reshape({-1, K});
+  const int64_t M = rows.size(0);
+  at::Tensor x = at::zeros({M, Kp}, rows.options().dtype(at::kFloat));  // (M, Kp) fp32: exact for bf16 input
+  x.narrow(1, 0, K).copy_(rows);
+  x = x.view({M, Kp / kStep, 8, 2}).transpose(2, 3).contiguous();  // 8 even then 8 odd k per step
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "rowgemm: bias must have N elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, input.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  if (packed.scalar_type() == at::kBFloat16) {
+    if (out.scalar_type() == at::kBFloat16)
+      product(packed.data_ptr<c10::BFloat16>(), xp, M, N, Kp, bp, out.data_ptr<c10::BFloat16>());
+    else
+      product(packed.data_ptr<c10::BFloat16>(), xp, M, N, Kp, bp, out.data_ptr<float>());
+  } else {
+    if (out.scalar_type() == at::kBFloat16)
+      product(packed.data_ptr<float>(), xp, M, N, Kp, bp, out.data_ptr<c10::BFloat16>());
+    else
+      product(packed.data_ptr<float>(), xp, M, N, Kp, bp, out.data_ptr<float>());
+  }
+  return out.view(shape);
+}
+
+// Attention of T new queries over S cached keys, one (query, head) at a time, the same instruction sequence for
+// every one whatever T is: scores in slot order over the visible slots only (8-lane FMA over the head dimension,
+// one fixed horizontal sum), softmax with the running maximum, values accumulated in slot order. A query's output
+// is the same whether it comes alone (a plain step) or among others (a chain or a tree whose ancestors precede it).
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+template <typename T, typename O>
+void attend(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs, const bool* mask,
+            int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, int64_t hd, float scale, O* out) {
+  const int64_t groups = H / KV;
+  at::parallel_for(0, B * Tn * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(S), acc(hd);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (Tn * H), t = item / H % Tn, h = item % H, kvh = h / groups;
+      const float* qv = q + item * hd;
+      const T* kb = keys + b * ks[0] + kvh * ks[1];
+      const T* vb = values + b * vs[0] + kvh * vs[1];
+      const bool* visible = mask ? mask + t * S : nullptr;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < S; ++s) {
+        if (visible && !visible[s]) continue;
+        __m256 dot = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(kb + s * ks[2] + d), dot);
+        score[s] = hsum(dot) * scale;
+        top = std::max(top, score[s]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t s = 0; s < S; ++s) {
+        if (visible && !visible[s]) continue;
+        const float p = std::exp(score[s] - top);
+        total += p;
+        const __m256 pv = _mm256_set1_ps(p);
+        for (int64_t d = 0; d < hd; d += 8)
+          _mm256_storeu_ps(&acc[d], _mm256_fmadd_ps(pv, load8(vb + s * vs[2] + d), _mm256_loadu_ps(&acc[d])));
+      }
+      O* o = out + item * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(acc[d] / total);
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                     const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(queries.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rowgemm: attention takes 4-d tensors");
+  const int64_t B = queries.size(0), Tn = queries.size(1), H = queries.size(2), hd = queries.size(3);
+  const int64_t KV = keys.size(1), S = keys.size(2);
+  TORCH_CHECK(hd % 8 == 0 && H % KV == 0 && keys.sizes() == values.sizes() && keys.size(3) == hd &&
+                  keys.size(0) == B && keys.scalar_type() == values.scalar_type() && keys.stride(3) == 1 &&
+                  values.stride(3) == 1,
+              "rowgemm: attention shapes do not match");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
+              "rowgemm: keys must be float32 or bfloat16");
+  at::Tensor q = queries.to(at::kFloat).contiguous();  // (B, T, H, hd)
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->to(at::kBool).contiguous();
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == Tn && m.size(1) == S, "rowgemm: mask must be (T, S)");
+  }
+  at::Tensor out = at::empty({B, Tn, H, hd}, queries.options());
+  const int64_t ks[3] = {keys.stride(0), keys.stride(1), keys.stride(2)};
+  const int64_t vs[3] = {values.stride(0), values.stride(1), values.stride(2)};
+  const bool* mp = m.defined() ? m.data_ptr<bool>() : nullptr;
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* k, auto* v) {
+    if (out.scalar_type() == at::kBFloat16)
+      attend(q.data_ptr<float>(), k, v, ks, vs, mp, B, Tn, H, KV, S, hd, sc, out.data_ptr<c10::BFloat16>());
+    else
+      attend(q.data_ptr<float>(), k, v, ks, vs, mp, B, Tn, H, KV, S, hd, sc, out.data_ptr<float>());
+  };
+  if (keys.scalar_type() == at::kBFloat16)
+    run(keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
+  else
+    run(keys.data_ptr<float>(), values.data_ptr<float>());
+  return out.view({B, Tn, H * hd});
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdraft_rowgemm, m) { 
+  m.def("pack(Tensor weight) -> Tensor");
+  m.def("linear(Tensor input, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("attention(Tensor queries, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
+  m.impl("pack", &pack);
+  m.impl("linear", &linear);
+  m.impl("attention", &attention);
+}

@@ -1,0 +1,92 @@
+"""Weight-stationary products of a few rows (``rowgemm.cpp``): a small C++ kernel, built once per machine and cached.
+
+A batch-1 verify multiplies k = 2-20 rows by every weight. Where oneDNN cannot multiply bf16 natively (CPUs
+without AVX-512 BW/VL/DQ, e.g. AVX2-only ones) torch's eager bf16 ``F.linear`` costs about k times a 1-row product,
+so a 5-token verify cost 3.5 plain steps. This kernel reads each block of weight rows once, widens bf16 to fp32 in
+registers (exact) and multiplies it into all k rows with 256-bit FMAs: k rows cost one pass over the weights plus
+k times the arithmetic. Each output element is computed by the same instruction sequence whatever the number of
+rows, so a k-token forward reproduces k 1-token forwards bit for bit (:func:`linear` is row-invariant).
+
+The kernel is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) on first use, into
+``<specdraft cache>/kernels/`` keyed by the source, flags and torch version, and loaded from there afterwards.
+Without a compiler, on a CPU without AVX2 and FMA, or with ``SPECDRAFT_ROWGEMM=0``, :func:`available` is False and
+callers keep their other paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from specdraft.hardware import cpu_flags
+
+_ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
+_SOURCE = Path(__file__).with_name("rowgemm.cpp")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")  # explicit FMAs only: the summation order is the source's
+
+
+def _build_folder() -> Path:
+    from specdraft.models.registry import cache_dir  # the registry imports the models, which import this module
+
+    key = "|".join((_SOURCE.read_text(), " ".join(_FLAGS), torch.__version__, sys.version))
+    return cache_dir() / "kernels" / f"rowgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (first time on this machine) and load the kernel; False, with one warning, where that fails."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= cpu_flags():
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        folder = _build_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name="specdraft_rowgemm", sources=[str(_SOURCE)], extra_cflags=list(_FLAGS),
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+        return hasattr(torch.ops.specdraft_rowgemm, "linear")
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the other paths remain
+        warnings.warn(f"specdraft: the row-product kernel could not be built ({str(exc).splitlines()[0][:200]}); "
+                      "multi-token bf16 forwards use torch's kernels", stacklevel=2)
+        return False
+
+
+def available() -> bool:
+    """Whether the kernel can run here (building it on first call); False with ``SPECDRAFT_ROWGEMM=0``."""
+    return os.environ.get(_ENV, "1") != "0" and _load()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (N, K) in fp32 or bf16 blocked for :func:`linear`: (ceil(N / 4), ceil(K / 16), 4, 16), zero-padded.
+    Requires :func:`available`."""
+    _load()
+    return torch.ops.specdraft_rowgemm.pack(weight.detach())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x (..., K) in fp32 or bf16, ``packed`` = :func:`pack` (weight) with ``n`` rows:
+    accumulated in fp32, rounded once to x's dtype. Returns (..., n)."""
+    return torch.ops.specdraft_rowgemm.linear(x, packed, bias, n)
+
+
+def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+              ) -> torch.Tensor:
+    """Grouped-query softmax attention, each query on its own (row-invariant, scale 1/sqrt(hd)).
+
+    Args:
+        queries: (B, T, H, hd), rotated; hd a multiple of 8.
+        keys, values: (B, K, S, hd) in fp32 or bf16, the cache including the new positions (strided views work).
+        mask: (T, S) bool, True where a query sees a slot; None: every query sees every slot.
+
+    Returns:
+        (B, T, H*hd) in the queries' dtype.
+    """
+    _load()
+    return torch.ops.specdraft_rowgemm.attention(queries, keys, values, mask, queries.shape[-1] ** -0.5)

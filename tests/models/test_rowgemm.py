@@ -1,0 +1,54 @@
+"""The row-product kernel: products and attention against torch's, and row invariance (each row of a k-row call
+equals a 1-row call bit for bit), in fp32 and bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdraft.models import rowgemm
+
+pytestmark = pytest.mark.skipif(not rowgemm.available(), reason="no AVX2 CPU or C++ compiler for the kernel")
+
+SHAPES = [(48, 32), (10, 37), (3, 16), (96, 200)]  # (N, K): ragged N (blocks of 4) and K (steps of 16) included
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear_and_each_row_alone(dtype: torch.dtype, shape: tuple[int, int], bias: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    n, k = shape
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    b = torch.randn(n, generator=generator).to(dtype) if bias else None
+    packed = rowgemm.pack(weight)
+    for rows in (1, 2, 3, 4, 5, 7, 13, 17):
+        x = torch.randn(1, rows, k, generator=generator).to(dtype)
+        out = rowgemm.linear(x, packed, b, n)
+        assert out.shape == (1, rows, n) and out.dtype == dtype
+        expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), expected, atol=tol * k ** 0.5, rtol=tol)
+        alone = torch.cat([rowgemm.linear(x[:, i : i + 1], packed, b, n) for i in range(rows)], dim=1)
+        assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_sdpa_and_each_query_alone(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    batch, steps, heads, kv_heads, head_dim, start = 2, 5, 4, 2, 16, 11
+    slots = start + steps
+    cache_k = torch.randn(batch, kv_heads, 40, head_dim, generator=generator).to(dtype)  # a cache with spare room
+    cache_v = torch.randn(batch, kv_heads, 40, head_dim, generator=generator).to(dtype)
+    keys, values = cache_k[:, :, :slots], cache_v[:, :, :slots]  # (B, K, S, hd) strided views
+    queries = torch.randn(batch, steps, heads, head_dim, generator=generator).to(dtype)  # (B, T, H, hd)
+    mask = torch.arange(slots)[None, :] <= start + torch.arange(steps)[:, None]  # (T, S) causal
+    out = rowgemm.attention(queries, keys, values, mask)
+    assert out.shape == (batch, steps, heads * head_dim) and out.dtype == dtype
+    expected = F.scaled_dot_product_attention(queries.float().transpose(1, 2), keys.float(), values.float(),
+                                              attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.reshape(out.shape), atol=tol, rtol=tol)
+    for t in range(steps):  # query t alone, seeing exactly its slots
+        seen = start + t + 1
+        alone = rowgemm.attention(queries[:, t : t + 1], keys[:, :, :seen], values[:, :, :seen], None)
+        assert torch.equal(out[:, t : t + 1], alone)
