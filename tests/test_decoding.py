@@ -216,3 +216,24 @@ def test_the_prompt_is_prefilled_on_the_causal_path_before_the_first_step():
     assert calls[1][1]
     assert result.stats.target_forward_calls == len(calls) - 1 == len(result.stats.accept_lengths)
     assert 0 < result.stats.prefill_seconds < result.stats.decode_seconds
+
+
+@pytest.mark.parametrize("speculation", ["adaptive", "fixed"])
+def test_bf16_greedy_speculative_equals_plain_on_the_row_kernels(speculation: str):
+    """With the row-invariant kernels (``rows`` packing) a verify computes each token exactly as a plain step does,
+    so bf16 speculative output equals bf16 plain decoding token for token, chains and trees alike."""
+    from specdraft.models import rowgemm
+    from specdraft.models.native_llama import NativeLlama
+    from toys import tiny_llama
+
+    if not rowgemm.available():
+        pytest.skip("no AVX2 CPU or C++ compiler for the row kernel")
+    target = NativeLlama.from_hf(tiny_llama(0, std=0.1), dtype=torch.bfloat16)
+    assert target.prepack("rows")
+    prompt = list(range(3, 30))
+    plain = generate(target, prompt, None, GenerationConfig(48)).token_ids
+    draft = NativeLlama.from_hf(tiny_llama(1, std=0.1), dtype=torch.bfloat16)
+    for drafter in (DraftModelDrafter(draft), DraftModelDrafter(draft, siblings=1), PromptLookupDrafter(),
+                    PatternDrafter(target, PATTERNS["sometimes"])):
+        config = GenerationConfig(48, 4, speculation=speculation)
+        assert generate(target, prompt, drafter, config).token_ids == plain

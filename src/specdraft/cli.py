@@ -105,7 +105,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto (default): the dtype fast on this CPU (bfloat16 with AVX-512 bf16, else float32); "
+                   help="auto (default): the dtype fast on this CPU for decoding (bfloat16 with AVX-512 bf16 or the "
+                        "AVX2 row kernel, else float32); "
                         "identity to plain decoding is checked in float32 beside it")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.set_defaults(run=_run_demo)

@@ -9,6 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """specdraft's cache folder (converted checkpoints, cost curves, built kernels): ``$SPECDRAFT_CACHE`` or
+    ``~/.cache/specdraft``."""
+    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
+
+
 def replace_folder(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``; an old ``out`` is first moved aside, then deleted."""
     old = None

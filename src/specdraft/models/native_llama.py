@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import specdraft.models.packed as packing
+import specdraft.models.rowgemm as rowgemm
 from specdraft.errors import SpecdraftError
-from specdraft.models import rowgemm
 
 _ROPE_TYPES = ("default", "llama3")
 ROWWISE_MAX_STEPS = 64  # forwards of up to this many new tokens after a prefill attend row-invariantly (rows packing)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdraft.models import rowgemm
+import specdraft.models.rowgemm as rowgemm
 
 _ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off (for comparisons)
 UPCAST_MIN_ROWS = 6  # without either kernel, a bf16 product of this many rows or more uses the fp32 oneDNN copy

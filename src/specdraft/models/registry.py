@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.files import cache_dir
 from specdraft.models.base import CausalLM
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -45,11 +46,6 @@ SHIPPED = {SMOLLM2_DRAFTER: WEIGHTS_DIR / SMOLLM2_DRAFTER}  # the project's own 
 SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 SHIPPED_HEADS = {SMOLLM2_EAGLE: WEIGHTS_DIR / SMOLLM2_EAGLE}  # self-drafting heads (specdraft.heads folders)
 DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generate` use with a target by default
-
-
-def cache_dir() -> Path:
-    """Folder for converted checkpoints: ``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``."""
-    return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 
 def _package_dir(package: str) -> Path:

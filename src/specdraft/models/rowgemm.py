@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.files import cache_dir
 from specdraft.hardware import cpu_flags
 
 _ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
@@ -33,8 +34,6 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")  # explicit FMAs only: 
 
 
 def _build_folder() -> Path:
-    from specdraft.models.registry import cache_dir  # the registry imports the models, which import this module
-
     key = "|".join((_SOURCE.read_text(), " ".join(_FLAGS), torch.__version__, sys.version))
     return cache_dir() / "kernels" / f"rowgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
