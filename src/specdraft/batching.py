@@ -101,6 +101,10 @@ class BatchDecoder:
         self.capacity = min(capacity, target.max_context)
         self.cache = new_batched_cache(target, max_batch, self.capacity + _ROOM)
         self.rows: list[BatchSequence] = []  # row i of the cache holds rows[i]
+        # Called after each row's verification with (sequence, the target's logits (m + 1, V) that chose the m
+        # accepted tokens and the next one, whether the draft had a token at the first rejected position, draft
+        # size); set by a caller that records verified positions (online distillation).
+        self.on_verify: Callable[[BatchSequence, torch.Tensor, bool, int], None] | None = None
 
     @property
     def free_rows(self) -> int:
@@ -183,6 +187,10 @@ class BatchDecoder:
         else:
             result = _verify(draft, rows, sampling, seq.generator)
             nodes = list(range(result.num_accepted))
+        if self.on_verify is not None:
+            parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+            missed = len(draft) > 0 and bool((parents == (nodes[-1] if nodes else -1)).any())
+            self.on_verify(seq, rows[[0] + [1 + node for node in nodes]], missed, len(draft))  # (m + 1, V)
         first_node = start + tail
         self.cache.compact(seq.row, first_node, [first_node + node for node in nodes])
         if hidden is not None:  # features of the tail and the accepted nodes: (T0 + m, D)

@@ -18,6 +18,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
 from specdraft.prompts import encode_prompt
 from specdraft.sampling import SamplingConfig
+from specdraft.serve.online_config import ONLINE_LOSSES
 from specdraft.speculation import SPECULATION, make_policy
 from specdraft.training.commands import add_training_commands
 
@@ -299,6 +300,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted")
     p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=4, help="most completions per request")
+    online = p.add_argument_group("online distillation (Online Speculative Decoding, Liu et al. 2023)")
+    online.add_argument("--online-distill", metavar="DIR",
+                        help="keep training the draft model on the served traffic; buffer and drafter saved in DIR")
+    online.add_argument("--online-loss", choices=ONLINE_LOSSES, default="fkl", help="distillation loss")
+    online.add_argument("--online-every-tokens", type=int, default=2048, help="a training round every N served tokens")
+    online.add_argument("--online-steps", type=int, default=32, help="optimizer steps per round")
+    online.add_argument("--online-lr", type=float, default=1e-4, help="learning rate")
+    online.add_argument("--online-max-records", type=int, default=512, help="replay buffer size in sequences")
+    online.add_argument("--online-nice", type=int, default=19, help="CPU niceness of the training thread, 0-19")
     p.set_defaults(run=_run_serve)
 
 
@@ -316,8 +326,18 @@ def _run_serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
         max_draft_batch=args.max_draft_batch,
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-        max_n=args.max_n, host=args.host, port=args.port,
+        max_n=args.max_n, host=args.host, port=args.port, online_distill=_online_config(args),
     ))
+
+
+def _online_config(args: argparse.Namespace):
+    if not args.online_distill:
+        return None
+    from specdraft.serve.online_config import OnlineDistillConfig
+
+    return OnlineDistillConfig(folder=args.online_distill, loss=args.online_loss, every_tokens=args.online_every_tokens,
+                               steps=args.online_steps, lr=args.online_lr, max_records=args.online_max_records,
+                               nice=args.online_nice)
 
 
 def build_parser() -> argparse.ArgumentParser:

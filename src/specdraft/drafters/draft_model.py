@@ -96,6 +96,11 @@ class DraftModelDrafter:
         self._cache: KVCache | None = None
         self._cached = torch.empty(0, dtype=torch.long)  # (L,) ids whose keys/values are in the cache
 
+    @property
+    def vocab_keep(self) -> torch.Tensor | None:
+        """(N,) the token ids of the draft vocabulary, or None when the drafter drafts from the full vocabulary."""
+        return self._vocab.keep
+
     def _sync(self, context: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
         """Bring the cache to ``context[:-1]`` or further and return logits predicting the next token. (V,)"""
         needed = context.shape[0] + num_draft_tokens

@@ -425,6 +425,16 @@ class NativeLlama(nn.Module):
             pieces = [_fetch(tensors, key, shape, source) for key, shape in parts]
             parameters[native_name].copy_(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights under their transformers names (the inverse of :meth:`load_checkpoint_tensors`): fused
+        parameters are split back into views of their pieces."""
+        parameters = dict(self.named_parameters(remove_duplicate=False))
+        tensors: dict[str, torch.Tensor] = {}
+        for native_name, parts in _checkpoint_layout(self.config):
+            pieces = parameters[native_name].detach().split([shape[0] for _, shape in parts])
+            tensors.update((key, piece) for (key, _), piece in zip(parts, pieces, strict=True))
+        return tensors
+
     def new_cache(self, capacity: int, batch_size: int = 1) -> StaticKVCache:
         """An empty cache for up to ``capacity`` positions (at most :attr:`max_context`)."""
         if not 1 <= capacity <= self.max_context:

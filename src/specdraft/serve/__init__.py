@@ -4,6 +4,7 @@ speculatively, with continuous batching (:mod:`specdraft.batching`). Needs the `
 from __future__ import annotations
 
 from specdraft.serve.config import ServeConfig
+from specdraft.serve.online_config import OnlineDistillConfig
 
 
 def build_server_app(config: ServeConfig):
@@ -20,8 +21,18 @@ def build_server_app(config: ServeConfig):
     prototype = load_drafter(target, tokenizer, config.draft, config.drafter, dtype,
                              options=dict(config.drafter_options))
     capacity = config.max_prompt_tokens + config.max_tokens
-    make = lockstep_factory(prototype, 2 * config.max_batch + 2, capacity + 64, drafter_factory(prototype))
-    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, config.max_draft_batch)
+
+    def factory(drafter):
+        return lockstep_factory(drafter, 2 * config.max_batch + 2, capacity + 64, drafter_factory(drafter))
+
+    online = None
+    if config.online_distill is not None:
+        from specdraft.serve.online import OnlineDistiller
+
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        online = OnlineDistiller(config.online_distill, prototype, config.draft, factory, pad_id)
+    engine = Engine(target, tokenizer, factory(prototype), config.max_batch, capacity, config.max_queue,
+                    config.max_draft_batch, online)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 
@@ -33,4 +44,4 @@ def run_server(config: ServeConfig) -> None:
     uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
 
 
-__all__ = ["ServeConfig", "build_server_app", "run_server"]
+__all__ = ["OnlineDistillConfig", "ServeConfig", "build_server_app", "run_server"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdraft.errors import SpecdraftError
+from specdraft.serve.online_config import OnlineDistillConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ServeConfig:
     max_n: int = field(default=4, metadata={"help": "most completions per request (n)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
+    online_distill: OnlineDistillConfig | None = field(default=None, metadata={"help": "online distillation, or None"})
 
     def __post_init__(self) -> None:
         if self.draft and self.drafter:
@@ -37,6 +39,9 @@ class ServeConfig:
         if self.max_queue < 0 or self.max_draft_batch < 0:
             raise SpecdraftError(f"max_queue and max_draft_batch must be >= 0, got {self.max_queue}, "
                                  f"{self.max_draft_batch}")
+        if self.online_distill is not None and not self.draft:
+            raise SpecdraftError("--online-distill trains a draft model: give one with --draft "
+                                 f"({self.drafter or 'no drafter'} cannot be trained)")
         if not 0 <= self.port <= 65535:
             raise SpecdraftError(f"port must be in 0 .. 65535, got {self.port}")
 

@@ -77,10 +77,15 @@ class Engine:
     """Owns the target, the batch and the decoding thread."""
 
     def __init__(self, target, tokenizer, make_drafter: Callable[[], Drafter | None], max_batch: int,
-                 capacity: int, max_queue: int, max_draft_batch: int = 0) -> None:
+                 capacity: int, max_queue: int, max_draft_batch: int = 0, online=None) -> None:
+        """``online``: an :class:`~specdraft.serve.online.OnlineDistiller` (its drafters replace ``make_drafter``'s),
+        or None."""
         self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer, max_draft_batch)
-        self.make_drafter, self.max_queue = make_drafter, max_queue
+        self.make_drafter, self.max_queue, self.online = make_drafter, max_queue, online
         self.metrics = Metrics()
+        if online is not None:
+            self.make_drafter, self.decoder.on_verify = online.make_drafter, online.on_verify
+            self.metrics.extra = online.metric_lines
         self._pending: collections.deque[tuple[Request, int]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -88,6 +93,8 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+        if self.online is not None:
+            self.online.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the decoding thread; every waiting or running request ends with an error event."""
@@ -96,6 +103,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.online is not None:
+            self.online.stop()
 
     @property
     def queue_length(self) -> int:
@@ -158,7 +167,7 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for seq in list(self.decoder.rows):
             if seq.tag[0].cancelled:
-                self.decoder.remove(seq)
+                self._remove(seq)
                 self.metrics.cancelled += 1
 
     def _step(self) -> None:
@@ -168,7 +177,7 @@ class Engine:
             log.exception("decoding step failed")
             for seq in list(self.decoder.rows):
                 seq.tag[0].emit(Event(seq.tag[1], error=f"decoding failed: {exc}", status=500))
-                self.decoder.remove(seq)
+                self._remove(seq)
             return
         now = time.monotonic()
         for seq, tokens in committed:
@@ -179,7 +188,17 @@ class Engine:
                 self._finished(seq)
         self.metrics.record_step(now, sum(len(tokens) for _, tokens in committed), len(committed))
 
+    def _remove(self, seq: BatchSequence) -> None:
+        self.decoder.remove(seq)
+        if self.online is not None:
+            self.online.discard(seq)
+
     def _finished(self, seq: BatchSequence) -> None:
+        if self.online is not None:
+            try:
+                self.online.finished(seq)
+            except Exception:  # recording is best effort: serving goes on
+                log.exception("recording a finished sequence for online distillation failed")
         stats = self.metrics
         stats.sequences_finished += 1
         stats.target_forward_calls += seq.stats.target_forward_calls
@@ -195,4 +214,4 @@ class Engine:
             request.emit(Event(index, error=message, status=status))
         for seq in list(self.decoder.rows):
             seq.tag[0].emit(Event(seq.tag[1], error=message, status=status))
-            self.decoder.remove(seq)
+            self._remove(seq)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _WINDOW_S = 10.0  # tokens/s is measured over the last this many seconds of steps
@@ -28,6 +29,7 @@ class Metrics:
     draft_tokens_accepted: int = 0
     queue_length: int = 0
     running: int = 0
+    extra: Callable[[], list[str]] | None = None  # more Prometheus lines (online distillation)
     _recent: collections.deque = field(default_factory=collections.deque)  # (time, tokens) of recent steps
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,4 +82,6 @@ class Metrics:
         for name, kind, help_text, value in metrics:
             lines += [f"# HELP specdraft_{name} {help_text}", f"# TYPE specdraft_{name} {kind}",
                       f"specdraft_{name} {value:g}" if isinstance(value, float) else f"specdraft_{name} {value}"]
+        if self.extra is not None:
+            lines += self.extra()
         return "\n".join(lines) + "\n"
