@@ -34,8 +34,8 @@ from specdraft.drafters.base import Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.files import write_text_atomic
 from specdraft.models.native_llama import NativeLlama
-from specdraft.serve import online_train
 from specdraft.serve.online_config import OnlineDistillConfig
+from specdraft.serve.online_train import finetune_copy, hf_from_native, native_from_hf, top1_agreement
 from specdraft.serve.replay import ReplayBuffer, VerifiedRecorder
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class OnlineDistiller:
         self.history: list[dict] = []  # one entry per training round
         self.served: dict[int, list[int]] = {}  # version -> [accepted, proposed] draft tokens
         self._recent: list[tuple[int, int]] = []  # (accepted, proposed) of the latest drafted steps
-        self.version, self._current = 0, online_train.hf_from_native(prototype.model)
+        self.version, self._current = 0, hf_from_native(prototype.model)
         self._resume()
         self._live = (self.version, make_factory(self._prototype(self._current)))
         self._new_tokens, self._cond, self._stopping = 0, threading.Condition(), False
@@ -155,12 +155,12 @@ class OnlineDistiller:
         if not train or not heldout:
             self._note(entry | {"reason": "not enough records yet"})
             return self.history[-1]
-        candidate = online_train.finetune_copy(
+        candidate = finetune_copy(
             self._current, train, loss=config.loss, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
             max_seq_len=config.max_seq_len, keep=self.keep, pad_id=self.pad_id, seed=config.seed + entry["round"])
         score = {"keep": self.keep, "pad_id": self.pad_id, "max_seq_len": config.max_seq_len}
-        current = online_train.top1_agreement(self._current, heldout, **score)
-        new = online_train.top1_agreement(candidate, heldout, **score)
+        current = top1_agreement(self._current, heldout, **score)
+        new = top1_agreement(candidate, heldout, **score)
         entry |= {"current_agreement": current[0] / max(current[1], 1), "candidate_agreement": new[0] / max(new[1], 1),
                   "positions": current[1]}
         if new[0] > current[0]:
@@ -181,7 +181,7 @@ class OnlineDistiller:
         if model is self._current and self.version == 0:
             return self._base_proto
         prototype = copy.copy(self._base_proto)
-        prototype.model = online_train.native_from_hf(model, self._base_proto.model)
+        prototype.model = native_from_hf(model, self._base_proto.model)
         return prototype
 
     # --- state on disk ----------------------------------------------------------------------------------------
