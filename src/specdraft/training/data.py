@@ -154,10 +154,10 @@ def looks_english(text: str) -> bool:
     """A cheap English test: at least 95% of the letters are ASCII, ASCII letters are at least half of the
     non-space characters (so mostly-code or mostly-number text fails), and frequent German, Spanish, French,
     Portuguese or Italian function words do not outnumber frequent English ones."""
-    letters = [c for c in text if c.isalpha()]
-    ascii_letters = sum(c.isascii() for c in letters)
-    non_space = sum(not c.isspace() for c in text)
-    if not letters or ascii_letters < 0.95 * len(letters) or ascii_letters < 0.5 * non_space:
+    letters = sum(map(str.isalpha, text))  # map over str methods: a C loop, several times faster than a genexpr
+    ascii_letters = sum(map(str.isalpha, text.encode("ascii", "ignore").decode("ascii")))
+    non_space = len(text) - sum(map(str.isspace, text))
+    if not letters or ascii_letters < 0.95 * letters or ascii_letters < 0.5 * non_space:
         return False
     words = _WORD.findall(text.lower())
     return sum(w in _FOREIGN_WORDS for w in words) <= sum(w in _ENGLISH_WORDS for w in words)

@@ -49,8 +49,9 @@ class DistillDataConfig:
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
     out: str = field(metadata={"help": "output folder (shards, manifest)"})
     prompts: str = field(default="sharegpt", metadata={
-        "help": "sharegpt (first turns), sharegpt-turns (every turn in context) or a prompt jsonl; comma-separated "
-                "sources are pooled"})
+        "help": "sharegpt (first turns), sharegpt-turns (every turn in context), sharegpt-tasks (Spec-Bench-shaped "
+                "chat, translation, summarization, qa, math_reasoning, rag prompts from ShareGPT, kinds in turn) or a "
+                "prompt jsonl; comma-separated sources are pooled"})
     split: str = field(default="train", metadata={"help": "ShareGPT split: train or heldout"})
     limit: int | None = field(default=None, metadata={"help": "use the first N prompts"})
     responses_per_prompt: int = field(default=1, metadata={"help": "responses sampled per prompt"})

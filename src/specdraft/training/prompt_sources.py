@@ -1,11 +1,14 @@
 """Prompt sources for distillation data: ShareGPT first turns, every ShareGPT human turn with the conversation before
-it (multi-turn contexts), and prompt files (such as ``specdraft task-prompts``' output), alone or pooled.
+it (multi-turn contexts), Spec-Bench-shaped task prompts built from ShareGPT, and prompt files (such as
+``specdraft task-prompts``' output), alone or pooled.
 
 ``--prompts`` takes one source or several separated by commas, read in the order given:
 
 - ``sharegpt``: the opening human turn of each conversation (:func:`specdraft.training.data.sharegpt_prompts`);
 - ``sharegpt-turns``: every human turn, preceded by the turns before it in its conversation
   (:func:`sharegpt_turn_prompts`);
+- ``sharegpt-tasks``: chat, translation, summarization, qa, math_reasoning and rag prompts built from ShareGPT
+  conversations, the kinds taking turns (:func:`specdraft.training.sharegpt_tasks.sharegpt_task_prompts`);
 - a path: a prompt JSON Lines file (:func:`specdraft.training.data.prompts_from_jsonl`).
 
 The held-out split is by conversation, the same hash split as the first-turn source (:func:`split_of`), so no turn
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.training import data
+from specdraft.training.sharegpt_tasks import SHAREGPT_TASKS, sharegpt_task_prompts
 
 SHAREGPT, SHAREGPT_TURNS = "sharegpt", "sharegpt-turns"
 _ROLES = {"human": "user", "gpt": "assistant"}
@@ -85,6 +89,8 @@ def load_prompt_sources(spec: str, split: str = "train", limit: int | None = Non
             pairs += [(f"sharegpt:{r.id}", r.messages()) for r in data.sharegpt_prompts(split=split, limit=left)]
         elif part == SHAREGPT_TURNS:
             pairs += sharegpt_turn_prompts(split=split)[:left]
+        elif part == SHAREGPT_TASKS:
+            pairs += sharegpt_task_prompts(split=split)[:left]
         else:
             messages = data.prompts_from_jsonl(part)[:left]
             pairs += [(f"{Path(part).name}:{i}", m) for i, m in enumerate(messages)]
