@@ -180,6 +180,22 @@ def test_sampled_second_token_follows_the_target(trained):
     assert accepted > 0
 
 
+def test_heads_saved_in_bfloat16_keep_the_draft_vocabulary_exact(tmp_path):
+    """bf16 heads folders cast the floating weights only: d2t (offsets up to the vocabulary size, far beyond bf16's
+    exact integers) and t2d load back unchanged."""
+    from safetensors.torch import load_file
+
+    config = tiny_llama(0, layers=LAYERS).config
+    spec = head_config(config) | parse_settings({"draft_vocab": "100"}, LAYERS, 1000) | {"vocab_size": 1000}
+    head = build_eagle3(spec, torch.arange(100) * 9 + 7)
+    save_heads(head, "eagle3", spec, tmp_path / "h", "tiny", dtype=torch.bfloat16)
+    tensors = load_file(str(tmp_path / "h" / "heads.safetensors"))
+    assert (tensors["d2t"].dtype, tensors["t2d"].dtype, tensors["fc.weight"].dtype) == (
+        torch.int64, torch.bool, torch.bfloat16)
+    _, loaded = load_heads(tmp_path / "h", kind="eagle3")
+    assert torch.equal(loaded.draft_token_ids, torch.arange(100) * 9 + 7) and torch.equal(loaded.t2d, head.t2d)
+
+
 def test_heads_folder_round_trip_and_errors(trained, tmp_path):
     model, head = trained
     spec = head_config(model.config) | parse_settings({"draft_vocab": "64", "ttt_steps": "3"}, LAYERS, 64)

@@ -11,9 +11,6 @@ with the kind's builder (:func:`build_heads`).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.files import replace_folder
+from specdraft.files import build_folder
 
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads.json"
@@ -47,29 +44,28 @@ def build_heads(kind: str, spec: dict) -> nn.Module:
 
 def save_heads(module: nn.Module, kind: str, spec: dict, out: str | Path, target: str, card: str = "",
                dtype: torch.dtype = torch.float32, ranking: torch.Tensor | None = None) -> Path:
-    """Write ``module``'s weights (``dtype``, contiguous), ``heads.json``, ``README.md`` (``card``) and, if given,
-    the training data's token ``ranking`` (:mod:`specdraft.draft_vocab`) to ``out``, replacing an old folder only
-    once the new one is complete."""
+    """Write ``module``'s weights (floating tensors in ``dtype``; integer and bool buffers such as EAGLE-3's
+    ``d2t`` / ``t2d`` as they are), ``heads.json``, ``README.md`` (``card``) and, if given, the training data's token
+    ``ranking`` (:mod:`specdraft.draft_vocab`) to ``out``, replacing an old folder only once the new one is
+    complete."""
+    return build_folder(Path(out), lambda tmp: write_heads(tmp, module, kind, spec, target, card, dtype, ranking))
+
+
+def write_heads(folder: Path, module: nn.Module, kind: str, spec: dict, target: str, card: str = "",
+                dtype: torch.dtype = torch.float32, ranking: torch.Tensor | None = None) -> None:
+    """The files of :func:`save_heads`, written into the existing (temporary) ``folder``."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        weights = {k: v.detach().to(dtype).cpu().contiguous() for k, v in module.state_dict().items()}
-        save_file(weights, str(tmp / WEIGHTS_FILE))
-        meta = {"format": FORMAT, "kind": kind, "spec": spec, "target": target}
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
-        (tmp / "README.md").write_text(card or f"# specdraft {kind} heads\n\nTarget: `{target}`.\n")
-        if ranking is not None:
-            from specdraft.draft_vocab import save_token_ranking
+    weights = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in module.state_dict().items()}
+    save_file(weights, str(folder / WEIGHTS_FILE))
+    meta = {"format": FORMAT, "kind": kind, "spec": spec, "target": target}
+    (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    (folder / "README.md").write_text(card or f"# specdraft {kind} heads\n\nTarget: `{target}`.\n")
+    if ranking is not None:
+        from specdraft.draft_vocab import save_token_ranking
 
-            save_token_ranking(tmp, ranking)
-        os.chmod(tmp, 0o755)
-        replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        save_token_ranking(folder, ranking)
 
 
 def read_heads_config(path: str | Path) -> dict:
@@ -117,4 +113,4 @@ def load_heads(path: str | Path, kind: str | None = None) -> tuple[dict, nn.Modu
     return meta, module.float().eval()
 
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "build_heads", "load_heads", "read_heads_config", "save_heads"]
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "build_heads", "load_heads", "read_heads_config", "save_heads", "write_heads"]
