@@ -147,3 +147,105 @@ def test_shipped_drafter_loads_alone_in_transformers_and_assists_losslessly(capf
         kwargs = {"max_new_tokens": 64, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
         plain = target.generate(ids, **kwargs)
         assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), plain), question.question_id
+
+
+def _smollm2_shaped_target(layers: int = 28) -> NativeLlama:
+    """A random fp32 Llama of SmolLM2-135M's width, heads and vocabulary, deep enough for aux layers [2, 15, 27]
+    (narrow MLPs keep it quick), named like the built-in."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, rope_theta=1e5,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True)
+    target, generator = NativeLlama(config, name=SMOLLM2), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in target.parameters():  # norms 1, matrices N(0, 0.05^2)
+            parameter.copy_(torch.ones(parameter.shape) if parameter.dim() == 1
+                            else torch.randn(parameter.shape, generator=generator) * 0.05)
+    return target
+
+
+def test_shipped_eagle3_head_is_small_bf16_with_exact_draft_vocabulary_and_card():
+    from specdraft.drafters.options import folder_options
+    from specdraft.heads import WEIGHTS_FILE, load_heads
+    from specdraft.models.registry import SHIPPED_HEADS, SMOLLM2_EAGLE3, resolve_heads
+
+    folder = resolve_heads(SMOLLM2_EAGLE3)
+    assert folder == SHIPPED_HEADS[SMOLLM2_EAGLE3] and (folder / WEIGHTS_FILE).stat().st_size <= 40 * 2**20
+    with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL" and set(dtypes.values()) == {"BF16"}
+    meta, head = load_heads(SMOLLM2_EAGLE3, kind="eagle3")
+    assert meta["target"] == SMOLLM2 and (meta["spec"]["vocab_size"], meta["spec"]["hidden_size"]) == (49152, 576)
+    assert head.aux_layers == [2, 15, 27] and head.draft_token_ids.numel() == 8192
+    ids = head.draft_token_ids
+    assert bool((ids[1:] > ids[:-1]).all()) and int(ids[-1]) < 49152 and int(head.t2d.sum()) == 8192
+    assert folder_options(folder) == {"top_k": "2", "tree_nodes": "4"}
+    card = (folder / "README.md").read_text()
+    assert "Budget" in card and "Measured results" in card and "<!-- results:begin -->" in card
+
+
+def test_eagle3_without_heads_uses_the_shipped_head_for_smollm2_only(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from specdraft.drafters.eagle3 import Eagle3Drafter
+    from specdraft.drafters.loading import load_drafter
+    from specdraft.errors import SpecdraftError
+    from specdraft.models.registry import DEFAULT_HEADS, SMOLLM2_EAGLE3
+
+    assert DEFAULT_HEADS[("eagle3", SMOLLM2)] == SMOLLM2_EAGLE3
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    for name in (SMOLLM2, str(tmp_path / SMOLLM2)):  # the built-in's name, or the folder it is converted to
+        drafter = load_drafter(SimpleNamespace(name=name), None, drafter="eagle3")
+        assert isinstance(drafter, Eagle3Drafter) and drafter.hidden_layers == (2, 15, 27)
+        assert (drafter.top_k, drafter.tree_nodes) == (2, 4)  # the shipped drafter_options.json
+    chain = load_drafter(SimpleNamespace(name=SMOLLM2), None, drafter="eagle3", options={"top_k": "1"})
+    assert chain.top_k == 1
+    with pytest.raises(SpecdraftError, match=r"no shipped eagle3 heads for target 'other-model'.*"
+                                             r"smollm2-135m-instruct-eagle3 for smollm2-135m-instruct"):
+        load_drafter(SimpleNamespace(name="other-model"), None, drafter="eagle3")
+
+
+def test_shipped_eagle3_head_on_a_smollm2_shaped_target_keeps_greedy_output():
+    """The shipped head through the whole drafting path (features of layers 2, 15, 27, bf16 weights cast to the
+    target's fp32, d2t) on a random target of SmolLM2's shape: chain and tree output equal plain decoding."""
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.drafters.loading import load_drafter
+
+    target = _smollm2_shaped_target()
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 520, 9531, 198]
+    plain = generate(target, prompt, None, GenerationConfig(12)).token_ids
+    for options in ({"top_k": "1"}, {}):
+        drafter = load_drafter(target, None, drafter="eagle3", options=options)
+        result = generate(target, prompt, drafter, GenerationConfig(12, 3))
+        assert result.token_ids == plain and result.stats.draft_tokens_proposed > 0
+
+
+def test_shipped_eagle3_head_exports_for_the_engines(tmp_path):
+    from specdraft.export.eagle3 import export_eagle3
+    from specdraft.heads import load_heads
+    from specdraft.models.registry import SMOLLM2_EAGLE3
+
+    out = export_eagle3(SMOLLM2_EAGLE3, tmp_path / "flat")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 8192
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and config["specdraft_target"] == SMOLLM2
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        d2t = f.get_tensor("d2t")
+    assert torch.equal(d2t, load_heads(SMOLLM2_EAGLE3, kind="eagle3")[1].d2t)
+
+
+@pytest.mark.slow
+def test_shipped_eagle3_head_with_smollm2_is_lossless_and_drafts(tmp_path):
+    """The real target in fp32, ``--drafter eagle3`` with no heads given (the shipped head, its default tree);
+    then ``specdraft export --format eagle3`` by name, checked against the target."""
+    from specdraft.api import load_drafter, load_target
+    from specdraft.cli import main
+    from specdraft.models.registry import SMOLLM2_EAGLE3
+
+    target, tokenizer = load_target(SMOLLM2, torch.float32)
+    drafter = load_drafter(target, tokenizer, drafter="eagle3")
+    assert drafter.hidden_layers == (2, 15, 27) and (drafter.top_k, drafter.tree_nodes) == (2, 4)
+    _assert_lossless_and_drafting(target, tokenizer, drafter)
+    assert main(["export", SMOLLM2_EAGLE3, "--format", "eagle3", "--out", str(tmp_path / "flat")]) == 0
+    assert (tmp_path / "flat" / "model.safetensors").is_file()

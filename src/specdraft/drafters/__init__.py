@@ -61,12 +61,13 @@ def _eagle(target, tokenizer, options: dict[str, str]) -> Drafter:
 
 
 def _eagle3(target, tokenizer, options: dict[str, str]) -> Drafter:
+    """EAGLE-3 with ``heads=PATH``, or without it the heads shipped for the target (SmolLM2-135M-Instruct:
+    ``smollm2-135m-instruct-eagle3``)."""
     from specdraft.drafters.eagle3 import Eagle3Drafter
-    from specdraft.errors import SpecdraftError
+    from specdraft.models.registry import default_heads
 
     if "heads" not in options:
-        raise SpecdraftError("eagle3 needs --drafter-option heads=PATH (a folder made by `specdraft train-heads "
-                             "--kind eagle3`)")
+        options = {"heads": default_heads("eagle3", getattr(target, "name", ""))} | options
     return build(Eagle3Drafter, _with_folder_defaults(options))
 
 

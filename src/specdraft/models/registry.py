@@ -44,8 +44,10 @@ SMOLLM2_DRAFTER = "smollm2-135m-instruct-drafter"
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # checkpoints shipped inside the package
 SHIPPED = {SMOLLM2_DRAFTER: WEIGHTS_DIR / SMOLLM2_DRAFTER}  # the project's own drafters, ready to load
 SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
-SHIPPED_HEADS = {SMOLLM2_EAGLE: WEIGHTS_DIR / SMOLLM2_EAGLE}  # self-drafting heads (specdraft.heads folders)
+SMOLLM2_EAGLE3 = "smollm2-135m-instruct-eagle3"
+SHIPPED_HEADS = {name: WEIGHTS_DIR / name for name in (SMOLLM2_EAGLE, SMOLLM2_EAGLE3)}  # specdraft.heads folders
 DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generate` use with a target by default
+DEFAULT_HEADS = {("eagle3", SMOLLM2): SMOLLM2_EAGLE3}  # (heads kind, target) -> heads used when none are given
 
 
 def _package_dir(package: str) -> Path:
@@ -94,12 +96,35 @@ def shipped_folder(name: str) -> Path:
 
 
 def resolve_heads(name_or_path: str) -> Path:
-    """The folder of shipped heads ``name_or_path`` (e.g. ``smollm2-135m-instruct-eagle``), else the path itself."""
+    """The folder of shipped heads ``name_or_path`` (``smollm2-135m-instruct-eagle``, ``-eagle3``), else the path
+    itself."""
     if name_or_path in SHIPPED_HEADS:
         if not (SHIPPED_HEADS[name_or_path] / "heads.json").is_file():
             raise SpecdraftError(f"shipped heads {name_or_path!r} are missing from {SHIPPED_HEADS[name_or_path]}")
         return SHIPPED_HEADS[name_or_path]
     return Path(name_or_path).expanduser()
+
+
+def default_heads(kind: str, target_name: str) -> str:
+    """The shipped heads of ``kind`` for the target named ``target_name`` (its built-in name, or the folder the
+    built-in is converted to); a SpecdraftError naming the target and the shipped pairs when there are none."""
+    name = str(target_name)
+    for (heads_kind, target), heads in DEFAULT_HEADS.items():
+        if heads_kind == kind and names_builtin(name, target):
+            return heads
+    shipped = "; ".join(f"{heads} for {target}" for (k, target), heads in DEFAULT_HEADS.items() if k == kind)
+    raise SpecdraftError(f"{kind} needs --drafter-option heads=PATH: no shipped {kind} heads for target {name!r}"
+                         f" (shipped: {shipped or 'none'}); train them with `specdraft train-heads --kind {kind}`")
+
+
+def names_builtin(name: str, builtin: str) -> bool:
+    """Whether ``name`` is the built-in ``builtin``: its name, or the cache folder it is converted to
+    (``--target ~/.cache/specdraft/smollm2-135m-instruct``)."""
+    if name == builtin:
+        return True
+    if builtin not in BUILTINS or not name.strip():
+        return False
+    return Path(name).expanduser().resolve() == (cache_dir() / builtin).resolve()
 
 
 def resolve(name_or_path: str) -> Path | str:
