@@ -206,8 +206,8 @@ def ship(heads: Path, out: Path, target_config, results: list[dict] | None = Non
         write_heads(tmp, head, "eagle3", meta["spec"], SMOLLM2, "", torch.bfloat16)
         size = (tmp / WEIGHTS_FILE).stat().st_size
         if size > MAX_BYTES:
-            raise SpecdraftError(f"{heads} make {size / 2**20:.1f} MB of bf16 weights; the package takes "
-                                 f"{MAX_BYTES / 2**20:.0f} MB at most")
+            raise SpecdraftError(f"{heads} make {size / 2**20:.1f} MiB of bf16 weights; the package takes "
+                                 f"{MAX_BYTES / 2**20:.0f} MiB at most")
         parts = {"training": training_table(training_stages(heads))}
         if results:
             parts["results"] = results_table(results, options)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"shipped {args.heads} as {out} ({(out / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MB)")
+    print(f"shipped {args.heads} as {out} ({(out / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
     return 0
 
 
