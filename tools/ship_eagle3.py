@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.options import DRAFTER_OPTIONS_FILE, parse_options
+from specdraft.drafters.options import DRAFTER_OPTIONS_FILE, folder_options, parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.files import build_folder
 from specdraft.heads import WEIGHTS_FILE, load_heads, write_heads
 from specdraft.heads.eagle import head_config
-from specdraft.models.registry import SHIPPED_HEADS, SMOLLM2, SMOLLM2_EAGLE3, names_builtin
+from specdraft.models.registry import SHIPPED_HEADS, SMOLLM2, SMOLLM2_EAGLE3, names_builtin, resolve_heads
 
 MAX_BYTES = 40 * 2**20
 DEFAULT_OPTIONS = {"top_k": 2, "tree_nodes": 4}
@@ -126,11 +126,14 @@ def training_table(stages: list[dict]) -> str:
 
 
 def _options(row: dict, defaults: dict) -> str:
-    """The options a row's drafter ran with: an eagle3 row without heads= ran the shipped head with its defaults."""
+    """The options a row's drafter ran with: those given over the defaults of the heads folder it names, or for
+    eagle3 without heads=, over the shipped head's ``defaults``."""
     given = parse_options(row["options"])
-    if row["drafter"] == "eagle3" and "heads" not in given:
-        given = {key: str(value) for key, value in defaults.items()} | given
-    return ";".join(f"{key}={value}" for key, value in given.items()) or "(defaults)"
+    if "heads" in given:
+        base = folder_options(resolve_heads(given["heads"]))
+    else:
+        base = {key: str(value) for key, value in defaults.items()} if row["drafter"] == "eagle3" else {}
+    return ";".join(f"{key}={value}" for key, value in (base | given).items()) or "(defaults)"
 
 
 def results_table(rows: list[dict], defaults: dict) -> str:
@@ -145,13 +148,13 @@ def results_table(rows: list[dict], defaults: dict) -> str:
              f"other jobs (load average {first['load_avg'][0]} at the start, {first['load_avg'][1]} at the end: "
              f"speed-ups jitter 20-30%); measured {first['date']}.",
              "",
-             "| drafting | depth (γ) | options | τ | first draft token accepted | draft tokens accepted | "
+             "| method | drafter | depth (γ) | options | τ | first draft token accepted | draft tokens accepted | "
              "speed-up over plain decoding | equal to plain decoding |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['method']} | {row['num_draft_tokens']} | `{_options(row, defaults)}` | "
-                     f"{row['tau']:.2f} | {row['first_token_acceptance']:.2f} | {row['acceptance']:.2f} | "
-                     f"{row['speedup']:.2f}x | {row['equal_to_plain']} |")
+        lines.append(f"| {row['method']} | {row['drafter']} | {row['num_draft_tokens']} | "
+                     f"`{_options(row, defaults)}` | {row['tau']:.2f} | {row['first_token_acceptance']:.2f} | "
+                     f"{row['acceptance']:.2f} | {row['speedup']:.2f}x | {row['equal_to_plain']} |")
     return "\n".join(lines)
 
 

@@ -81,7 +81,8 @@ def test_ships_bf16_heads_with_the_training_chain_and_results(tool, config, tmp_
     out = tmp_path / "shipped"
     out.mkdir()
     (out / "README.md").write_text(CARD)
-    tool.ship(second, out, config, [ROW], {"top_k": 2, "tree_nodes": 4})
+    eagle = ROW | {"method": "EAGLE", "drafter": "eagle", "options": "heads=smollm2-135m-instruct-eagle"}
+    tool.ship(second, out, config, [ROW, eagle], {"top_k": 2, "tree_nodes": 4})
     tensors = load_file(str(out / "heads.safetensors"))
     assert (tensors.pop("d2t").dtype, tensors.pop("t2d").dtype) == (torch.int64, torch.bool)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
@@ -92,14 +93,15 @@ def test_ships_bf16_heads_with_the_training_chain_and_results(tool, config, tmp_
     assert "old budget" not in card
     assert "| 1 | a fresh head | 300 | 4 | 0.001 | fkl | 185,000 | 1.0 h |" in card
     assert "| 2 | stage 1 | 1,200 |" in card and "| all | | 1,500 | | | | 885,000 | 2.0 h |" in card
-    assert "| chain | 3 | `top_k=1;tree_nodes=4` | 1.50 | 0.40 | 0.30 | 0.90x | 5/12 |" in card  # shipped defaults
+    assert "| chain | eagle3 | 3 | `top_k=1;tree_nodes=4` | 1.50 | 0.40 | 0.30 | 0.90x | 5/12 |" in card  # defaults
+    assert "| EAGLE | eagle | 3 | `top_k=2;tree_nodes=4;draft_vocab=8192;heads=smollm2-135m-instruct-eagle` |" in card
     assert "2-core AMD EPYC" in card and "1 torch thread," in card
     tool.ship(second, out, config)  # same weights, no results: the table stays, and so do the options
-    assert "| chain | 3 |" in (out / "README.md").read_text()
+    assert "| chain | eagle3 | 3 |" in (out / "README.md").read_text()
     assert json.loads((out / "drafter_options.json").read_text()) == {"top_k": 2, "tree_nodes": 4}
     tool.ship(first, out, config)  # other weights: the old numbers go
     card = (out / "README.md").read_text()
-    assert "| chain | 3 |" not in card and "Not measured for these weights yet" in card
+    assert "| chain | eagle3 | 3 |" not in card and "Not measured for these weights yet" in card
     assert "| 2 | stage 1" not in card and "| 1 | a fresh head | 300 |" in card
 
 
