@@ -12,10 +12,16 @@ pytestmark = pytest.mark.skipif(not rowgemm.available(), reason="no AVX2 CPU or 
 SHAPES = [(48, 32), (10, 37), (3, 16), (96, 200)]  # (N, K): ragged N (blocks of 4) and K (steps of 16) included
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["256-bit", "512-bit", "avx512-bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear_and_each_row_alone(dtype: torch.dtype, shape: tuple[int, int], bias: bool) -> None:
+def test_linear_matches_f_linear_and_each_row_alone(monkeypatch, mode: int, dtype: torch.dtype,
+                                                    shape: tuple[int, int], bias: bool) -> None:
+    """Every variant this CPU can run (the one a process uses is fixed: :func:`rowgemm.mode`)."""
+    if mode > rowgemm.mode():
+        pytest.skip("this CPU cannot run that variant")
+    monkeypatch.setattr(rowgemm, "mode", lambda: mode)
     generator = torch.Generator().manual_seed(0)
     n, k = shape
     weight = torch.randn(n, k, generator=generator).to(dtype)
@@ -52,3 +58,16 @@ def test_attention_matches_sdpa_and_each_query_alone(dtype: torch.dtype) -> None
         seen = start + t + 1
         alone = rowgemm.attention(queries[:, t : t + 1], keys[:, :, :seen], values[:, :, :seen], None)
         assert torch.equal(out[:, t : t + 1], alone)
+
+
+def test_the_avx2_emulation_keeps_the_256_bit_kernel_and_rows_for_bf16():
+    """Under the AVX2 emulation variables a fresh process runs the 256-bit kernel and packs bf16 for it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from specdraft.models import packed, rowgemm; "
+            "print(rowgemm.mode(), packed.pack(torch.zeros(8, 16, dtype=torch.bfloat16)).kind)")
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["0", "rows"]

@@ -127,6 +127,184 @@ void product(const W* w, const float* x, int64_t M, int64_t N, int64_t Kp, const
   });
 }
 
+// The same blocks with 512-bit FMAs (AVX-512F/BW/DQ, chosen at run time): one weight row's step (16 k) per vector
+// against x in the weights' own k order (natural for bf16, even/odd for fp32), 4 x up to 6 accumulators, one fixed
+// 16-lane horizontal sum. Row-invariant like the 256-bit kernel (its sums are grouped differently, so the two
+// kernels' results differ in the last bits; a process uses one).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+
+inline __m512 widen16(const c10::BFloat16* p) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline float hsum16(__m512 v) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MB, typename W, typename O>
+inline void tile16(const W* w, const float* x, int64_t Kp, const float* bias, O* out, int64_t N, const W* next) {
+  __m512 acc[kRows][MB];
+  for (int n = 0; n < kRows; ++n)
+    for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += kStep) {
+    const W* ws = w + k * kRows;
+    if (next) {
+      const char* line = reinterpret_cast<const char*>(next + k * kRows);
+      for (int64_t byte = 0; byte < static_cast<int64_t>(kRows * kStep * sizeof(W)); byte += 64)
+        _mm_prefetch(line + byte, _MM_HINT_T0);
+    }
+    for (int n = 0; n < kRows; ++n) {
+      const __m512 wv = widen16(ws + n * kStep);
+      for (int m = 0; m < MB; ++m) acc[n][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * Kp + k), acc[n][m]);
+    }
+  }
+  for (int n = 0; n < kRows; ++n) {
+    for (int m = 0; m < MB; ++m) {
+      float s = hsum16(acc[n][m]);
+      if (bias) s += bias[n];
+      out[m * N + n] = static_cast<O>(s);
+    }
+  }
+}
+
+template <typename W, typename O>
+void block_rows16(const W* w, const float* x, int64_t M, int64_t Kp, const float* bias, O* out, int64_t N,
+                  int64_t n0, const W* next) {
+  const int64_t live = std::min<int64_t>(kRows, N - n0);
+  if (live < kRows) {  // the padded rows of the last block are not written
+    std::vector<O> full(M * kRows);
+    std::vector<float> b(kRows, 0.0f);
+    if (bias) std::copy(bias + n0, bias + n0 + live, b.begin());
+    block_rows16(w, x, M, Kp, bias ? b.data() : nullptr, full.data(), kRows, 0, next);
+    for (int64_t m = 0; m < M; ++m) std::copy(&full[m * kRows], &full[m * kRows] + live, out + m * N + n0);
+    return;
+  }
+  const float* b = bias ? bias + n0 : nullptr;
+  for (int64_t m = 0; m < M; m += 6) {
+    const float* xm = x + m * Kp;
+    O* om = out + m * N + n0;
+    const W* ahead = m ? nullptr : next;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 1: tile16<1>(w, xm, Kp, b, om, N, ahead); break;
+      case 2: tile16<2>(w, xm, Kp, b, om, N, ahead); break;
+      case 3: tile16<3>(w, xm, Kp, b, om, N, ahead); break;
+      case 4: tile16<4>(w, xm, Kp, b, om, N, ahead); break;
+      case 5: tile16<5>(w, xm, Kp, b, om, N, ahead); break;
+      default: tile16<6>(w, xm, Kp, b, om, N, ahead); break;
+    }
+  }
+}
+
+template <typename W, typename O>
+void product16(const W* w, const float* x, int64_t M, int64_t N, int64_t Kp, const float* bias, O* out) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      block_rows16(w + block * kRows * Kp, x, M, Kp, bias, out, N, block * kRows,
+                   block + 1 < end ? w + (block + 1) * kRows * Kp : nullptr);
+  });
+}
+
+#pragma GCC pop_options
+
+// bf16 weights times bf16 rows with AVX-512-BF16's pair dot product (vdpbf16ps: 32 products per instruction, exact
+// in fp32, added pair by pair in a fixed order): one vector holds one step of two weight rows, x's step is stored
+// twice over, so each lane sums one row's pairs; each row's 8 lanes are then summed in the fixed order of hsum.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
+
+template <int MB, typename O>
+inline void tile_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t Kp, const float* bias, O* out,
+                     int64_t N, const c10::BFloat16* next) {
+  __m512 acc[2][MB];  // [row pair][x row]
+  for (int p = 0; p < 2; ++p)
+    for (int m = 0; m < MB; ++m) acc[p][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += kStep) {
+    const c10::BFloat16* ws = w + k * kRows;
+    if (next) {
+      const char* line = reinterpret_cast<const char*>(next + k * kRows);
+      _mm_prefetch(line, _MM_HINT_T0);
+      _mm_prefetch(line + 64, _MM_HINT_T0);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(ws);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(ws + 2 * kStep);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m * Kp + k) * 2);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, xv);
+      acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1, xv);
+    }
+  }
+  for (int p = 0; p < 2; ++p) {
+    for (int m = 0; m < MB; ++m) {
+      const __m256 halves[2] = {_mm512_castps512_ps256(acc[p][m]), _mm512_extractf32x8_ps(acc[p][m], 1)};
+      for (int h = 0; h < 2; ++h) {
+        float s = hsum(halves[h]);
+        if (bias) s += bias[2 * p + h];
+        out[m * N + 2 * p + h] = static_cast<O>(s);
+      }
+    }
+  }
+}
+
+template <typename O>
+void block_rows_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t M, int64_t Kp, const float* bias, O* out,
+                    int64_t N, int64_t n0, const c10::BFloat16* next) {
+  const int64_t live = std::min<int64_t>(kRows, N - n0);
+  if (live < kRows) {  // the padded rows of the last block are not written
+    std::vector<O> full(M * kRows);
+    std::vector<float> b(kRows, 0.0f);
+    if (bias) std::copy(bias + n0, bias + n0 + live, b.begin());
+    block_rows_dot(w, x, M, Kp, bias ? b.data() : nullptr, full.data(), kRows, 0, next);
+    for (int64_t m = 0; m < M; ++m) std::copy(&full[m * kRows], &full[m * kRows] + live, out + m * N + n0);
+    return;
+  }
+  const float* b = bias ? bias + n0 : nullptr;
+  for (int64_t m = 0; m < M; m += 8) {
+    const c10::BFloat16* xm = x + m * Kp * 2;
+    O* om = out + m * N + n0;
+    const c10::BFloat16* ahead = m ? nullptr : next;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: tile_dot<1>(w, xm, Kp, b, om, N, ahead); break;
+      case 2: tile_dot<2>(w, xm, Kp, b, om, N, ahead); break;
+      case 3: tile_dot<3>(w, xm, Kp, b, om, N, ahead); break;
+      case 4: tile_dot<4>(w, xm, Kp, b, om, N, ahead); break;
+      case 5: tile_dot<5>(w, xm, Kp, b, om, N, ahead); break;
+      case 6: tile_dot<6>(w, xm, Kp, b, om, N, ahead); break;
+      case 7: tile_dot<7>(w, xm, Kp, b, om, N, ahead); break;
+      default: tile_dot<8>(w, xm, Kp, b, om, N, ahead); break;
+    }
+  }
+}
+
+template <typename O>
+void product_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t M, int64_t N, int64_t Kp, const float* bias,
+                 O* out) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      block_rows_dot(w + block * kRows * Kp, x, M, Kp, bias, out, N, block * kRows,
+                     block + 1 < end ? w + (block + 1) * kRows * Kp : nullptr);
+  });
+}
+
+#pragma GCC pop_options
+
+template <typename W, typename O>
+void product_on(bool wide, const W* w, const float* x, int64_t M, int64_t N, int64_t Kp, const float* bias, O* out) {
+  if (wide)
+    product16(w, x, M, N, Kp, bias, out);
+  else
+    product(w, x, M, N, Kp, bias, out);
+}
+
 // (N, K) -> (ceil(N / 4), Kp / 16, 4, 16), zero-padded (Kp = K rounded up to 16).
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "rowgemm: weight must be an (N, K) matrix");
@@ -143,8 +321,11 @@ at::Tensor pack(const at::Tensor& weight) {
   return steps.transpose(1, 2).contiguous();  // (blocks, steps, 4, 16)
 }
 
+// mode: 0 the 256-bit kernel, 1 the 512-bit one, 2 the AVX-512-BF16 pair dot product for bf16 rows and weights
+// (else as 1). Fixed per process by the caller, so a row's result never depends on how many rows come with it.
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                  int64_t N) {
+                  int64_t N, int64_t mode) {
+  const bool wide = mode >= 1;
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kRows && packed.size(3) == kStep && packed.is_contiguous(),
               "rowgemm: weight must come from rowgemm pack");
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
@@ -153,29 +334,39 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
   TORCH_CHECK(K <= Kp && Kp - K < kStep && N <= packed.size(0) * kRows, "rowgemm: input does not match the weight");
   at::Tensor rows = input.reshape({-1, K});
   const int64_t M = rows.size(0);
-  at::Tensor x = at::zeros({M, Kp}, rows.options().dtype(at::kFloat));  // (M, Kp) fp32: exact for bf16 input
-  x.narrow(1, 0, K).copy_(rows);
-  x = x.view({M, Kp / kStep, 8, 2}).transpose(2, 3).contiguous();  // 8 even then 8 odd k per step
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "rowgemm: bias must have N elements");
     b = bias->to(at::kFloat).contiguous();
   }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, input.options());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (mode == 2 && packed.scalar_type() == at::kBFloat16 && input.scalar_type() == at::kBFloat16) {
+    at::Tensor xb = at::zeros({M, Kp / kStep, 2, kStep}, rows.options());  // each step's 16 k stored twice
+    at::Tensor steps = at::zeros({M, Kp}, rows.options());
+    steps.narrow(1, 0, K).copy_(rows);
+    xb.copy_(steps.view({M, Kp / kStep, 1, kStep}).expand({M, Kp / kStep, 2, kStep}));
+    product_dot(packed.data_ptr<c10::BFloat16>(), xb.data_ptr<c10::BFloat16>(), M, N, Kp, bp,
+                out.data_ptr<c10::BFloat16>());
+    return out.view(shape);
+  }
+  at::Tensor x = at::zeros({M, Kp}, rows.options().dtype(at::kFloat));  // (M, Kp) fp32: exact for bf16 input
+  x.narrow(1, 0, K).copy_(rows);
+  if (!wide || packed.scalar_type() == at::kFloat)  // the weights' k order: 8 even then 8 odd k per step
+    x = x.view({M, Kp / kStep, 8, 2}).transpose(2, 3).contiguous();
   const float* xp = x.data_ptr<float>();
   if (packed.scalar_type() == at::kBFloat16) {
     if (out.scalar_type() == at::kBFloat16)
-      product(packed.data_ptr<c10::BFloat16>(), xp, M, N, Kp, bp, out.data_ptr<c10::BFloat16>());
+      product_on(wide, packed.data_ptr<c10::BFloat16>(), xp, M, N, Kp, bp, out.data_ptr<c10::BFloat16>());
     else
-      product(packed.data_ptr<c10::BFloat16>(), xp, M, N, Kp, bp, out.data_ptr<float>());
+      product_on(wide, packed.data_ptr<c10::BFloat16>(), xp, M, N, Kp, bp, out.data_ptr<float>());
   } else {
     if (out.scalar_type() == at::kBFloat16)
-      product(packed.data_ptr<float>(), xp, M, N, Kp, bp, out.data_ptr<c10::BFloat16>());
+      product_on(wide, packed.data_ptr<float>(), xp, M, N, Kp, bp, out.data_ptr<c10::BFloat16>());
     else
-      product(packed.data_ptr<float>(), xp, M, N, Kp, bp, out.data_ptr<float>());
+      product_on(wide, packed.data_ptr<float>(), xp, M, N, Kp, bp, out.data_ptr<float>());
   }
   return out.view(shape);
 }
@@ -269,7 +460,7 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
 
 TORCH_LIBRARY(specdraft_rowgemm, m) { 
   m.def("pack(Tensor weight) -> Tensor");
-  m.def("linear(Tensor input, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("linear(Tensor input, Tensor packed, Tensor? bias, int n, int mode) -> Tensor");
   m.def("attention(Tensor queries, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
 }
 

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from specdraft.files import cache_dir
-from specdraft.hardware import cpu_flags
+from specdraft.hardware import cpu_capability, cpu_flags
 
 _ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
+_WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" or "512" caps the variant on AVX-512 CPUs (for comparisons)
 _SOURCE = Path(__file__).with_name("rowgemm.cpp")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")  # explicit FMAs only: the summation order is the source's
 
@@ -57,6 +58,20 @@ def _load() -> bool:
         return False
 
 
+@functools.cache
+def mode() -> int:
+    """Which variant :func:`linear` runs, fixed per process: 0 the 256-bit kernel; 1 the 512-bit one where torch's
+    kernels dispatch to AVX-512 (``ATEN_CPU_CAPABILITY=avx2`` keeps 0) and the CPU has AVX-512 F/BW/DQ/VL; 2 where
+    it also has AVX-512-BF16 (bf16 rows times bf16 weights by pair dot products). ``SPECDRAFT_ROWGEMM_WIDTH=256``
+    keeps 0 and ``512`` stops at 1, for comparisons."""
+    flags, limit = cpu_flags(), os.environ.get(_WIDTH_ENV, "")
+    if limit == "256" or not cpu_capability().startswith("AVX512"):
+        return 0
+    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return 0
+    return 1 if limit == "512" or "avx512_bf16" not in flags else 2
+
+
 def available() -> bool:
     """Whether the kernel can run here (building it on first call); False with ``SPECDRAFT_ROWGEMM=0``."""
     return os.environ.get(_ENV, "1") != "0" and _load()
@@ -72,7 +87,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x @ weight.T + bias`` for x (..., K) in fp32 or bf16, ``packed`` = :func:`pack` (weight) with ``n`` rows:
     accumulated in fp32, rounded once to x's dtype. Returns (..., n)."""
-    return torch.ops.specdraft_rowgemm.linear(x, packed, bias, n)
+    return torch.ops.specdraft_rowgemm.linear(x, packed, bias, n, mode())
 
 
 def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
