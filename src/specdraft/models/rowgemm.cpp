@@ -7,21 +7,11 @@
 // wherever its row falls in a block (8-lane FMA accumulation over k in order from zero, one fixed horizontal sum,
 // then the bias, then one rounding to the output dtype): a row's result does not depend on the other rows, so a
 // k-token forward reproduces k 1-token forwards bit for bit.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <vector>
-#include <torch/library.h>
+#include "rowkernels.h"
 
 namespace {
 
-constexpr int64_t kRows = 4;    // weight rows per block
-constexpr int64_t kStep = 16;   // k per step: one 256-bit load of 16 bf16, two of 8 fp32
+using namespace specdraft_rows;
 
 // Weights are stored blocked, (N / 4, K / 16, 4, 16): each step of a block reads one contiguous 128 (bf16) or
 // 256 (fp32) bytes, one sequential stream in all. Within a step the 16 values are in k order for bf16 (a 32-bit
@@ -38,12 +28,6 @@ inline void widen(const float* p, __m256& even, __m256& odd) {
   odd = _mm256_loadu_ps(p + 8);
 }
 
-inline float hsum(__m256 v) {  // one fixed order: (lo + hi), then pairs, then the last two
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Weight rows [n0, n0 + NT) of one block (NT of 4) times MB rows of x (each (Kp,) fp32, even/odd per step):
 // NT * MB accumulators in registers.
@@ -370,176 +354,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
   }
   return out.view(shape);
 }
-
-// Attention of T new queries over S cached keys, one (query, head) at a time, the same instruction sequence for
-// every one whatever T is: scores in slot order over the visible slots only (8-lane FMA over the head dimension,
-// one fixed horizontal sum), softmax with the running maximum, values accumulated in slot order. A query's output
-// is the same whether it comes alone (a plain step) or among others (a chain or a tree whose ancestors precede it).
-template <typename T>
-inline __m256 load8(const T* p);
-template <>
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-template <>
-inline __m256 load8(const c10::BFloat16* p) {
-  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-// e^x for x <= 0, 8 lanes (cephes expf: Cody-Waite reduction, degree-6 polynomial, about 1 ulp), the same
-// instructions for every lane; below -87 it returns e^-87 (~1.6e-38), which no softmax sum can see.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-// The same for a head dimension known at compile time (HD8 = hd / 8): the query and the output accumulate in
-// registers, and scores are computed 4 slots at a time (4 independent chains; each score's own sequence is the
-// same as alone: 8-lane FMAs over the head dimension in order, then hsum).
-template <int HD8, typename T, typename O>
-void attend_fixed(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
-                  const bool* mask, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale, O* out) {
-  constexpr int64_t hd = HD8 * 8;
-  const int64_t groups = H / KV;
-  at::parallel_for(0, B * Tn * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(S + 8, 0.0f);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Tn * H), t = item / H % Tn, h = item % H, kvh = h / groups;
-      const T* kb = keys + b * ks[0] + kvh * ks[1];
-      const T* vb = values + b * vs[0] + kvh * vs[1];
-      const bool* visible = mask ? mask + t * S : nullptr;
-      __m256 qr[HD8];
-      for (int i = 0; i < HD8; ++i) qr[i] = _mm256_loadu_ps(q + item * hd + i * 8);
-      int64_t s = 0;
-      for (; s + 4 <= S; s += 4) {
-        __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int i = 0; i < HD8; ++i)
-          for (int j = 0; j < 4; ++j) dot[j] = _mm256_fmadd_ps(qr[i], load8(kb + (s + j) * ks[2] + i * 8), dot[j]);
-        for (int j = 0; j < 4; ++j) score[s + j] = hsum(dot[j]) * scale;
-      }
-      for (; s < S; ++s) {
-        __m256 dot = _mm256_setzero_ps();
-        for (int i = 0; i < HD8; ++i) dot = _mm256_fmadd_ps(qr[i], load8(kb + s * ks[2] + i * 8), dot);
-        score[s] = hsum(dot) * scale;
-      }
-      float top = -std::numeric_limits<float>::infinity();
-      for (s = 0; s < S; ++s)
-        if (!visible || visible[s]) top = std::max(top, score[s]);
-      const __m256 shift = _mm256_set1_ps(top);
-      for (s = 0; s < S; s += 8) _mm256_storeu_ps(&score[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[s]), shift)));
-      __m256 acc[HD8];
-      for (int i = 0; i < HD8; ++i) acc[i] = _mm256_setzero_ps();
-      float total = 0.0f;
-      for (s = 0; s < S; ++s) {
-        if (visible && !visible[s]) continue;
-        total += score[s];
-        const __m256 p = _mm256_set1_ps(score[s]);
-        for (int i = 0; i < HD8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vb + s * vs[2] + i * 8), acc[i]);
-      }
-      float row[hd];
-      for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(row + i * 8, _mm256_div_ps(acc[i], _mm256_set1_ps(total)));
-      O* o = out + item * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(row[d]);
-    }
-  });
-}
-
-template <typename T, typename O>
-void attend(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs, const bool* mask,
-            int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, int64_t hd, float scale, O* out) {
-  const int64_t groups = H / KV;
-  at::parallel_for(0, B * Tn * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(S), acc(hd);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Tn * H), t = item / H % Tn, h = item % H, kvh = h / groups;
-      const float* qv = q + item * hd;
-      const T* kb = keys + b * ks[0] + kvh * ks[1];
-      const T* vb = values + b * vs[0] + kvh * vs[1];
-      const bool* visible = mask ? mask + t * S : nullptr;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < S; ++s) {
-        if (visible && !visible[s]) continue;
-        __m256 dot = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load8(kb + s * ks[2] + d), dot);
-        score[s] = hsum(dot) * scale;
-        top = std::max(top, score[s]);
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      float total = 0.0f;
-      for (int64_t s = 0; s < S; ++s) {
-        if (visible && !visible[s]) continue;
-        const float p = std::exp(score[s] - top);
-        total += p;
-        const __m256 pv = _mm256_set1_ps(p);
-        for (int64_t d = 0; d < hd; d += 8)
-          _mm256_storeu_ps(&acc[d], _mm256_fmadd_ps(pv, load8(vb + s * vs[2] + d), _mm256_loadu_ps(&acc[d])));
-      }
-      O* o = out + item * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(acc[d] / total);
-    }
-  });
-}
-
-at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                     const c10::optional<at::Tensor>& mask, double scale) {
-  TORCH_CHECK(queries.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rowgemm: attention takes 4-d tensors");
-  const int64_t B = queries.size(0), Tn = queries.size(1), H = queries.size(2), hd = queries.size(3);
-  const int64_t KV = keys.size(1), S = keys.size(2);
-  TORCH_CHECK(hd % 8 == 0 && H % KV == 0 && keys.sizes() == values.sizes() && keys.size(3) == hd &&
-                  keys.size(0) == B && keys.scalar_type() == values.scalar_type() && keys.stride(3) == 1 &&
-                  values.stride(3) == 1,
-              "rowgemm: attention shapes do not match");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
-              "rowgemm: keys must be float32 or bfloat16");
-  at::Tensor q = queries.to(at::kFloat).contiguous();  // (B, T, H, hd)
-  at::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    m = mask->to(at::kBool).contiguous();
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == Tn && m.size(1) == S, "rowgemm: mask must be (T, S)");
-  }
-  at::Tensor out = at::empty({B, Tn, H, hd}, queries.options());
-  const int64_t ks[3] = {keys.stride(0), keys.stride(1), keys.stride(2)};
-  const int64_t vs[3] = {values.stride(0), values.stride(1), values.stride(2)};
-  const bool* mp = m.defined() ? m.data_ptr<bool>() : nullptr;
-  const float sc = static_cast<float>(scale);
-  auto run = [&](auto* k, auto* v) {
-    auto to = [&](auto* o) {
-      const float* qp = q.data_ptr<float>();
-      switch (hd) {  // fixed per model: the variant never depends on the number of queries
-        case 8: return attend_fixed<1>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 16: return attend_fixed<2>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 32: return attend_fixed<4>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 64: return attend_fixed<8>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 128: return attend_fixed<16>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        default: return attend(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, hd, sc, o);
-      }
-    };
-    if (out.scalar_type() == at::kBFloat16)
-      to(out.data_ptr<c10::BFloat16>());
-    else
-      to(out.data_ptr<float>());
-  };
-  if (keys.scalar_type() == at::kBFloat16)
-    run(keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
-  else
-    run(keys.data_ptr<float>(), values.data_ptr<float>());
-  return out.view({B, Tn, H * hd});
-}
-
 }  // namespace
 
-TORCH_LIBRARY(specdraft_rowgemm, m) { 
+TORCH_LIBRARY(specdraft_rowgemm, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor input, Tensor packed, Tensor? bias, int n, int mode) -> Tensor");
   m.def("attention(Tensor queries, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
@@ -548,5 +365,4 @@ TORCH_LIBRARY(specdraft_rowgemm, m) {
 TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
-  m.impl("attention", &attention);
 }

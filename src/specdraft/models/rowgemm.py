@@ -1,14 +1,15 @@
-"""Weight-stationary products of a few rows (``rowgemm.cpp``): a small C++ kernel, built once per machine and cached.
+"""Row-invariant kernels for batch-1 decoding (``rowgemm.cpp``, ``rowattention.cpp``), built once per machine.
 
 A batch-1 verify multiplies k = 2-20 rows by every weight. Where oneDNN cannot multiply bf16 natively (CPUs
 without AVX-512 BW/VL/DQ, e.g. AVX2-only ones) torch's eager bf16 ``F.linear`` costs about k times a 1-row product,
-so a 5-token verify cost 3.5 plain steps. This kernel reads each block of weight rows once, widens bf16 to fp32 in
-registers (exact) and multiplies it into all k rows with 256-bit FMAs: k rows cost one pass over the weights plus
-k times the arithmetic. Each output element is computed by the same instruction sequence whatever the number of
-rows, so a k-token forward reproduces k 1-token forwards bit for bit (:func:`linear` is row-invariant).
+so a 5-token verify cost 3.6 plain steps. :func:`linear` reads each block of weight rows once, widens bf16 to fp32
+in registers (exact) and multiplies it into all k rows with FMAs (256-bit, or 512-bit and AVX-512-BF16 pair dot
+products where the CPU has them, :func:`mode`): k rows cost one pass over the weights plus k times the arithmetic.
+:func:`attention` attends each new query on its own. Each output element is computed by the same instruction
+sequence whatever the number of rows, so a k-token forward reproduces k 1-token forwards bit for bit.
 
-The kernel is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) on first use, into
-``<specdraft cache>/kernels/`` keyed by the source, flags and torch version, and loaded from there afterwards.
+The kernels are compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) on first use, about 10 s,
+into ``<specdraft cache>/kernels/`` keyed by the sources, flags and torch version, and loaded from there afterwards.
 Without a compiler, on a CPU without AVX2 and FMA, or with ``SPECDRAFT_ROWGEMM=0``, :func:`available` is False and
 callers keep their other paths.
 """
@@ -20,6 +21,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -30,12 +32,15 @@ from specdraft.hardware import cpu_capability, cpu_flags
 
 _ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
 _WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" or "512" caps the variant on AVX-512 CPUs (for comparisons)
-_SOURCE = Path(__file__).with_name("rowgemm.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowgemm.cpp", "rowattention.cpp"))
+_HEADER = Path(__file__).with_name("rowkernels.h")
+_STALE_LOCK_SECONDS = 300  # a build takes about 10 s
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")  # explicit FMAs only: the summation order is the source's
 
 
 def _build_folder() -> Path:
-    key = "|".join((_SOURCE.read_text(), " ".join(_FLAGS), torch.__version__, sys.version))
+    texts = [path.read_text() for path in (*_SOURCES, _HEADER)]
+    key = "|".join((*texts, " ".join(_FLAGS), torch.__version__, sys.version))
     return cache_dir() / "kernels" / f"rowgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -49,8 +54,12 @@ def _load() -> bool:
 
         folder = _build_folder()
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="specdraft_rowgemm", sources=[str(_SOURCE)], extra_cflags=list(_FLAGS),
-                           build_directory=str(folder), is_python_module=False, verbose=False)
+        lock = folder / "lock"  # torch's build lock: one left by a build that was killed would block every load
+        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+        cpp_extension.load(name="specdraft_rowgemm", sources=[str(path) for path in _SOURCES],
+                           extra_cflags=list(_FLAGS), build_directory=str(folder), is_python_module=False,
+                           verbose=False)
         return hasattr(torch.ops.specdraft_rowgemm, "linear")
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the other paths remain
         warnings.warn(f"specdraft: the row-product kernel could not be built ({str(exc).splitlines()[0][:200]}); "
