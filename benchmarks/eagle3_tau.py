@@ -1,6 +1,7 @@
 """Block efficiency τ, first-draft-token acceptance and wall time of self-drafting heads on Spec-Bench-style
 questions (the built-in prompts, or a Spec-Bench ``question.jsonl``: the first turn of the first N questions of each
-subtask), bf16 or fp32, greedy, batch 1; methods and plain decoding interleaved question by question in one process.
+subtask), bf16 or fp32, greedy, batch 1, γ fixed unless --speculation adaptive; methods and plain decoding
+interleaved question by question in one process.
 A method is ``LABEL=DRAFTER@GAMMA:KEY=VALUE;KEY=VALUE`` (DRAFTER a training-free drafter such as eagle or eagle3;
 eagle3 without heads= uses the heads shipped for SmolLM2). Prints one line per question and method, then one JSON
 row per method (``tools/ship_eagle3.py --results`` turns those rows into a model card table).
@@ -29,6 +30,8 @@ parser.add_argument("--dtype", default="bfloat16")
 parser.add_argument("--questions", default=BUILTIN, help="a Spec-Bench question.jsonl, or builtin")
 parser.add_argument("--per-category", type=int, help="the first N questions of each Spec-Bench subtask")
 parser.add_argument("--every", type=int, default=1, help="then every N-th question (builtin, 2: one per subtask)")
+parser.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed",
+                    help="fixed: γ draft tokens (tree depth) every step, the τ of that setting; adaptive: as generate")
 args = parser.parse_args()
 
 target, tokenizer = load_model(SMOLLM2, getattr(torch, args.dtype)), load_tokenizer(SMOLLM2)
@@ -50,7 +53,8 @@ for question in questions:
     plain_seconds += time.perf_counter() - start
     for label, _, _, drafter, gamma in methods:
         start = time.perf_counter()
-        result = generate(target, ids, drafter, GenerationConfig(args.max_new_tokens, gamma, eos_token_ids=eos))
+        config = GenerationConfig(args.max_new_tokens, gamma, eos_token_ids=eos, speculation=args.speculation)
+        result = generate(target, ids, drafter, config)
         stats, total = result.stats, sums[label]
         total["seconds"] += time.perf_counter() - start
         total["new"] += stats.new_tokens
@@ -62,7 +66,8 @@ for question in questions:
         total["equal"] += int(result.token_ids == reference)
         print(f"{question.category:15s} {label:14s} τ {stats.block_efficiency:.2f}", flush=True)
 setting = {"questions": Path(args.questions).name, "per_category": args.per_category, "prompts": len(questions),
-           "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "cpu": cpu_model(), "cores": os.cpu_count(),
+           "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "speculation": args.speculation,
+           "cpu": cpu_model(), "cores": os.cpu_count(),
            "cpu_capability": cpu_capability(), "bf16_native": cpu_bf16()[0],
            "threads": torch.get_num_threads(), "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
            "date": time.strftime("%Y-%m-%d", time.gmtime())}

@@ -87,6 +87,6 @@ def test_llama_cpp_converts_and_drafts_with_the_exported_head(tmp_path):
         target, tokenizer = load_target("smollm2-135m-instruct", torch.bfloat16)
         ids = encode_prompt(tokenizer, PROMPT, chat=True)
         stats = generate(target, ids, Eagle3Drafter(str(heads), top_k=1, tree_nodes=3),
-                         GenerationConfig(48, 3)).stats
+                         GenerationConfig(48, 3, speculation="fixed")).stats  # llama.cpp drafts 3 every step
         ours = stats.acceptance_rate
         assert abs(accepted / drafted - ours) <= 0.05, (accepted / drafted, ours)
