@@ -141,9 +141,12 @@ def results_table(rows: list[dict], defaults: dict) -> str:
     ``defaults``: the shipped drafter options, which eagle3 rows without heads= ran with."""
     first = rows[0]
     threads = f"{first['threads']} torch thread{'s' if first['threads'] != 1 else ''}"
+    fixed = first.get("speculation", "adaptive") == "fixed"
+    speculation = "the same depth every step" if fixed else "adaptive speculation (the depth is a maximum)"
     lines = [f"{first['prompts']} Spec-Bench questions (`{first['questions']}`, the first turn of the first "
              f"{first['per_category']} of each subtask), {first['dtype']}, greedy, {first['max_new_tokens']} new "
-             f"tokens, batch 1; a {first['cores']}-core {first['cpu']} CPU (torch kernels {first['cpu_capability']}, "
+             f"tokens, batch 1, {speculation}; a {first['cores']}-core {first['cpu']} CPU (torch kernels "
+             f"{first['cpu_capability']}, "
              f"bf16 {'native' if first['bf16_native'] else 'emulated'}), {threads}, shared with "
              f"other jobs (load average {first['load_avg'][0]} at the start, {first['load_avg'][1]} at the end: "
              f"speed-ups jitter 20-30%); measured {first['date']}.",

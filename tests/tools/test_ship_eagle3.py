@@ -24,6 +24,7 @@ CARD = "# card\n\n<!-- training:begin -->\nold budget\n<!-- training:end -->\n\n
 ROW = {"method": "chain", "drafter": "eagle3", "num_draft_tokens": 3, "options": "top_k=1", "tau": 1.5,
        "first_token_acceptance": 0.4, "acceptance": 0.3, "equal_to_plain": "5/12", "speedup": 0.9,
        "questions": "question.jsonl", "per_category": 2, "prompts": 12, "dtype": "bfloat16", "max_new_tokens": 128,
+       "speculation": "fixed",
        "cpu": "AMD EPYC", "cores": 2, "cpu_capability": "AVX512", "bf16_native": True, "threads": 1,
        "load_avg": [3.1, 3.4], "date": "2026-11-25"}
 
@@ -95,7 +96,7 @@ def test_ships_bf16_heads_with_the_training_chain_and_results(tool, config, tmp_
     assert "| 2 | stage 1 | 1,200 |" in card and "| all | | 1,500 | | | | 885,000 | 2.0 h |" in card
     assert "| chain | eagle3 | 3 | `top_k=1;tree_nodes=4` | 1.50 | 0.40 | 0.30 | 0.90x | 5/12 |" in card  # defaults
     assert "| EAGLE | eagle | 3 | `top_k=2;tree_nodes=4;draft_vocab=8192;heads=smollm2-135m-instruct-eagle` |" in card
-    assert "2-core AMD EPYC" in card and "1 torch thread," in card
+    assert "2-core AMD EPYC" in card and "1 torch thread," in card and "the same depth every step" in card
     tool.ship(second, out, config)  # same weights, no results: the table stays, and so do the options
     assert "| chain | eagle3 | 3 |" in (out / "README.md").read_text()
     assert json.loads((out / "drafter_options.json").read_text()) == {"top_k": 2, "tree_nodes": 4}
