@@ -50,6 +50,11 @@ def test_paths_per_dtype(monkeypatch) -> None:
     weight = torch.randn(48, 32)
     assert packed.pack(weight).kind == "rows"
     assert packed.pack(weight, "onednn").kind == "onednn"
+    monkeypatch.setenv("SPECDRAFT_PREPACK", "onednn")
+    assert packed.pack(weight).kind == "onednn"
+    monkeypatch.setenv("SPECDRAFT_PREPACK", "rows")
+    assert packed.pack(weight.bfloat16()).kind == "rows"
+    monkeypatch.delenv("SPECDRAFT_PREPACK")
     real = packed._reorder
 
     def without_bf16(w):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import specdraft.models.rowgemm as rowgemm
 
-_ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off (for comparisons)
+_ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off, "rows" or "onednn" asks for that path (comparisons, exactness)
 UPCAST_MIN_ROWS = 6  # without either kernel, a bf16 product of this many rows or more uses the fp32 oneDNN copy
 
 
@@ -63,11 +63,13 @@ def _onednn(weight: torch.Tensor) -> PackedWeight | None:
 
 def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight | None:
     """``weight`` (N, K) prepared for :func:`linear` on this CPU, or None where nothing packs it (then
-    ``F.linear``). ``kind`` None chooses as the module docstring says; ``rows`` or ``onednn`` asks for that path
-    (for comparisons), None where it cannot pack this weight."""
-    if (os.environ.get(_ENV, "1") == "0" or weight.device.type != "cpu"
-            or weight.dtype not in (torch.float32, torch.bfloat16)):
+    ``F.linear``). ``kind`` None chooses as the module docstring says, or as ``SPECDRAFT_PREPACK`` asks; ``rows``
+    or ``onednn`` asks for that path (e.g. ``rows`` for bf16 that is exact on AVX-512-BF16 CPUs too), None where it
+    cannot pack this weight."""
+    setting = os.environ.get(_ENV, "1")
+    if setting == "0" or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
+    kind = kind or (setting if setting in ("rows", "onednn") else None)
     with torch.no_grad():
         weight = weight.detach().contiguous()
         native = _onednn(weight) if enabled() and kind != "rows" else None
