@@ -1,5 +1,6 @@
-"""Plain decoding against the shipped drafter and prompt lookup on the built-in prompts: tokens per CPU second and
-identity to plain decoding, in one dtype, on whatever linear path the loader picks on this CPU.
+"""Plain decoding against drafters (the shipped draft model, training-free ones, the shipped EAGLE-3 heads) on the
+built-in prompts: tokens per CPU second and identity to plain decoding, in one dtype, on the linear path the loader
+picks on this CPU (``SPECDRAFT_PREPACK=rows|onednn`` asks for one).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/decode_paths.py --dtype bfloat16
     SPECDRAFT_ROWGEMM=0 OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/decode_paths.py   # without the rows kernel
@@ -28,12 +29,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--methods", default="draft,prompt-lookup",
+                        help="comma-separated: draft (the shipped draft model) or a training-free drafter name")
     args = parser.parse_args()
     dtype = parse_dtype(args.dtype)
     target, tokenizer = load_target(SMOLLM2, dtype)
     print(f"{torch.backends.cpu.get_cpu_capability()} {args.dtype}, linears: {target.packing}", flush=True)
-    methods = {"plain": None, "draft": load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER, dtype=dtype),
-               "prompt-lookup": load_drafter(target, tokenizer, drafter="prompt-lookup")}
+    methods = {"plain": None}
+    for name in args.methods.split(","):
+        methods[name] = (load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER, dtype=dtype) if name == "draft"
+                         else load_drafter(target, tokenizer, drafter=name))
     config = GenerationConfig(args.max_new_tokens, 4, eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
     seconds, tokens, identical = ({name: 0 for name in methods} for _ in range(3))
     for prompt in BUILTIN_PROMPTS[: args.prompts]:

@@ -46,25 +46,22 @@ def test_packing_can_be_turned_off(monkeypatch) -> None:
 
 @pytest.mark.skipif(not rowgemm.available(), reason="no AVX2 CPU or C++ compiler for the row kernel")
 def test_paths_per_dtype(monkeypatch) -> None:
-    """fp32 takes the row kernel; bf16 takes oneDNN where it packs bf16, else the row kernel; a kind can be asked."""
+    """Both dtypes take the row kernel where it builds; a path can be asked for; a long prefill's products go to
+    F.linear where oneDNN multiplies bf16 natively, and stay on the kernel up to ROWS_MAX rows."""
     weight = torch.randn(48, 32)
-    assert packed.pack(weight).kind == "rows"
+    assert packed.pack(weight).kind == "rows" and not packed.pack(weight).plain_for_many
     assert packed.pack(weight, "onednn").kind == "onednn"
     monkeypatch.setenv("SPECDRAFT_PREPACK", "onednn")
     assert packed.pack(weight).kind == "onednn"
     monkeypatch.setenv("SPECDRAFT_PREPACK", "rows")
     assert packed.pack(weight.bfloat16()).kind == "rows"
     monkeypatch.delenv("SPECDRAFT_PREPACK")
-    real = packed._reorder
-
-    def without_bf16(w):
-        if w.dtype == torch.bfloat16:
-            raise RuntimeError("bf16 path needs avx512bw")
-        return real(w)
-
-    monkeypatch.setattr(packed, "_reorder", without_bf16)
     bf16 = packed.pack(weight.bfloat16())
-    assert bf16.kind == "rows" and bf16.dtype == torch.bfloat16
-    x = torch.randn(1, 5, 32).bfloat16()
-    torch.testing.assert_close(packed.linear(x, weight.bfloat16(), None, bf16).float(),
-                               F.linear(x.float(), weight.bfloat16().float()), atol=5e-2, rtol=2e-2)
+    assert bf16.kind == "rows" and bf16.dtype == torch.bfloat16 and bf16.plain_for_many == packed._onednn_bf16()
+    calls = []
+    monkeypatch.setattr(rowgemm, "linear", lambda *args: calls.append(args) or F.linear(args[0], weight.bfloat16()))
+    for rows in (1, 5, packed.ROWS_MAX, packed.ROWS_MAX + 1):
+        x = torch.randn(1, rows, 32).bfloat16()
+        torch.testing.assert_close(packed.linear(x, weight.bfloat16(), None, bf16).float(),
+                                   F.linear(x.float(), weight.bfloat16().float()), atol=5e-2, rtol=2e-2)
+    assert len(calls) == (3 if bf16.plain_for_many else 4)

@@ -32,7 +32,6 @@ import specdraft.models.rowgemm as rowgemm
 from specdraft.errors import SpecdraftError
 
 _ROPE_TYPES = ("default", "llama3")
-ROWWISE_MAX_STEPS = 64  # forwards of up to this many new tokens after a prefill attend row-invariantly (rows packing)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # (native parameter name, [(checkpoint tensor name, expected shape), ...] concatenated along dim 0)
@@ -546,9 +545,9 @@ class NativeLlama(nn.Module):
 
     def _rowwise(self, steps: int) -> bool:
         """Whether a forward of ``steps`` new tokens after a prefill attends row-invariantly: with the row-invariant
-        linears (``rows`` packing) and up to :data:`ROWWISE_MAX_STEPS` tokens (a long prompt keeps SDPA)."""
+        linears (``rows`` packing) and up to ``packing.ROWS_MAX`` tokens (a long prompt keeps SDPA)."""
         head_dim = self.config.hidden_size // self.config.num_attention_heads
-        return steps <= ROWWISE_MAX_STEPS and getattr(self.config, "head_dim", head_dim) % 8 == 0 \
+        return steps <= packing.ROWS_MAX and getattr(self.config, "head_dim", head_dim) % 8 == 0 \
             and self.packing == "rows"
 
     def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step, taps: Sequence[int] = (),

@@ -3,20 +3,22 @@
 A batch-1 decoder multiplies a few rows (1 for a plain step, 2-20 for a verify) by every weight matrix. torch's
 eager ``F.linear`` hands such skinny products to MKL (fp32) or oneDNN (bf16) with the weight in its plain row-major
 layout, and for 2-16 rows both can cost several times a 1-row product (bf16 on AVX2: k rows cost k times one).
-Two packed paths, chosen per dtype from what this CPU and build can do (no setting):
+Two packed paths, chosen from what this CPU and build can do (no setting):
 
-- ``rows``: :mod:`specdraft.models.rowgemm`, a weight-stationary AVX2 kernel on a blocked copy. fp32 weights on
-  any AVX2 CPU and bf16 weights where oneDNN has no bf16 kernel (AVX2-only CPUs). It is row-invariant: a k-token
-  forward computes each token's products bit for bit as a 1-token forward does.
+- ``rows`` (wherever :mod:`specdraft.models.rowgemm` builds: x86 with AVX2 and a C++ compiler): a
+  weight-stationary kernel on a blocked copy, 256-bit, 512-bit or AVX-512-BF16 as the CPU allows. It is
+  row-invariant: a forward of up to :data:`ROWS_MAX` tokens computes each token's products bit for bit as a 1-token
+  forward does. Larger products (a long prompt's prefill) go to ``F.linear`` where oneDNN multiplies bf16 natively.
 - ``onednn``: oneDNN's blocked layout (what inductor's freezing pass does, ``torch.ops.mkldnn._linear_pointwise``),
-  for bf16 where oneDNN multiplies bf16 natively (AVX-512-BF16, AMX), and for fp32 where the kernel cannot be
-  built. Where neither packs bf16, a bf16 weight gets an exact fp32 oneDNN copy for products of 6 rows or more.
+  where the kernel cannot be built. A bf16 weight oneDNN cannot pack (AVX2-only CPUs) gets an exact fp32 copy
+  there, for products of 6 rows or more.
 
 ``benchmarks/bench_verify_cost.py`` prints what each path costs per number of rows.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ import specdraft.models.rowgemm as rowgemm
 
 _ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off, "rows" or "onednn" asks for that path (comparisons, exactness)
 UPCAST_MIN_ROWS = 6  # without either kernel, a bf16 product of this many rows or more uses the fp32 oneDNN copy
+ROWS_MAX = 64  # the rows path is row-invariant up to this many rows (decode steps, verifies); more is a prefill
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class PackedWeight:
     kind: str
     tensor: torch.Tensor
     out_features: int
+    plain_for_many: bool = False  # rows: products of more than ROWS_MAX rows are cheaper through F.linear
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,22 +68,25 @@ def _onednn(weight: torch.Tensor) -> PackedWeight | None:
 def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight | None:
     """``weight`` (N, K) prepared for :func:`linear` on this CPU, or None where nothing packs it (then
     ``F.linear``). ``kind`` None chooses as the module docstring says, or as ``SPECDRAFT_PREPACK`` asks; ``rows``
-    or ``onednn`` asks for that path (e.g. ``rows`` for bf16 that is exact on AVX-512-BF16 CPUs too), None where it
-    cannot pack this weight."""
+    or ``onednn`` asks for that path (for comparisons), None where it cannot pack this weight."""
     setting = os.environ.get(_ENV, "1")
     if setting == "0" or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     kind = kind or (setting if setting in ("rows", "onednn") else None)
     with torch.no_grad():
         weight = weight.detach().contiguous()
-        native = _onednn(weight) if enabled() and kind != "rows" else None
-        if native is not None and (kind == "onednn" or weight.dtype == torch.bfloat16):
-            return native
         if kind != "onednn" and rowgemm.available():
-            return PackedWeight("rows", rowgemm.pack(weight), weight.shape[0])
+            many = weight.dtype == torch.bfloat16 and _onednn_bf16()  # oneDNN's own bf16 GEMM beats rows at 64+
+            return PackedWeight("rows", rowgemm.pack(weight), weight.shape[0], plain_for_many=many)
         if kind == "rows" or not enabled():
             return None
-        return native or _onednn(weight.float())
+        return _onednn(weight) or _onednn(weight.float())
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN packs (so multiplies natively) bf16 on this CPU."""
+    return enabled() and _onednn(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
@@ -88,6 +95,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.kind == "rows":
+        if packed.plain_for_many and x.numel() > ROWS_MAX * x.shape[-1]:
+            return F.linear(x, weight, bias)
         return rowgemm.linear(x, packed.tensor, bias, packed.out_features)  # (..., N)
     if packed.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")  # (..., N)
