@@ -181,7 +181,7 @@ def load_model(
     extra = {EMBEDDING_KEY: embeddings} if shared else None
     if backend == "native" or (backend == "auto" and isinstance(where, Path) and supports(config)):
         model = NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
-        model.prepack()  # oneDNN's weight layout: k-token verifies cost far less (specdraft.models.packed)
+        model.prepack()  # weights packed for the row kernels or oneDNN: k-token verifies cost far less (models.packed)
         return model
     model = _load_hf(where, name_or_path, dtype)
     if shared:
