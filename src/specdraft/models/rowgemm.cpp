@@ -29,22 +29,22 @@ inline void widen(const float* p, __m256& even, __m256& odd) {
 }
 
 
-// Weight rows [n0, n0 + NT) of one block (NT of 4) times MB rows of x (each (Kp,) fp32, even/odd per step):
-// NT * MB accumulators in registers.
-template <int NT, int MB, typename W, typename O>
-inline void tile(const W* w, int n0, const float* x, int64_t Kp, const float* bias, O* out, int64_t N,
+// One block of 4 weight rows times MB rows of x (each (Kp,) fp32, even/odd per step): 4 * MB accumulators in
+// registers. ``next``: the following block, prefetched step by step.
+template <int MB, typename W, typename O>
+inline void tile(const W* w, const float* x, int64_t Kp, const float* bias, O* out, int64_t N,
                  const W* next = nullptr) {
-  __m256 acc[NT][MB];
-  for (int n = 0; n < NT; ++n)
+  __m256 acc[kRows][MB];
+  for (int n = 0; n < kRows; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < Kp; k += kStep) {
-    const W* ws = w + k * kRows + n0 * kStep;
+    const W* ws = w + k * kRows;
     if (next) {  // the next block's same step: the stream stays ahead while this block is read more than once
       const char* line = reinterpret_cast<const char*>(next + k * kRows);
       for (int64_t byte = 0; byte < static_cast<int64_t>(kRows * kStep * sizeof(W)); byte += 64)
         _mm_prefetch(line + byte, _MM_HINT_T0);
     }
-    for (int n = 0; n < NT; ++n) {
+    for (int n = 0; n < kRows; ++n) {
       __m256 even, odd;
       widen(ws + n * kStep, even, odd);
       for (int m = 0; m < MB; ++m) {
@@ -53,7 +53,7 @@ inline void tile(const W* w, int n0, const float* x, int64_t Kp, const float* bi
       }
     }
   }
-  for (int n = 0; n < NT; ++n) {
+  for (int n = 0; n < kRows; ++n) {
     for (int m = 0; m < MB; ++m) {
       float s = hsum(acc[n][m]);
       if (bias) s += bias[n];
@@ -62,8 +62,8 @@ inline void tile(const W* w, int n0, const float* x, int64_t Kp, const float* bi
   }
 }
 
-// Every row of x against one block of 4 weight rows (kept in L1 while x's rows pass): up to 3 rows at a time
-// against all 4 weight rows, more in groups of up to 6 against 2 weight rows at a time (at most 12 accumulators).
+// Every row of x against one block of 4 weight rows (kept in L1 while x's rows pass): 3 rows at a time (12
+// accumulators), the last 4 as 2 + 2 (a lone row's 4 chains would wait on FMA latency).
 template <typename W, typename O>
 void block_rows(const W* w, const float* x, int64_t M, int64_t Kp, const float* bias, O* out, int64_t N,
                 int64_t n0, const W* next) {
@@ -78,26 +78,17 @@ void block_rows(const W* w, const float* x, int64_t M, int64_t Kp, const float* 
   }
   const float* b = bias ? bias + n0 : nullptr;
   O* o = out + n0;
-  switch (M) {
-    case 1: return tile<4, 1>(w, 0, x, Kp, b, o, N);
-    case 2: return tile<4, 2>(w, 0, x, Kp, b, o, N);
-    case 3: return tile<4, 3>(w, 0, x, Kp, b, o, N);
-    default: break;
-  }
-  for (int64_t m = 0; m < M; m += 6) {
-    const float* xm = x + m * Kp;
-    O* om = o + m * N;
-    for (int half = 0; half < kRows; half += 2) {
-      const float* bh = b ? b + half : nullptr;
-      switch (std::min<int64_t>(6, M - m)) {
-        case 1: tile<2, 1>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
-        case 2: tile<2, 2>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
-        case 3: tile<2, 3>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
-        case 4: tile<2, 4>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
-        case 5: tile<2, 5>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
-        default: tile<2, 6>(w, half, xm, Kp, bh, om + half, N, m + half ? nullptr : next); break;
-      }
-    }
+  const W* ahead = next;  // prefetched during the block's first pass
+  int64_t m = 0;
+  for (; M - m > 4; m += 3, ahead = nullptr) tile<3>(w, x + m * Kp, Kp, b, o + m * N, N, ahead);
+  switch (M - m) {
+    case 4:
+      tile<2>(w, x + m * Kp, Kp, b, o + m * N, N, ahead);
+      tile<2>(w, x + (m + 2) * Kp, Kp, b, o + (m + 2) * N, N);
+      break;
+    case 3: tile<3>(w, x + m * Kp, Kp, b, o + m * N, N, ahead); break;
+    case 2: tile<2>(w, x + m * Kp, Kp, b, o + m * N, N, ahead); break;
+    default: tile<1>(w, x + m * Kp, Kp, b, o + m * N, N, ahead); break;
   }
 }
 
