@@ -110,6 +110,17 @@ def test_cached_forwards_match_transformers(variant: str, chunks: list[int], bat
     torch.testing.assert_close(logits, _reference(model, input_ids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("variant", CONFIGS)
+def test_checkpoint_tensors_give_back_the_transformers_weights(variant: str) -> None:
+    model = _hf_model(_config(**CONFIGS[variant]))
+    tensors = NativeLlama.from_hf(model).checkpoint_tensors()
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    assert sorted(tensors) == sorted(expected)
+    assert all(torch.equal(tensors[key], expected[key]) for key in expected)
+
+
 @pytest.mark.parametrize("variant", ["gqa", "head_dim_32"])
 def test_crop_then_reforward_matches_transformers(variant: str) -> None:
     model = _hf_model(_config(**CONFIGS[variant]))

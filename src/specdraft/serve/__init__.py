@@ -31,8 +31,9 @@ def build_server_app(config: ServeConfig):
 
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         online = OnlineDistiller(config.online_distill, prototype, config.draft, factory, pad_id)
-    engine = Engine(target, tokenizer, factory(prototype), config.max_batch, capacity, config.max_queue,
-                    config.max_draft_batch, online)
+    make = online.make_drafter if online is not None else factory(prototype)
+    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, config.max_draft_batch,
+                    online)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 

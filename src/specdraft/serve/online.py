@@ -18,6 +18,7 @@ decoding thread comes first; on a machine shared with other busy processes that 
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
@@ -75,7 +76,7 @@ class OnlineDistiller:
         self.keep = prototype.vocab_keep  # (N,) draft vocabulary, or None
         self.history: list[dict] = []  # one entry per training round
         self.served: dict[int, list[int]] = {}  # version -> [accepted, proposed] draft tokens
-        self._recent: list[tuple[int, int]] = []  # (accepted, proposed) of the latest drafted steps
+        self._recent: collections.deque = collections.deque(maxlen=256)  # (accepted, proposed), latest drafted steps
         self.version, self._current = 0, hf_from_native(prototype.model)
         self._resume()
         self._live = (self.version, make_factory(self._prototype(self._current)))
@@ -98,7 +99,7 @@ class OnlineDistiller:
             counts = self.served.setdefault(getattr(seq.drafter, "online_version", 0), [0, 0])
             counts[0] += accepted
             counts[1] += proposed
-            self._recent = (self._recent + [(accepted, proposed)])[-256:]
+            self._recent.append((accepted, proposed))
 
     def finished(self, seq) -> None:
         """Store a finished sequence's record; wake the trainer after ``every_tokens`` new tokens."""
