@@ -120,7 +120,9 @@ class OnlineDistiller:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the training thread; a round still running is abandoned with the process (it writes nothing until
+        its end, and then only by renames)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
