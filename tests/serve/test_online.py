@@ -4,6 +4,7 @@ and greedy fp32 output equals plain decoding while the drafter changes under it.
 
 import json
 import os
+import re
 import time
 
 import httpx
@@ -177,7 +178,7 @@ def test_greedy_output_is_unchanged_while_the_drafter_is_retrained(tiny_checkpoi
                 time.sleep(0.2)
         metrics = client.get("/metrics").text
     assert served_by_new_version and 'specdraft_online_acceptance_rate{version="0"}' in metrics
-    assert 'specdraft_online_acceptance_rate{version="1"}' in metrics
+    assert re.search(r'specdraft_online_acceptance_rate\{version="[1-9]\d*"\}', metrics)  # a retrained version served
     assert list((tmp_path / "buffer").glob("rec-*.json"))
 
 
