@@ -115,3 +115,18 @@ def test_console_script_error_has_no_traceback(ckpts):
                            "--prompt-ids", "1,2", "--top-p", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "specdraft: error: top_p must be in (0, 1], got 2.0"
+
+
+def test_serve_online_distill_flags_build_its_config(ckpts, capsys, monkeypatch, tmp_path):
+    import specdraft.serve
+
+    served = []
+    monkeypatch.setattr(specdraft.serve, "run_server", served.append)
+    code, _, _ = _run(capsys, "serve", "--target", ckpts["target"], "--draft", ckpts["draft"], "--online-distill",
+                      str(tmp_path), "--online-loss", "tvdpp", "--online-every-tokens", "100", "--online-nice", "0")
+    online = served[0].online_distill
+    assert code == 0 and (online.folder, online.loss, online.every_tokens, online.nice) == (str(tmp_path), "tvdpp",
+                                                                                           100, 0)
+    code, _, err = _run(capsys, "serve", "--target", ckpts["target"], "--drafter", "prompt-lookup",
+                        "--online-distill", str(tmp_path))
+    assert code == 2 and "--draft" in err and len(err.strip().splitlines()) == 1
