@@ -5,6 +5,13 @@ target's responses, the drafter's, a mix) are evaluated on different text. This 
 same responses: TVD(p, q) averaged over the response positions (1 − TVD is the expected acceptance rate of one draft
 token, Leviathan et al. 2023, Sec. 3.5) and KL(p ‖ q), with q as the drafter runs (its shipped ``draft_vocab``).
 
+When the responses are the target's own greedy ones (``distill-data --temperature 0 --policy target``), it also
+gives the drafter's model-alone greedy block efficiency τ at each γ exactly, without decoding: in greedy chain
+drafting every draft token after an accepted one is predicted from the target's own prefix, so the accepted length
+of a block starting at position t is the run of consecutive positions from t where the drafter's argmax equals the
+target's token, capped at γ; the target then adds one token and the next block starts after it
+(:func:`greedy_blocks`). ``greedy_first_accept@γ`` is the fraction of blocks whose first draft token is accepted.
+
 Usage:
     python benchmarks/heldout_tvd.py --target smollm2-135m-instruct --data dd-eval \
         --drafters smollm2-135m-instruct-drafter,ft-onpolicy-fkl/model [--limit 200] [--out tvd.jsonl]
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -29,7 +37,48 @@ from specdraft.training.finetune import (
 )
 
 
-def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, target_dtype: str) -> dict:
+def greedy_blocks(matches: list[bool], num_draft_tokens: int) -> tuple[int, int, int]:
+    """(tokens, blocks, blocks whose first draft token is accepted) of greedy chain speculative decoding over one
+    response, from ``matches[t]`` = the drafter's argmax at response position t equals the target's token there."""
+    tokens = blocks = first = t = 0
+    while t < len(matches):
+        accepted = 0
+        while accepted < num_draft_tokens and t + accepted < len(matches) and matches[t + accepted]:
+            accepted += 1
+        emitted = min(accepted + 1, len(matches) - t)  # accepted tokens, then the target's own (recovered or bonus)
+        tokens, blocks, first, t = tokens + emitted, blocks + 1, first + (accepted > 0), t + emitted
+    return tokens, blocks, first
+
+
+def response_matches(model, batches: list[dict], keep: torch.Tensor | None) -> list[list[bool]]:
+    """Per response: whether the drafter's greedy token equals the response token at each position."""
+    from specdraft.training.finetune import response_logits
+
+    out = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            draft = response_logits(model, batch, keep)  # (n, N or V), positions of batch["mask"] row-major
+        guess = draft.argmax(-1) if keep is None else keep[draft.argmax(-1)]  # (n,) target ids
+        hits = (guess == batch["labels"][batch["mask"]]).tolist()
+        start = 0
+        for length in batch["mask"].sum(1).tolist():
+            out.append(hits[start:start + length])
+            start += length
+    return out
+
+
+def greedy_tau(matches: list[list[bool]], gammas: list[int]) -> dict[str, float]:
+    """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`)."""
+    row = {}
+    for gamma in gammas:
+        sums = [sum(x) for x in zip(*(greedy_blocks(m, gamma) for m in matches), strict=True)]
+        row[f"greedy_tau@{gamma}"] = sums[0] / max(sums[1], 1)
+        row[f"greedy_first_accept@{gamma}"] = sums[2] / max(sums[1], 1)
+    return row
+
+
+def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, target_dtype: str,
+             gammas: list[int] | None = None) -> dict:
     """{"drafter", "positions", "heldout_tvd", "heldout_fkl", ...} of one drafter on ``records``."""
     from specdraft.drafters.options import folder_options
 
@@ -44,8 +93,9 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
                for s in range(0, len(dataset), batch_size)]
     with torch.no_grad():
         metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
+        tau = greedy_tau(response_matches(model, batches, keep), gammas) if gammas else {}
     positions = sum(int(b["mask"].sum()) for b in batches)
-    return {"drafter": drafter, "draft_vocab": vocab, "positions": positions} | metrics
+    return {"drafter": drafter, "draft_vocab": vocab, "positions": positions} | metrics | tau
 
 
 def main() -> None:
@@ -57,11 +107,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--target-dtype", default="bfloat16")
     parser.add_argument("--out", default=None, help="append one JSON line per drafter here")
+    parser.add_argument("--num-draft-tokens", default="3,4,5",
+                        help="γ values of the exact greedy τ (only for the target's greedy responses)")
     args = parser.parse_args()
     records = load_distill_records(args.data, allow_incomplete=True)[: args.limit]
+    setup = json.loads((Path(args.data) / "distill_config.json").read_text())
+    greedy = setup.get("temperature") == 0 and setup.get("policy", "target") == "target"
+    gammas = [int(g) for g in args.num_draft_tokens.split(",") if g] if greedy else None
     for drafter in [d.strip() for d in args.drafters.split(",") if d.strip()]:
         row = {"data": args.data, "records": len(records)} | evaluate(args.target, drafter, records,
-                                                                       args.batch_size, args.target_dtype)
+                                                                       args.batch_size, args.target_dtype, gammas)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as file:

@@ -1,0 +1,39 @@
+"""benchmarks/heldout_tvd.py: the exact greedy block efficiency of a drafter from teacher-forced matches."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "heldout_tvd.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("heldout_tvd", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["heldout_tvd"] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("heldout_tvd", None)
+
+
+@pytest.mark.parametrize(("matches", "gamma", "expected"), [
+    ([], 3, (0, 0, 0)),
+    ([False] * 4, 3, (4, 4, 0)),  # every block: no draft accepted, the target's token only
+    ([True] * 8, 3, (8, 2, 2)),  # 3 accepted + bonus, twice
+    ([True, True, False, True, False], 4, (5, 2, 2)),  # block 1: 2 accepted + recovered; block 2: 1 + recovered
+    ([True, True, True], 4, (3, 1, 1)),  # the response ends inside the block
+    ([False, True, True, True, True, True], 2, (6, 3, 2)),  # recovered, then 2 + bonus, then 2 and the end
+])
+def test_greedy_blocks(script, matches, gamma, expected):
+    assert script.greedy_blocks(matches, gamma) == expected
+
+
+def test_greedy_tau_pools_over_responses(script):
+    row = script.greedy_tau([[True] * 4, [False] * 2], [3])
+    assert row["greedy_tau@3"] == pytest.approx(6 / 3)  # (4 tokens in 1 block) + (2 tokens in 2 blocks)
+    assert row["greedy_first_accept@3"] == pytest.approx(1 / 3)
