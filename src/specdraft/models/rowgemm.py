@@ -44,6 +44,14 @@ def _build_folder() -> Path:
     return cache_dir() / "kernels" / f"rowgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel installs it beside this interpreter,
+    which is not on PATH when the environment is used without activating it (``.venv/bin/python -m ...``)."""
+    folder = str(Path(sys.executable).parent)
+    if (Path(folder) / "ninja").exists() and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([folder, os.environ.get("PATH", "")])
+
+
 @functools.cache
 def _load() -> bool:
     """Build (first time on this machine) and load the kernel; False, with one warning, where that fails."""
@@ -52,6 +60,7 @@ def _load() -> bool:
     try:
         from torch.utils import cpp_extension
 
+        _put_ninja_on_path()
         folder = _build_folder()
         folder.mkdir(parents=True, exist_ok=True)
         lock = folder / "lock"  # torch's build lock: one left by a build that was killed would block every load
