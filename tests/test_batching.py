@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specdraft.batching import BatchDecoder, generate_batch
+from specdraft.batching import BatchDecoder, DraftGate, generate_batch
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdraft.errors import SpecdraftError
@@ -160,3 +160,36 @@ def test_lockstep_drafting_equals_one_drafter_at_a_time(target, drafter_model, s
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [r.stats.accept_lengths for r in together] == [r.stats.accept_lengths for r in alone]
     assert sum(r.stats.draft_tokens_accepted for r in together) > 0
+
+
+def test_draft_gate_tries_both_then_keeps_the_faster_and_explores():
+    gate = DraftGate(explore_every=4)
+    assert gate.drafting(1)  # one sequence: always (its own policy sizes the draft)
+    assert gate.drafting(3)  # untried: draft first
+    gate.record(3, True, tokens=6, seconds=1.0)
+    assert not gate.drafting(3)  # then a plain step
+    gate.record(3, False, tokens=9, seconds=1.0)
+    choices = [gate.drafting(3) for _ in range(8)]
+    assert choices.count(False) == 6 and choices.count(True) == 2  # plain is faster; drafting retried every 4th
+    gate.record(3, True, tokens=30, seconds=1.0)  # drafting got faster: the moving average moves towards it
+    gate.record(3, True, tokens=30, seconds=1.0)
+    gate.record(3, True, tokens=30, seconds=1.0)
+    assert gate.rates[(3, True)] > gate.rates[(3, False)] and gate.drafting(3)
+    gate.record(1, True, tokens=5, seconds=1.0)
+    assert (1, True) not in gate.rates
+
+
+def test_gated_batch_output_is_unchanged(target, drafter_model):
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, speculation="fixed")
+    make = lambda: DraftModelDrafter(drafter_model)  # noqa: E731
+    plain = generate_batch(target, PROMPTS, None, config)
+    decoder = BatchDecoder(target, 4, max(len(p) for p in PROMPTS) + 12, gate=DraftGate(explore_every=2))
+    for i, prompt in enumerate(PROMPTS):
+        decoder.add(prompt, make(), config).tag = i
+    out = {}
+    while decoder.rows:
+        for seq, _ in decoder.step():
+            if seq.finish_reason is not None:
+                out[seq.tag] = seq.generated
+    assert [out[i] for i in range(len(PROMPTS))] == [r.token_ids for r in plain]
+    assert any(key[1] for key in decoder.gate.rates) and any(not key[1] for key in decoder.gate.rates)

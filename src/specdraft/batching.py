@@ -87,13 +87,15 @@ class BatchDecoder:
     ``max_draft_batch`` = k > 0 drafts only in steps with at most k sequences, and decodes plainly in fuller steps
     (as vLLM's ``speculative_disable_by_batch_size``): a full batch already keeps the CPU busy, and every draft
     token multiplies the rows of the verify forward. Lossless either way; 0 drafts at every batch size.
+    ``gate`` (a :class:`DraftGate`, optional) decides the same from measured tokens/s at each batch size instead.
     """
 
     def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None,
-                 max_draft_batch: int = 0) -> None:
+                 max_draft_batch: int = 0, gate: DraftGate | None = None) -> None:
         if max_draft_batch < 0:
             raise SpecdraftError(f"max_draft_batch must be >= 0 (0 = always draft), got {max_draft_batch}")
         self.max_draft_batch = max_draft_batch
+        self.gate = gate
         if not supports_batching(target):
             raise SpecdraftError(f"batched decoding needs a native Llama target; {target.name!r} is not one "
                                  "(load it with backend auto or native)")
@@ -200,9 +202,15 @@ class BatchDecoder:
             result = replace(result, hidden=features)
         return result, draft.tokens[nodes].tolist()
 
+    def _greedy(self) -> bool:
+        """Whether every row decodes greedily: only then may timing decide about drafting (a sampled row's draws
+        depend on whether it drafted, so a seeded request would stop being reproducible)."""
+        return all(seq.config.sampling.greedy for seq in self.rows)
+
     def _propose_all(self) -> list[_Fed]:
         """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
-        if self.max_draft_batch and len(self.rows) > self.max_draft_batch:
+        if (self.max_draft_batch and len(self.rows) > self.max_draft_batch) or \
+                (self.gate is not None and self._greedy() and not self.gate.drafting(len(self.rows))):
             return [self._propose(seq, drafting=False) for seq in self.rows]
         feds: list[_Fed | None] = [None] * len(self.rows)
         groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
@@ -247,10 +255,46 @@ class BatchDecoder:
             if seq.finish_reason is not None:
                 done.append(seq)
         now = time.perf_counter()
+        if self.gate is not None and self._greedy():
+            drafted = any(len(fed.draft) for fed in feds)
+            self.gate.record(len(feds), drafted, sum(len(new) for _, new in committed), now - tick)
         for seq in done:
             seq.stats.decode_seconds = now - seq.started
             self.remove(seq)
         return committed
+
+
+class DraftGate:
+    """Whether a step of several sequences drafts: the choice (drafting or a plain step) with the higher measured
+    tokens/s at that number of sequences, each tried first, the other retried every ``explore_every`` steps.
+
+    Batching is speculation's rival for the same idle compute (Liu et al. 2024, "Optimizing Speculative Decoding
+    for Serving Large Language Models Using Goodput"): where a plain batched step already fills the machine, draft
+    tokens only add rows to the verify forward. A step of one sequence always drafts; its own speculation policy
+    sizes the draft. Only whether to draft changes, so output is as lossless as either path. Consulted for greedy
+    steps only (:meth:`BatchDecoder._greedy`).
+    """
+
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.2) -> None:
+        self.explore_every, self.smoothing = explore_every, smoothing
+        self.rates: dict[tuple[int, bool], float] = {}  # (sequences, drafted) -> tokens/s, moving average
+        self._steps = 0
+
+    def drafting(self, rows: int) -> bool:
+        if rows <= 1:
+            return True
+        self._steps += 1
+        draft, plain = self.rates.get((rows, True)), self.rates.get((rows, False))
+        if draft is None or plain is None:
+            return draft is None
+        better = draft >= plain
+        return not better if self._steps % self.explore_every == 0 else better
+
+    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if rows <= 1 or seconds <= 0:
+            return
+        rate, old = tokens / seconds, self.rates.get((rows, drafted))
+        self.rates[(rows, drafted)] = rate if old is None else old + self.smoothing * (rate - old)
 
 
 def _pad(tokens: list[torch.Tensor], offsets: list[torch.Tensor], masks: list[torch.Tensor]):

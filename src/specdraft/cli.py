@@ -296,6 +296,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-draft-batch", type=int, default=0,
                    help="draft only in steps with at most this many sequences, plain decoding above (0 = always)")
+    p.add_argument("--batch-speculation", choices=("adaptive", "always"), default="adaptive",
+                   help="adaptive: steps of several sequences draft only where drafting measured more tokens/s")
     p.add_argument("--max-queue", type=int, default=64, help="waiting sequences; more answer 429")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted")
     p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
@@ -324,7 +326,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     run_server(ServeConfig(
         target=args.target, draft=args.draft, drafter=args.drafter, drafter_options=options, dtype=args.dtype,
         served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
-        max_draft_batch=args.max_draft_batch,
+        max_draft_batch=args.max_draft_batch, batch_speculation=args.batch_speculation,
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         max_n=args.max_n, host=args.host, port=args.port, online_distill=_online_config(args),
     ))

@@ -10,7 +10,7 @@ from specdraft.serve.online_config import OnlineDistillConfig
 def build_server_app(config: ServeConfig):
     """Load the target and drafter named by ``config`` and build the app (not yet serving)."""
     from specdraft.batch_drafting import lockstep_factory
-    from specdraft.batching import drafter_factory
+    from specdraft.batching import DraftGate, drafter_factory
     from specdraft.drafters.loading import load_drafter
     from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
     from specdraft.serve.app import build_app
@@ -32,8 +32,9 @@ def build_server_app(config: ServeConfig):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         online = OnlineDistiller(config.online_distill, prototype, config.draft, factory, pad_id)
     make = online.make_drafter if online is not None else factory(prototype)
+    gate = DraftGate() if config.batch_speculation == "adaptive" else None
     engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, config.max_draft_batch,
-                    online)
+                    online, gate)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 

@@ -22,6 +22,8 @@ class ServeConfig:
     max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
     max_draft_batch: int = field(default=0, metadata={"help": "draft only in steps of at most this many sequences; "
                                                                "0 = always"})
+    batch_speculation: str = field(default="adaptive", metadata={"help": "adaptive: steps of several sequences draft "
+                                                                         "only where that measured faster; always"})
     max_queue: int = field(default=64, metadata={"help": "waiting sequences beyond the batch; more answer 429"})
     max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted"})
     max_tokens: int = field(default=512, metadata={"help": "largest max_tokens accepted"})
@@ -39,6 +41,8 @@ class ServeConfig:
         if self.max_queue < 0 or self.max_draft_batch < 0:
             raise SpecdraftError(f"max_queue and max_draft_batch must be >= 0, got {self.max_queue}, "
                                  f"{self.max_draft_batch}")
+        if self.batch_speculation not in ("adaptive", "always"):
+            raise SpecdraftError(f"batch_speculation must be adaptive or always, got {self.batch_speculation!r}")
         if self.online_distill is not None and not self.draft:
             raise SpecdraftError("--online-distill trains a draft model: give one with --draft "
                                  f"({self.drafter or 'no drafter'} cannot be trained)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.batching import BatchDecoder, BatchSequence
+from specdraft.batching import BatchDecoder, BatchSequence, DraftGate
 from specdraft.decoding import GenerationConfig
 from specdraft.drafters.base import Drafter
 from specdraft.errors import SpecdraftError
@@ -77,10 +77,11 @@ class Engine:
     """Owns the target, the batch and the decoding thread."""
 
     def __init__(self, target, tokenizer, make_drafter: Callable[[], Drafter | None], max_batch: int,
-                 capacity: int, max_queue: int, max_draft_batch: int = 0, online=None) -> None:
+                 capacity: int, max_queue: int, max_draft_batch: int = 0, online=None,
+                 gate: DraftGate | None = None) -> None:
         """``online``: an :class:`~specdraft.serve.online.OnlineDistiller` (its drafters replace ``make_drafter``'s),
-        or None."""
-        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer, max_draft_batch)
+        or None; ``gate``: whether steps of several sequences draft, from measured tokens/s (None: always)."""
+        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer, max_draft_batch, gate)
         self.make_drafter, self.max_queue, self.online = make_drafter, max_queue, online
         self.metrics = Metrics()
         if online is not None:
