@@ -100,6 +100,18 @@ async def _stream(engine: RecordingEngine, prompts: list[list[int]], config: Gen
     return results
 
 
+def stream_all(engine: RecordingEngine, prompts: list[list[int]], config: GenerationConfig,
+               concurrency: int) -> tuple[list, float]:
+    """Start ``engine``, serve every prompt with ``concurrency`` clients, stop it: (results, wall seconds)."""
+    engine.start()
+    started = time.perf_counter()
+    try:
+        results = asyncio.run(_stream(engine, prompts, config, concurrency))
+    finally:
+        engine.stop()
+    return results, time.perf_counter() - started
+
+
 def serve_pass(target, tokenizer, prototype, prompts, args, online: OnlineDistillConfig | None):
     capacity = max(len(p) for p in prompts) + args.max_new_tokens
 
@@ -112,13 +124,7 @@ def serve_pass(target, tokenizer, prototype, prompts, args, online: OnlineDistil
     engine = RecordingEngine(target, tokenizer, factory(prototype), args.concurrency, capacity, len(prompts), 0,
                              distiller)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, eos_token_ids=eos_token_ids(tokenizer))
-    engine.start()
-    started = time.perf_counter()
-    try:
-        results = asyncio.run(_stream(engine, prompts, config, args.concurrency))
-    finally:
-        engine.stop()
-    seconds = time.perf_counter() - started
+    results, seconds = stream_all(engine, prompts, config, args.concurrency)
     return results, seconds, (distiller.history if distiller else [])
 
 

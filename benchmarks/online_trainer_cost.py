@@ -18,7 +18,7 @@ import threading
 import time
 
 import torch
-from online_distill import RecordingEngine, _stream, code_prompts
+from online_distill import RecordingEngine, code_prompts, stream_all
 
 from specdraft.api import eos_token_ids, load_target
 from specdraft.batch_drafting import lockstep_factory
@@ -53,15 +53,8 @@ def serve_once(target, tokenizer, prototype, prompts, args) -> float:
     make = lockstep_factory(prototype, 2 * args.concurrency + 2, capacity + 64, drafter_factory(prototype))
     engine = RecordingEngine(target, tokenizer, make, args.concurrency, capacity, len(prompts))
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, eos_token_ids=eos_token_ids(tokenizer))
-    engine.start()
-    started = time.perf_counter()
-    try:
-        import asyncio
-
-        results = asyncio.run(_stream(engine, prompts, config, args.concurrency))
-    finally:
-        engine.stop()
-    return sum(len(tokens) for tokens, _ in results) / (time.perf_counter() - started)
+    results, seconds = stream_all(engine, prompts, config, args.concurrency)
+    return sum(len(tokens) for tokens, _ in results) / seconds
 
 
 def main() -> None:
