@@ -40,6 +40,21 @@ def test_cost_curve_interpolates_and_extrapolates() -> None:
     assert CostCurve.from_dict(curve.to_dict()) == curve
 
 
+def test_long_contexts_are_priced_by_their_own_row() -> None:
+    """Attention over a long cache makes each extra new token dearer: the policy drafts less there."""
+    sizes, step = (1, 2, 4, 8), 0.01
+    rows = tuple(tuple(step * (1 + per * (size - 1)) for size in sizes) for per in (0.05, 0.1, 0.9))
+    curve = CostCurve(sizes, (64, 512, 2048), rows, {"name": "toy"}, {"cpu": "toy"})
+    assert curve.seconds(2, 1280) == pytest.approx(step * (1 + 0.5 * (0.1 + 0.9)))  # between 512 and 2048
+    assert curve.seconds(2, 3584) == pytest.approx(step * (1 + 0.9 + 0.8))  # beyond 2048, along the last slope
+    policy = AdaptivePolicy(curve, 6)
+    for _ in range(60):  # every depth accepted 70% of the time
+        for depth in range(1, 7):
+            policy.acceptance.update((-1, "depth", depth), depth <= 2 or _ % 10 < 7)
+    short, long = policy.budget(100, 6), policy.budget(2000, 6)
+    assert short >= 3 and long < short
+
+
 def test_free_verification_and_sure_drafts_verify_everything() -> None:
     policy = AdaptivePolicy(_curve(0.0), 5)
     assert policy.budget(100, 10) == 5 and policy.budget(100, 3) == 3

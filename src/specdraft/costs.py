@@ -3,7 +3,8 @@
 Speculative decoding pays off only when a forward over k new tokens costs less than k 1-token forwards, and how
 much less depends on the CPU (AVX2 or AVX-512, bf16 instructions or not), the dtype, the thread count and the
 torch build. Nothing here assumes: :func:`measure` times the model's forward for each new-token count in
-``sizes`` (1 for a plain step, 2..K+1 for a K-token chain, the tree sizes in use) at a short and a long context,
+``sizes`` (1 for a plain step, 2..K+1 for a K-token chain, the tree sizes in use) at a few context lengths (short,
+long, a long document: attention over the cache makes each extra new token dearer as the context grows),
 the fastest of a few interleaved repeats (the least disturbed by other processes on a shared CPU), in seconds of
 this process's CPU time when torch runs one thread (what a forward needs, whatever else the CPU is doing), else
 of wall time.
@@ -11,8 +12,8 @@ The curve is measured once per model, dtype and machine and cached as JSON besid
 (``<cache>/costs/``, written beside then renamed), keyed by the model's identity and :func:`machine` (CPU model,
 ISA torch dispatches to, threads, torch version).
 
-:class:`CostCurve.seconds` interpolates linearly between the measured sizes and contexts (beyond the largest size,
-along the last segment's slope), so a policy can price any draft (:mod:`specdraft.speculation`).
+:class:`CostCurve.seconds` interpolates linearly between the measured sizes and contexts (beyond the largest, along
+the last segment's slope), so a policy can price any draft (:mod:`specdraft.speculation`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from specdraft.hardware import cpu_model
 from specdraft.models.base import CausalLM
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
-CONTEXTS = (64, 512)  # context lengths measured; others are interpolated
+CONTEXTS = (64, 512, 2048)  # context lengths measured; others are interpolated (beyond the last, its slope)
 REPEATS = 3  # timed repeats per point (after one warm-up sweep); the fastest is kept
-FORMAT = 4  # bumped when the measurement changes, so old cached curves are remeasured
+FORMAT = 5  # bumped when the measurement changes, so old cached curves are remeasured
 
 
 def machine() -> dict:
@@ -69,7 +70,7 @@ class CostCurve:
     def seconds(self, new_tokens: int, context: int = 0) -> float:
         """Predicted seconds of a forward over ``new_tokens`` after ``context`` cached tokens."""
         rows = [_interpolate(self.sizes, row, new_tokens) for row in self.table]
-        return max(1e-9, _interpolate(self.contexts, rows, context, extrapolate=False))
+        return max(1e-9, _interpolate(self.contexts, rows, context))
 
     def ratios(self, context: int | None = None) -> list[float]:
         """Each size's cost over a 1-token step's, at ``context`` (default the shortest measured)."""

@@ -5,6 +5,8 @@
 // ancestors precede it in slot order), so a k-token forward reproduces k 1-token forwards bit for bit.
 #include "rowkernels.h"
 
+#include <type_traits>
+
 namespace {
 
 using namespace specdraft_rows;
@@ -28,53 +30,118 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-// The same for a head dimension known at compile time (HD8 = hd / 8): the query and the output accumulate in
-// registers, and scores are computed 4 slots at a time (4 independent chains; each score's own sequence is the
-// same as alone: 8-lane FMAs over the head dimension in order, then hsum).
+// The same for a head dimension known at compile time (HD8 = hd / 8), computed a block of cached slots at a time
+// for several (query, head) rows that read one KV head: each block of keys and of values is widened to fp32 once
+// and read from L1 by every row, instead of once per row. Each row's arithmetic is the one of a row alone: its query
+// and output accumulate in registers; a score is 8-lane FMAs over the head dimension in order, then hsum (4 slots
+// at a time, 4 independent chains); the softmax and the values run over the visible slots in slot order. How rows
+// are grouped (by thread count, by the number of queries) therefore never changes a result.
 template <int HD8, typename T, typename O>
 void attend_fixed(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
                   const bool* mask, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale, O* out) {
   constexpr int64_t hd = HD8 * 8;
-  const int64_t groups = H / KV;
-  at::parallel_for(0, B * Tn * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(S + 8, 0.0f);
+  constexpr int64_t kBlock = 64;  // slots per block: 16 KB of fp32 keys (or values), in L1
+  constexpr bool kWide = std::is_same_v<T, float>;  // fp32 caches are read in place
+  const int64_t groups = H / KV, rows = Tn * groups;  // rows of one KV head: (query t, head g), t-major
+  // Rows per work item: all of a KV head's on one thread; split only to give every thread work.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (threads > 1) chunks = std::min(rows, (2 * threads + B * KV - 1) / (B * KV));
+  const int64_t per = (rows + chunks - 1) / chunks;
+  chunks = (rows + per - 1) / per;
+  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kbuf(kWide ? 0 : kBlock * hd), vbuf(kWide ? 0 : kBlock * hd);
+    std::vector<float> score(per * (S + 8), 0.0f), acc(per * hd), total(per);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Tn * H), t = item / H % Tn, h = item % H, kvh = h / groups;
+      const int64_t b = item / (KV * chunks), kvh = item / chunks % KV, c = item % chunks;
+      const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
       const T* kb = keys + b * ks[0] + kvh * ks[1];
       const T* vb = values + b * vs[0] + kvh * vs[1];
-      const bool* visible = mask ? mask + t * S : nullptr;
-      __m256 qr[HD8];
-      for (int i = 0; i < HD8; ++i) qr[i] = _mm256_loadu_ps(q + item * hd + i * 8);
-      int64_t s = 0;
-      for (; s + 4 <= S; s += 4) {
-        __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int i = 0; i < HD8; ++i)
-          for (int j = 0; j < 4; ++j) dot[j] = _mm256_fmadd_ps(qr[i], load8(kb + (s + j) * ks[2] + i * 8), dot[j]);
-        for (int j = 0; j < 4; ++j) score[s + j] = hsum(dot[j]) * scale;
+      // pass 1: scores of every row, a block of keys at a time
+      for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+        const int64_t n = std::min(kBlock, S - s0);
+        const float* kp;
+        int64_t kst;
+        if constexpr (kWide) {
+          kp = kb + s0 * ks[2];
+          kst = ks[2];
+        } else {
+          for (int64_t j = 0; j < n; ++j)
+            for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&kbuf[j * hd + i * 8], load8(kb + (s0 + j) * ks[2] + i * 8));
+          kp = kbuf.data();
+          kst = hd;
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t t = r / groups, h = kvh * groups + r % groups;
+          const float* qv = q + ((b * Tn + t) * H + h) * hd;
+          float* sc = &score[(r - r0) * (S + 8) + s0];
+          __m256 qr[HD8];
+          for (int i = 0; i < HD8; ++i) qr[i] = _mm256_loadu_ps(qv + i * 8);
+          int64_t j = 0;
+          for (; j + 4 <= n; j += 4) {
+            __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int i = 0; i < HD8; ++i)
+              for (int u = 0; u < 4; ++u) dot[u] = _mm256_fmadd_ps(qr[i], _mm256_loadu_ps(kp + (j + u) * kst + i * 8), dot[u]);
+            for (int u = 0; u < 4; ++u) sc[j + u] = hsum(dot[u]) * scale;
+          }
+          for (; j < n; ++j) {
+            __m256 dot = _mm256_setzero_ps();
+            for (int i = 0; i < HD8; ++i) dot = _mm256_fmadd_ps(qr[i], _mm256_loadu_ps(kp + j * kst + i * 8), dot);
+            sc[j] = hsum(dot) * scale;
+          }
+        }
       }
-      for (; s < S; ++s) {
-        __m256 dot = _mm256_setzero_ps();
-        for (int i = 0; i < HD8; ++i) dot = _mm256_fmadd_ps(qr[i], load8(kb + s * ks[2] + i * 8), dot);
-        score[s] = hsum(dot) * scale;
+      // softmax numerators: e^(score - max over the visible slots)
+      for (int64_t r = r0; r < r1; ++r) {
+        float* sc = &score[(r - r0) * (S + 8)];
+        const bool* visible = mask ? mask + (r / groups) * S : nullptr;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < S; ++s)
+          if (!visible || visible[s]) top = std::max(top, sc[s]);
+        const __m256 shift = _mm256_set1_ps(top);
+        for (int64_t s = 0; s < S; s += 8) _mm256_storeu_ps(&sc[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[s]), shift)));
       }
-      float top = -std::numeric_limits<float>::infinity();
-      for (s = 0; s < S; ++s)
-        if (!visible || visible[s]) top = std::max(top, score[s]);
-      const __m256 shift = _mm256_set1_ps(top);
-      for (s = 0; s < S; s += 8) _mm256_storeu_ps(&score[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[s]), shift)));
-      __m256 acc[HD8];
-      for (int i = 0; i < HD8; ++i) acc[i] = _mm256_setzero_ps();
-      float total = 0.0f;
-      for (s = 0; s < S; ++s) {
-        if (visible && !visible[s]) continue;
-        total += score[s];
-        const __m256 p = _mm256_set1_ps(score[s]);
-        for (int i = 0; i < HD8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vb + s * vs[2] + i * 8), acc[i]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(total.begin(), total.end(), 0.0f);
+      // pass 2: values, a block at a time, each row's accumulators in registers across the block
+      for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+        const int64_t n = std::min(kBlock, S - s0);
+        const float* vp;
+        int64_t vst;
+        if constexpr (kWide) {
+          vp = vb + s0 * vs[2];
+          vst = vs[2];
+        } else {
+          for (int64_t j = 0; j < n; ++j)
+            for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&vbuf[j * hd + i * 8], load8(vb + (s0 + j) * vs[2] + i * 8));
+          vp = vbuf.data();
+          vst = hd;
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* sc = &score[(r - r0) * (S + 8) + s0];
+          const bool* visible = mask ? mask + (r / groups) * S + s0 : nullptr;
+          float* a = &acc[(r - r0) * hd];
+          __m256 ar[HD8];
+          for (int i = 0; i < HD8; ++i) ar[i] = _mm256_loadu_ps(a + i * 8);
+          float sum = total[r - r0];
+          for (int64_t j = 0; j < n; ++j) {
+            if (visible && !visible[j]) continue;
+            sum += sc[j];
+            const __m256 p = _mm256_set1_ps(sc[j]);
+            for (int i = 0; i < HD8; ++i) ar[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + j * vst + i * 8), ar[i]);
+          }
+          total[r - r0] = sum;
+          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(a + i * 8, ar[i]);
+        }
       }
-      float row[hd];
-      for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(row + i * 8, _mm256_div_ps(acc[i], _mm256_set1_ps(total)));
-      O* o = out + item * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(row[d]);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r / groups, h = kvh * groups + r % groups;
+        float row[hd];
+        const __m256 sum = _mm256_set1_ps(total[r - r0]);
+        for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(row + i * 8, _mm256_div_ps(_mm256_loadu_ps(&acc[(r - r0) * hd + i * 8]), sum));
+        O* o = out + ((b * Tn + t) * H + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(row[d]);
+      }
     }
   });
 }

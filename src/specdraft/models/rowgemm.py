@@ -5,7 +5,8 @@ without AVX-512 BW/VL/DQ, e.g. AVX2-only ones) torch's eager bf16 ``F.linear`` c
 so a 5-token verify cost 3.6 plain steps. :func:`linear` reads each block of weight rows once, widens bf16 to fp32
 in registers (exact) and multiplies it into all k rows with FMAs (256-bit, or 512-bit and AVX-512-BF16 pair dot
 products where the CPU has them, :func:`mode`): k rows cost one pass over the weights plus k times the arithmetic.
-:func:`attention` attends each new query on its own. Each output element is computed by the same instruction
+:func:`attention` attends each new query with the arithmetic of a query alone, widening each block of cached keys
+and values to fp32 once for all the queries of its KV head. Each output element is computed by the same instruction
 sequence whatever the number of rows, so a k-token forward reproduces k 1-token forwards bit for bit.
 
 The kernels are compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) on first use, about 10 s,
