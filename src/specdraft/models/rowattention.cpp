@@ -5,8 +5,6 @@
 // ancestors precede it in slot order), so a k-token forward reproduces k 1-token forwards bit for bit.
 #include "rowkernels.h"
 
-#include <type_traits>
-
 namespace {
 
 using namespace specdraft_rows;
@@ -30,18 +28,25 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-// The same for a head dimension known at compile time (HD8 = hd / 8), computed a block of cached slots at a time
-// for several (query, head) rows that read one KV head: each block of keys and of values is widened to fp32 once
-// and read from L1 by every row, instead of once per row. Each row's arithmetic is the one of a row alone: its query
-// and output accumulate in registers; a score is 8-lane FMAs over the head dimension in order, then hsum (4 slots
-// at a time, 4 independent chains); the softmax and the values run over the visible slots in slot order. How rows
-// are grouped (by thread count, by the number of queries) therefore never changes a result.
+// Asks for the cache lines of one cached key or value row (hd elements) ahead of their use: the cache of a layer is
+// cold when its attention starts (the weights passed through since), and each block waits on memory without it.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t hd) {
+  const char* line = reinterpret_cast<const char*>(p);
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(line + byte, _MM_HINT_T0);
+}
+
+// The same for a head dimension known at compile time (HD8 = hd / 8), computed a block of cached slots at a time for
+// several (query, head) rows that read one KV head: each block of keys and of values is copied (bf16: widened) to
+// fp32 once, prefetched a block ahead, and read from L1 by every row. Each row's arithmetic is the one of a row
+// alone: its query and output accumulate in registers; a score is 8-lane FMAs over the head dimension in order, then
+// hsum (4 slots at a time, 4 independent chains); the softmax and the values run over the visible slots in slot
+// order. How rows are grouped (by thread count, by the number of queries) therefore never changes a result.
 template <int HD8, typename T, typename O>
 void attend_fixed(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
                   const bool* mask, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale, O* out) {
   constexpr int64_t hd = HD8 * 8;
   constexpr int64_t kBlock = 64;  // slots per block: 16 KB of fp32 keys (or values), in L1
-  constexpr bool kWide = std::is_same_v<T, float>;  // fp32 caches are read in place
   const int64_t groups = H / KV, rows = Tn * groups;  // rows of one KV head: (query t, head g), t-major
   // Rows per work item: all of a KV head's on one thread; split only to give every thread work.
   const int64_t threads = at::get_num_threads();
@@ -50,7 +55,7 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
   const int64_t per = (rows + chunks - 1) / chunks;
   chunks = (rows + per - 1) / per;
   at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(kWide ? 0 : kBlock * hd), vbuf(kWide ? 0 : kBlock * hd);
+    std::vector<float> kbuf(kBlock * hd), vbuf(kBlock * hd);
     std::vector<float> score(per * (S + 8), 0.0f), acc(per * hd), total(per);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (KV * chunks), kvh = item / chunks % KV, c = item % chunks;
@@ -60,17 +65,12 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       // pass 1: scores of every row, a block of keys at a time
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
-        const float* kp;
-        int64_t kst;
-        if constexpr (kWide) {
-          kp = kb + s0 * ks[2];
-          kst = ks[2];
-        } else {
-          for (int64_t j = 0; j < n; ++j)
-            for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&kbuf[j * hd + i * 8], load8(kb + (s0 + j) * ks[2] + i * 8));
-          kp = kbuf.data();
-          kst = hd;
+        for (int64_t j = 0; j < n; ++j) {
+          if (s0 + kBlock + j < S) prefetch_row(kb + (s0 + kBlock + j) * ks[2], hd);  // the next block's row j
+          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&kbuf[j * hd + i * 8], load8(kb + (s0 + j) * ks[2] + i * 8));
         }
+        const float* kp = kbuf.data();
+        constexpr int64_t kst = hd;
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t t = r / groups, h = kvh * groups + r % groups;
           const float* qv = q + ((b * Tn + t) * H + h) * hd;
@@ -91,6 +91,8 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
           }
         }
       }
+      // the first block of values, read while the softmax runs
+      for (int64_t j = 0; j < std::min(kBlock, S); ++j) prefetch_row(vb + j * vs[2], hd);
       // softmax numerators: e^(score - max over the visible slots)
       for (int64_t r = r0; r < r1; ++r) {
         float* sc = &score[(r - r0) * (S + 8)];
@@ -106,17 +108,12 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       // pass 2: values, a block at a time, each row's accumulators in registers across the block
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
-        const float* vp;
-        int64_t vst;
-        if constexpr (kWide) {
-          vp = vb + s0 * vs[2];
-          vst = vs[2];
-        } else {
-          for (int64_t j = 0; j < n; ++j)
-            for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&vbuf[j * hd + i * 8], load8(vb + (s0 + j) * vs[2] + i * 8));
-          vp = vbuf.data();
-          vst = hd;
+        for (int64_t j = 0; j < n; ++j) {
+          if (s0 + kBlock + j < S) prefetch_row(vb + (s0 + kBlock + j) * vs[2], hd);  // the next block's row j
+          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&vbuf[j * hd + i * 8], load8(vb + (s0 + j) * vs[2] + i * 8));
         }
+        const float* vp = vbuf.data();
+        constexpr int64_t vst = hd;
         for (int64_t r = r0; r < r1; ++r) {
           const float* sc = &score[(r - r0) * (S + 8) + s0];
           const bool* visible = mask ? mask + (r / groups) * S + s0 : nullptr;
