@@ -60,6 +60,34 @@ def test_attention_matches_sdpa_and_each_query_alone(dtype: torch.dtype) -> None
         assert torch.equal(out[:, t : t + 1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_a_tree_node_equals_its_path_alone(dtype: torch.dtype) -> None:
+    """A tree node sees the context and its ancestors (holes where its cousins sit): its output equals the same
+    query alone over the context and its path laid out contiguously, as plain decoding of that path would have it."""
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, start = 6, 2, 64, 37  # 37 context slots: the tree's slots straddle 8-lane blocks
+    parents = [-1, 0, 0, 1, 2, 3, 3, 5, 4, 8, 9, 1]  # 12 nodes
+    nodes = len(parents)
+    keys = torch.randn(1, kv_heads, start + nodes, head_dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, start + nodes, head_dim, generator=generator).to(dtype)
+    queries = torch.randn(1, nodes, heads, head_dim, generator=generator).to(dtype)
+    mask = torch.zeros(nodes, start + nodes, dtype=torch.bool)
+    mask[:, :start] = True
+    paths = []
+    for node in range(nodes):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, at)
+            at = parents[at]
+        paths.append(path)
+        mask[node, [start + i for i in path]] = True
+    out = rowgemm.attention(queries, keys, values, mask)
+    for node, path in enumerate(paths):
+        slots = list(range(start)) + [start + i for i in path]
+        alone = rowgemm.attention(queries[:, node : node + 1], keys[:, :, slots], values[:, :, slots], None)
+        assert torch.equal(out[:, node : node + 1], alone), node
+
+
 def test_the_avx2_emulation_keeps_the_256_bit_kernel_and_rows_for_bf16():
     """Under the AVX2 emulation variables a fresh process runs the 256-bit kernel and packs bf16 for it."""
     import os

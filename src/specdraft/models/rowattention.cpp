@@ -1,6 +1,7 @@
 // Attention of T new queries over S cached keys, one (query, head) at a time, the same instruction sequence for
-// every one whatever T is: a score per slot (8-lane FMAs over the head dimension in order, one fixed horizontal
-// sum), softmax over the visible slots with their maximum, values accumulated in slot order over the visible slots.
+// every one whatever T is: a score per slot (FMAs over the head dimension in order, one fixed horizontal sum),
+// softmax over the visible slots with their maximum and a sum whose order depends only on the visible values in slot
+// order (visible_sum), values accumulated in slot order over the visible slots.
 // A query's output is the same whether it comes alone (a plain step) or among others (a chain, or a tree whose
 // ancestors precede it in slot order), so a k-token forward reproduces k 1-token forwards bit for bit.
 #include "rowkernels.h"
@@ -28,6 +29,49 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
+// The largest score over the visible slots (all S without a mask): 8 lanes, then across them. A maximum is exact in
+// any order, so this equals a slot-by-slot scan.
+inline float visible_max(const float* sc, const bool* visible, int64_t S) {
+  const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top = none;
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    __m256 x = _mm256_loadu_ps(sc + s);
+    if (visible) {  // lanes of invisible slots count as -inf
+      const __m256i flags = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(visible + s)));
+      x = _mm256_blendv_ps(none, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256())));
+    }
+    top = _mm256_max_ps(top, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = *std::max_element(lanes, lanes + 8);
+  for (; s < S; ++s)
+    if (!visible || visible[s]) best = std::max(best, sc[s]);
+  return best;
+}
+
+// The sum of the visible slots' values, in one fixed order that depends only on the visible values in slot order:
+// the i-th visible value goes to lane i mod 8 (8 running sums, so no chain of dependent additions), then the lanes
+// are summed by hsum. A query among others (visible: its prefix, or its ancestors in a tree) sums exactly what it
+// sums alone (visible: every slot), so the invariance of the kernel holds.
+inline float visible_sum(const float* sc, const bool* visible, int64_t S) {
+  alignas(32) float lanes[8];
+  if (!visible) {  // rank = slot: whole blocks of 8 as vectors, the tail lane by lane
+    __m256 sum = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= S; s += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(sc + s));
+    _mm256_store_ps(lanes, sum);
+    for (; s < S; ++s) lanes[s & 7] += sc[s];
+  } else {
+    std::fill(lanes, lanes + 8, 0.0f);
+    int64_t rank = 0;
+    for (int64_t s = 0; s < S; ++s)
+      if (visible[s]) lanes[rank++ & 7] += sc[s];
+  }
+  return hsum(_mm256_load_ps(lanes));
+}
+
 // Asks for the cache lines of one cached key or value row (hd elements) ahead of their use: the cache of a layer is
 // cold when its attention starts (the weights passed through since), and each block waits on memory without it.
 template <typename T>
@@ -36,112 +80,40 @@ inline void prefetch_row(const T* p, int64_t hd) {
   for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(line + byte, _MM_HINT_T0);
 }
 
-// The same for a head dimension known at compile time (HD8 = hd / 8), computed a block of cached slots at a time for
-// several (query, head) rows that read one KV head: each block of keys and of values is copied (bf16: widened) to
-// fp32 once, prefetched a block ahead, and read from L1 by every row. Each row's arithmetic is the one of a row
-// alone: its query and output accumulate in registers; a score is 8-lane FMAs over the head dimension in order, then
-// hsum (4 slots at a time, 4 independent chains); the softmax and the values run over the visible slots in slot
-// order. How rows are grouped (by thread count, by the number of queries) therefore never changes a result.
-template <int HD8, typename T, typename O>
-void attend_fixed(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
-                  const bool* mask, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale, O* out) {
-  constexpr int64_t hd = HD8 * 8;
-  constexpr int64_t kBlock = 64;  // slots per block: 16 KB of fp32 keys (or values), in L1
-  const int64_t groups = H / KV, rows = Tn * groups;  // rows of one KV head: (query t, head g), t-major
-  // Rows per work item: all of a KV head's on one thread; split only to give every thread work.
-  const int64_t threads = at::get_num_threads();
-  int64_t chunks = 1;
-  if (threads > 1) chunks = std::min(rows, (2 * threads + B * KV - 1) / (B * KV));
-  const int64_t per = (rows + chunks - 1) / chunks;
-  chunks = (rows + per - 1) / per;
-  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(kBlock * hd), vbuf(kBlock * hd);
-    std::vector<float> score(per * (S + 8), 0.0f), acc(per * hd), total(per);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (KV * chunks), kvh = item / chunks % KV, c = item % chunks;
-      const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
-      const T* kb = keys + b * ks[0] + kvh * ks[1];
-      const T* vb = values + b * vs[0] + kvh * vs[1];
-      // pass 1: scores of every row, a block of keys at a time
-      for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
-        const int64_t n = std::min(kBlock, S - s0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (s0 + kBlock + j < S) prefetch_row(kb + (s0 + kBlock + j) * ks[2], hd);  // the next block's row j
-          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&kbuf[j * hd + i * 8], load8(kb + (s0 + j) * ks[2] + i * 8));
-        }
-        const float* kp = kbuf.data();
-        constexpr int64_t kst = hd;
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t t = r / groups, h = kvh * groups + r % groups;
-          const float* qv = q + ((b * Tn + t) * H + h) * hd;
-          float* sc = &score[(r - r0) * (S + 8) + s0];
-          __m256 qr[HD8];
-          for (int i = 0; i < HD8; ++i) qr[i] = _mm256_loadu_ps(qv + i * 8);
-          int64_t j = 0;
-          for (; j + 4 <= n; j += 4) {
-            __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int i = 0; i < HD8; ++i)
-              for (int u = 0; u < 4; ++u) dot[u] = _mm256_fmadd_ps(qr[i], _mm256_loadu_ps(kp + (j + u) * kst + i * 8), dot[u]);
-            for (int u = 0; u < 4; ++u) sc[j + u] = hsum(dot[u]) * scale;
-          }
-          for (; j < n; ++j) {
-            __m256 dot = _mm256_setzero_ps();
-            for (int i = 0; i < HD8; ++i) dot = _mm256_fmadd_ps(qr[i], _mm256_loadu_ps(kp + j * kst + i * 8), dot);
-            sc[j] = hsum(dot) * scale;
-          }
-        }
-      }
-      // the first block of values, read while the softmax runs
-      for (int64_t j = 0; j < std::min(kBlock, S); ++j) prefetch_row(vb + j * vs[2], hd);
-      // softmax numerators: e^(score - max over the visible slots)
-      for (int64_t r = r0; r < r1; ++r) {
-        float* sc = &score[(r - r0) * (S + 8)];
-        const bool* visible = mask ? mask + (r / groups) * S : nullptr;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < S; ++s)
-          if (!visible || visible[s]) top = std::max(top, sc[s]);
-        const __m256 shift = _mm256_set1_ps(top);
-        for (int64_t s = 0; s < S; s += 8) _mm256_storeu_ps(&sc[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[s]), shift)));
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(total.begin(), total.end(), 0.0f);
-      // pass 2: values, a block at a time, each row's accumulators in registers across the block
-      for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
-        const int64_t n = std::min(kBlock, S - s0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (s0 + kBlock + j < S) prefetch_row(vb + (s0 + kBlock + j) * vs[2], hd);  // the next block's row j
-          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&vbuf[j * hd + i * 8], load8(vb + (s0 + j) * vs[2] + i * 8));
-        }
-        const float* vp = vbuf.data();
-        constexpr int64_t vst = hd;
-        for (int64_t r = r0; r < r1; ++r) {
-          const float* sc = &score[(r - r0) * (S + 8) + s0];
-          const bool* visible = mask ? mask + (r / groups) * S + s0 : nullptr;
-          float* a = &acc[(r - r0) * hd];
-          __m256 ar[HD8];
-          for (int i = 0; i < HD8; ++i) ar[i] = _mm256_loadu_ps(a + i * 8);
-          float sum = total[r - r0];
-          for (int64_t j = 0; j < n; ++j) {
-            if (visible && !visible[j]) continue;
-            sum += sc[j];
-            const __m256 p = _mm256_set1_ps(sc[j]);
-            for (int i = 0; i < HD8; ++i) ar[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + j * vst + i * 8), ar[i]);
-          }
-          total[r - r0] = sum;
-          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(a + i * 8, ar[i]);
-        }
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t t = r / groups, h = kvh * groups + r % groups;
-        float row[hd];
-        const __m256 sum = _mm256_set1_ps(total[r - r0]);
-        for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(row + i * 8, _mm256_div_ps(_mm256_loadu_ps(&acc[(r - r0) * hd + i * 8]), sum));
-        O* o = out + ((b * Tn + t) * H + h) * hd;
-        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<O>(row[d]);
-      }
-    }
-  });
+namespace lanes8 {  // 256-bit: the kernel on every CPU with AVX2 and FMA
+using V = __m256;
+constexpr int kLanes = 8;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vset1(float x) { return _mm256_set1_ps(x); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+inline float vsum(V v) { return hsum(v); }
+#include "rowattention_fixed.h"
+}  // namespace lanes8
+
+// The same with 512-bit vectors where torch dispatches to AVX-512 (rowgemm.mode() >= 1): half the FMAs per score and
+// per value. Its sums are grouped differently from the 256-bit kernel's, so the two differ in the last bits; a
+// process uses one, and within it a k-token forward still reproduces k 1-token forwards.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+namespace lanes16 {
+using V = __m512;
+constexpr int kLanes = 16;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vset1(float x) { return _mm512_set1_ps(x); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline float vsum(V v) {  // (lo + hi) halves down to one lane, one fixed order
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  return hsum(s8);
 }
+#include "rowattention_fixed.h"
+}  // namespace lanes16
+#pragma GCC pop_options
 
 // Any head dimension that is a multiple of 8, one score and one slot at a time (the fallback of attend_fixed).
 template <typename T, typename O>
@@ -181,7 +153,8 @@ void attend(const float* q, const T* keys, const T* values, const int64_t* ks, c
 }
 
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                     const c10::optional<at::Tensor>& mask, double scale) {
+                     const c10::optional<at::Tensor>& mask, double scale, int64_t mode) {
+  const bool wide = mode >= 1;
   TORCH_CHECK(queries.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rowgemm: attention takes 4-d tensors");
   const int64_t B = queries.size(0), Tn = queries.size(1), H = queries.size(2), hd = queries.size(3);
   const int64_t KV = keys.size(1), S = keys.size(2);
@@ -205,12 +178,19 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   auto run = [&](auto* k, auto* v) {
     auto to = [&](auto* o) {
       const float* qp = q.data_ptr<float>();
-      switch (hd) {  // fixed per model: the variant never depends on the number of queries
-        case 8: return attend_fixed<1>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 16: return attend_fixed<2>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 32: return attend_fixed<4>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 64: return attend_fixed<8>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 128: return attend_fixed<16>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+      if (wide) switch (hd) {  // fixed per model and process: the variant never depends on the number of queries
+          case 16: return lanes16::attend_fixed<2>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+          case 32: return lanes16::attend_fixed<4>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+          case 64: return lanes16::attend_fixed<8>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+          case 128: return lanes16::attend_fixed<16>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+          default: break;
+        }
+      switch (hd) {
+        case 8: return lanes8::attend_fixed<1>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+        case 16: return lanes8::attend_fixed<2>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+        case 32: return lanes8::attend_fixed<4>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+        case 64: return lanes8::attend_fixed<8>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
+        case 128: return lanes8::attend_fixed<16>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
         default: return attend(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, hd, sc, o);
       }
     };

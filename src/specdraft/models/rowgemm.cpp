@@ -350,7 +350,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
 TORCH_LIBRARY(specdraft_rowgemm, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor input, Tensor packed, Tensor? bias, int n, int mode) -> Tensor");
-  m.def("attention(Tensor queries, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def("attention(Tensor queries, Tensor keys, Tensor values, Tensor? mask, float scale, int mode) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {

@@ -34,13 +34,13 @@ from specdraft.hardware import cpu_capability, cpu_flags
 _ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
 _WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" or "512" caps the variant on AVX-512 CPUs (for comparisons)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowgemm.cpp", "rowattention.cpp"))
-_HEADER = Path(__file__).with_name("rowkernels.h")
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("rowkernels.h", "rowattention_fixed.h"))
 _STALE_LOCK_SECONDS = 300  # a build takes about 10 s
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")  # explicit FMAs only: the summation order is the source's
 
 
 def _build_folder() -> Path:
-    texts = [path.read_text() for path in (*_SOURCES, _HEADER)]
+    texts = [path.read_text() for path in (*_SOURCES, *_HEADERS)]
     key = "|".join((*texts, " ".join(_FLAGS), torch.__version__, sys.version))
     return cache_dir() / "kernels" / f"rowgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -122,4 +122,4 @@ def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
         (B, T, H*hd) in the queries' dtype.
     """
     _load()
-    return torch.ops.specdraft_rowgemm.attention(queries, keys, values, mask, queries.shape[-1] ** -0.5)
+    return torch.ops.specdraft_rowgemm.attention(queries, keys, values, mask, queries.shape[-1] ** -0.5, mode())
