@@ -13,7 +13,7 @@ from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdraft.drafters.base import Draft
 from specdraft.sampling import SamplingConfig
-from specdraft.speculation import AdaptivePolicy, FixedPolicy, _sequential_stop, make_policy
+from specdraft.speculation import AdaptivePolicy, FixedPolicy, _depth_key, _sequential_stop, make_policy
 from specdraft.verification import VerifyResult
 from toys import PatternDrafter, hf_target, random_bigram
 
@@ -50,9 +50,27 @@ def test_long_contexts_are_priced_by_their_own_row() -> None:
     policy = AdaptivePolicy(curve, 6)
     for _ in range(60):  # every depth accepted 70% of the time
         for depth in range(1, 7):
-            policy.acceptance.update((-1, "depth", depth), depth <= 2 or _ % 10 < 7)
+            policy.acceptance.update(_depth_key(depth, None), depth <= 2 or _ % 10 < 7)
     short, long = policy.budget(100, 6), policy.budget(2000, 6)
     assert short >= 3 and long < short
+
+
+def test_draft_kinds_are_priced_apart() -> None:
+    """Copy steps that cost nothing to draft and are right, and model steps that cost a forward a token and are
+    wrong: pooled, the copies would pay for the chains; per kind, only the copies are drafted."""
+    policy = AdaptivePolicy(_curve(0.2), 4)
+    for step in range(40):
+        kind = "copy" if step % 2 else "model"
+        depth = policy.budget(100, 4, kind)
+        if depth == 0:
+            continue
+        draft = Draft(torch.arange(depth), source=torch.full((depth,), 13 if kind == "copy" else 0))
+        accepted = depth if kind == "copy" else 0
+        result = VerifyResult(num_draft_tokens=depth, num_accepted=accepted, next_token=0)
+        policy.observe(draft, result, 0.0 if kind == "copy" else 0.008 * depth, 0.01)
+    assert policy.budget(100, 4, "copy") >= 3
+    assert policy.budget(100, 4, "model") == 0
+    assert policy.kinds["model"].draft_seconds_per_token > policy.kinds["copy"].draft_seconds_per_token == 0.0
 
 
 def test_free_verification_and_sure_drafts_verify_everything() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter, draft_kind
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.sampling import SamplingConfig, check_finite, warp
@@ -185,7 +185,8 @@ def generate(
     stats.prefill_seconds = time.perf_counter() - start
     while reason is None:
         tick = time.perf_counter()
-        num_draft = policy.budget(context.shape[0], config.max_new_tokens - len(generated) - 1)
+        kind = draft_kind(drafter, context, config.sampling)
+        num_draft = policy.budget(context.shape[0], config.max_new_tokens - len(generated) - 1, kind)
         draft = drafter.propose(context, num_draft, config.sampling, generator) if num_draft > 0 else EMPTY_DRAFT
         draft = policy.trim(draft, context.shape[0], context.shape[0] - cache.length, time.perf_counter() - tick,
                             config.sampling.greedy)

@@ -2,7 +2,10 @@
 
 The decoding loop asks a :class:`SpeculationPolicy` three things per step:
 
-- ``budget(context_length, limit)``: how many draft tokens (depth) to ask the drafter for; 0 = a plain step.
+- ``budget(context_length, limit, kind)``: how many draft tokens (depth) to ask the drafter for; 0 = a plain step.
+  ``kind`` is the drafter's hint of what it would draft from this context before drafting (``draft_kind``: a
+  prompt-lookup drafter's matched n-gram size, a draft model's "copy alone" or "model chain"), so steps that differ
+  in cost and acceptance are priced apart.
 - ``trim(draft, ...)``: which drafted nodes to verify (a prefix of a chain, an ancestor-closed subset of a tree).
 - ``observe(draft, result, draft_seconds, verify_seconds)``: what happened, to learn from.
 
@@ -26,12 +29,18 @@ the number of verified tokens, which on CPUs without fast skinny GEMMs is what d
 The confidence-to-acceptance map is learned online: counts of accepted / reached nodes per (source, confidence
 decile) or, for nodes without a confidence (prompt lookup, REST, Lookahead, heads), per (source, depth), with a
 Beta prior at the confidence itself (or 0.5). The drafter's cost per requested token and a scale on the measured
-verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings.
+verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings. The per-depth
+acceptance that ``budget`` prices before drafting, the drafting cost per token and the verified nodes per depth are
+learned per draft kind: a draft model whose context holds a long prompt-lookup match copies at no drafting cost and
+is usually right, while its own chain costs a forward a token and, on a summary of a long article, is mostly wrong;
+pooled, the copy steps would talk the policy into paying for chains that do not pay.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -52,8 +61,9 @@ _EXPLORE_EVERY = 8  # after this many plain steps in a row, one cheap draft keep
 class SpeculationPolicy(Protocol):
     """Decides, step by step, how much to propose (see the module docstring)."""
 
-    def budget(self, context_length: int, limit: int) -> int:
-        """Draft tokens (chain length or tree depth) to ask for, 0 .. ``limit``; 0 = a plain step."""
+    def budget(self, context_length: int, limit: int, kind: Hashable = None) -> int:
+        """Draft tokens (chain length or tree depth) to ask for, 0 .. ``limit``; 0 = a plain step. ``kind``: the
+        drafter's hint of what it would draft (:func:`specdraft.drafters.base.draft_kind`), None without one."""
         ...
 
     def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
@@ -71,7 +81,7 @@ class FixedPolicy:
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = num_draft_tokens
 
-    def budget(self, context_length: int, limit: int) -> int:
+    def budget(self, context_length: int, limit: int, kind: Hashable = None) -> int:
         return min(self.num_draft_tokens, limit)
 
     def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
@@ -115,6 +125,20 @@ def _node_keys(draft: Draft) -> tuple[list[tuple], torch.Tensor]:
     return [_key(s, c, d) for s, c, d in zip(source, confidence, node_depths, strict=True)], parents
 
 
+def _depth_key(depth: int, kind: Hashable) -> tuple:
+    """The bucket of "the deepest accepted level reaches ``depth``" for steps of draft ``kind``."""
+    return -1, "depth", min(depth, _MAX_DEPTH_KEY), kind
+
+
+@dataclass
+class _KindState:
+    """What :class:`AdaptivePolicy` learns per draft kind besides acceptance."""
+
+    draft_seconds_per_token: float = 0.0  # moving average, per requested token
+    nodes_per_depth: float = 1.0  # moving average of verified nodes per requested depth
+    plain_run: int = 0  # plain steps in a row (exploration, _EXPLORE_EVERY)
+
+
 class AdaptivePolicy:
     """Adaptive speculation: each step, the draft size that maximises expected tokens per second, 0 included.
 
@@ -125,34 +149,50 @@ class AdaptivePolicy:
         self.costs = target_costs
         self.max_draft_tokens = max_draft_tokens
         self.acceptance = AcceptanceMap()
-        self.draft_seconds_per_token = draft_seconds_per_token  # moving average, per requested token
+        self.initial_draft_seconds = draft_seconds_per_token
+        self.kinds: dict[Hashable, _KindState] = {}  # per draft kind: drafting cost, nodes per depth, plain run
         self.verify_scale = 1.0  # moving average of measured / predicted verify seconds
-        self.nodes_per_depth = 1.0  # moving average of verified nodes per requested depth (trees > 1)
-        self._plain_run = 0
         self._asked = 0
         self._context = 0
+        self._kind: Hashable = None
+
+    def _state(self, kind: Hashable) -> _KindState:
+        if kind not in self.kinds:
+            self.kinds[kind] = _KindState(self.initial_draft_seconds)
+        return self.kinds[kind]
+
+    @property
+    def draft_seconds_per_token(self) -> float:
+        """The drafting cost per requested token of the last step's kind (moving average)."""
+        return self._state(self._kind).draft_seconds_per_token
+
+    @property
+    def nodes_per_depth(self) -> float:
+        """Verified nodes per requested depth of the last step's kind (moving average; trees > 1)."""
+        return self._state(self._kind).nodes_per_depth
 
     def _verify_seconds(self, new_tokens: int, context_length: int) -> float:
         return self.verify_scale * self.costs.seconds(new_tokens, context_length)
 
-    def budget(self, context_length: int, limit: int) -> int:
-        """The depth with the best expected rate under the per-depth acceptance seen so far."""
+    def budget(self, context_length: int, limit: int, kind: Hashable = None) -> int:
+        """The depth with the best expected rate under the per-depth acceptance seen so far for this ``kind``."""
         limit = min(limit, self.max_draft_tokens)
+        state = self._state(kind)
         best, best_rate, expected, reach = 0, 1.0 / self._verify_seconds(1, context_length), 1.0, 1.0
         for depth in range(1, limit + 1):
-            reach *= self.acceptance.rate((-1, "depth", min(depth, _MAX_DEPTH_KEY)))
+            reach *= self.acceptance.rate(_depth_key(depth, kind))
             expected += reach
-            nodes = max(depth, round(self.nodes_per_depth * depth))
-            seconds = self.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length)
+            nodes = max(depth, round(state.nodes_per_depth * depth))
+            seconds = state.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length)
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
-            self._plain_run += 1
-            if self._plain_run >= _EXPLORE_EVERY:
-                best, self._plain_run = 1, 0
+            state.plain_run += 1
+            if state.plain_run >= _EXPLORE_EVERY:
+                best, state.plain_run = 1, 0
         else:
-            self._plain_run = 0
-        self._asked, self._context = best, context_length
+            state.plain_run = 0
+        self._asked, self._context, self._kind = best, context_length, kind
         return best
 
     def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
@@ -194,9 +234,9 @@ class AdaptivePolicy:
                 self.acceptance.update(keys[node], node in accepted)
         self._learn_depths(draft, parents, accepted)
         if self._asked > 0:
-            per_token = draft_seconds / self._asked
-            self.draft_seconds_per_token += _EMA * (per_token - self.draft_seconds_per_token)
-            self.nodes_per_depth += _EMA * (len(draft) / self._asked - self.nodes_per_depth)
+            state = self._state(self._kind)
+            state.draft_seconds_per_token += _EMA * (draft_seconds / self._asked - state.draft_seconds_per_token)
+            state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
         predicted = self.costs.seconds(1 + len(draft), self._context)
         if predicted > 0 and verify_seconds > 0:
             ratio = min(max(verify_seconds / predicted, 0.5), 3.0)
@@ -209,8 +249,7 @@ class AdaptivePolicy:
         node_depths = depths(parents).tolist()
         deepest = max((node_depths[n] for n in accepted), default=0)
         for depth in range(1, min(max(node_depths), deepest + 1) + 1):
-            key = (-1, "depth", min(depth, _MAX_DEPTH_KEY))
-            self.acceptance.update(key, depth <= deepest)
+            self.acceptance.update(_depth_key(depth, self._kind), depth <= deepest)
 
 
 def _sequential_stop(reach: list[float], rate) -> int:

@@ -269,6 +269,9 @@ def test_prompt_lookup_alone_skips_the_model_on_a_long_match():
     assert draft.tokens.tolist() == [10, 11, 12, 3] and draft.parents is None and drafter._cache is None  # no forward
     short = drafter.propose(context, 8, SamplingConfig(), None)  # the copy has only 7 tokens: the model drafts too
     assert drafter._cache is not None and len(short) >= 8
+    assert drafter.draft_kind(context, SamplingConfig()) == ("copy", 3)  # the hint a policy prices steps by
+    assert drafter.draft_kind(context[:-1], SamplingConfig()) == "model"  # "7 8" is no 3-gram match
+    assert drafter.draft_kind(context, SamplingConfig(temperature=1.0)) == "model"  # copies are greedy-only
     target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(32)).token_ids
     assert generate(target, prompt, drafter, GenerationConfig(32, 4)).token_ids == plain

@@ -38,6 +38,13 @@ def test_no_match_gives_empty_draft():
     assert _propose([1, 2, 3, 1], min_ngram_size=2) == []
 
 
+def test_draft_kind_is_the_matched_ngram_size():
+    drafter = PromptLookupDrafter()
+    assert drafter.draft_kind(torch.tensor([7, 1, 2, 3, 4, 5, 9, 1, 2, 3]), GREEDY) == 3
+    assert drafter.draft_kind(torch.tensor([4, 5, 1, 4, 5, 2, 8, 5]), GREEDY) == 1
+    assert drafter.draft_kind(torch.tensor([1, 2, 3, 4]), GREEDY) == 0
+
+
 def test_bad_ngram_sizes():
     with pytest.raises(SpecdraftError, match="ngram"):
         PromptLookupDrafter(max_ngram_size=1, min_ngram_size=2)

@@ -16,6 +16,7 @@ those target layers, concatenated: (F, k*D).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -103,6 +104,17 @@ class Drafter(Protocol):
     def observe(self, result: VerifyResult) -> None:
         """Feedback after verification (adaptive drafters use it; others ignore it)."""
         ...
+
+    # Optional: ``draft_kind(context, sampling) -> Hashable | None``, what the drafter would draft from ``context``
+    # (read through :func:`draft_kind`), for a speculation policy that prices different kinds of step apart.
+
+
+def draft_kind(drafter: Drafter, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
+    """The drafter's hint of what it would draft next from ``context`` (None when it gives none): steps of one kind
+    share a drafting cost and an acceptance profile (:mod:`specdraft.speculation`). It must depend only on the
+    context, never on a draw, so a policy reading it keeps output exact."""
+    hint = getattr(drafter, "draft_kind", None)
+    return hint(context, sampling) if hint is not None else None
 
 
 class NoDrafter:

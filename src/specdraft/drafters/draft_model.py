@@ -40,6 +40,8 @@ compute full logits and are masked (same drafts, no saving).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from specdraft.draft_vocab import DraftVocab
@@ -141,6 +143,14 @@ class DraftModelDrafter:
             confidence = torch.cat([confidence, torch.full((added,), float("nan"))])
             source = torch.cat([source, torch.full((added,), COPY + size)])
         return Draft(tokens, None, None if is_chain(parents) else parents, None, confidence, source)
+
+    def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
+        """("copy", n) where :meth:`propose` would draft the continuation of a matched n-gram alone (no draft
+        forwards), else "model" (its chain, with a shorter copy beside it when there is one)."""
+        if self._lookup is None or not self.prompt_lookup_alone or self.tree_branching or not sampling.greedy:
+            return "model"
+        size, copied = self._lookup.match(context, 1)
+        return ("copy", size) if size >= self.prompt_lookup_alone and len(copied) else "model"
 
     def _propose_chain(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None

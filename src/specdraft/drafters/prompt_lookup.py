@@ -29,6 +29,10 @@ class PromptLookupDrafter:
     ) -> Draft:
         return self.match(context, num_draft_tokens)[1]
 
+    def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> int:
+        """The size of the n-gram a draft would copy after (0: nothing to copy)."""
+        return self.match(context, 1)[0]
+
     def match(self, context: torch.Tensor, num_draft_tokens: int) -> tuple[int, Draft]:
         """(n, draft): the size of the longest matched n-gram (0 for none) and the copied continuation."""
         length = context.shape[0]
