@@ -30,7 +30,7 @@ METRICS = {"block_efficiency": ("τ", 2), "mbsu": ("MBSU", 2), "speedup": ("spee
 DRAFTER = "smollm2-135m-instruct-drafter"
 EAGLE = "smollm2-135m-instruct-eagle"
 S6 = "ft-l01-tasks/model"  # the shipped drafter's weights, as a run folder
-DEF = "confidence_threshold=0.3;prompt_lookup=3;prompt_lookup_alone=3"  # its default options
+DEF = "confidence_threshold=0.3;prompt_lookup=3;prompt_lookup_alone=3"  # the options these tables were measured with
 
 
 def _fmt(value, digits: int, suffix: str = "") -> str:
