@@ -80,6 +80,17 @@ inline void prefetch_row(const T* p, int64_t hd) {
   for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64) _mm_prefetch(line + byte, _MM_HINT_T0);
 }
 
+// Slots s0 .. s0 + n of one KV head's cached keys or values (rows ``stride`` apart) copied to ``buf`` as fp32 (bf16
+// widened, exact), (n, HD8 * 8), asking for the next block's rows (``block`` slots on) as it goes.
+template <int HD8, typename T>
+inline void widen_block(const T* rows, int64_t stride, int64_t s0, int64_t n, int64_t S, int64_t block, float* buf) {
+  constexpr int64_t hd = HD8 * 8;
+  for (int64_t j = 0; j < n; ++j) {
+    if (s0 + block + j < S) prefetch_row(rows + (s0 + block + j) * stride, hd);
+    for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(buf + j * hd + i * 8, load8(rows + (s0 + j) * stride + i * 8));
+  }
+}
+
 namespace lanes8 {  // 256-bit: the kernel on every CPU with AVX2 and FMA
 using V = __m256;
 constexpr int kLanes = 8;

@@ -32,12 +32,8 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       // pass 1: scores of every row, a block of keys at a time
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (s0 + kBlock + j < S) prefetch_row(kb + (s0 + kBlock + j) * ks[2], hd);  // the next block's row j
-          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&kbuf[j * hd + i * 8], load8(kb + (s0 + j) * ks[2] + i * 8));
-        }
+        widen_block<HD8>(kb, ks[2], s0, n, S, kBlock, kbuf.data());
         const float* kp = kbuf.data();
-        constexpr int64_t kst = hd;
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t t = r / groups, h = kvh * groups + r % groups;
           const float* qv = q + ((b * Tn + t) * H + h) * hd;
@@ -48,12 +44,12 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
           for (; j + 4 <= n; j += 4) {
             V dot[4] = {vzero(), vzero(), vzero(), vzero()};
             for (int i = 0; i < NV; ++i)
-              for (int u = 0; u < 4; ++u) dot[u] = vfma(qr[i], vload(kp + (j + u) * kst + i * kLanes), dot[u]);
+              for (int u = 0; u < 4; ++u) dot[u] = vfma(qr[i], vload(kp + (j + u) * hd + i * kLanes), dot[u]);
             for (int u = 0; u < 4; ++u) sc[j + u] = vsum(dot[u]) * scale;
           }
           for (; j < n; ++j) {
             V dot = vzero();
-            for (int i = 0; i < NV; ++i) dot = vfma(qr[i], vload(kp + j * kst + i * kLanes), dot);
+            for (int i = 0; i < NV; ++i) dot = vfma(qr[i], vload(kp + j * hd + i * kLanes), dot);
             sc[j] = vsum(dot) * scale;
           }
         }
@@ -72,12 +68,8 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       // pass 2: values, a block at a time, each row's accumulators in registers across the block
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
-        for (int64_t j = 0; j < n; ++j) {
-          if (s0 + kBlock + j < S) prefetch_row(vb + (s0 + kBlock + j) * vs[2], hd);  // the next block's row j
-          for (int i = 0; i < HD8; ++i) _mm256_storeu_ps(&vbuf[j * hd + i * 8], load8(vb + (s0 + j) * vs[2] + i * 8));
-        }
+        widen_block<HD8>(vb, vs[2], s0, n, S, kBlock, vbuf.data());
         const float* vp = vbuf.data();
-        constexpr int64_t vst = hd;
         for (int64_t r = r0; r < r1; ++r) {
           const float* sc = &score[(r - r0) * (S + 8) + s0];
           const bool* visible = mask ? mask + (r / groups) * S + s0 : nullptr;
@@ -87,7 +79,7 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
           for (int64_t j = 0; j < n; ++j) {
             if (visible && !visible[j]) continue;
             const V p = vset1(sc[j]);
-            for (int i = 0; i < NV; ++i) ar[i] = vfma(p, vload(vp + j * vst + i * kLanes), ar[i]);
+            for (int i = 0; i < NV; ++i) ar[i] = vfma(p, vload(vp + j * hd + i * kLanes), ar[i]);
           }
           for (int i = 0; i < NV; ++i) vstore(a + i * kLanes, ar[i]);
         }

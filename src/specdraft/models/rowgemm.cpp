@@ -65,19 +65,7 @@ inline void tile(const W* w, const float* x, int64_t Kp, const float* bias, O* o
 // Every row of x against one block of 4 weight rows (kept in L1 while x's rows pass): 3 rows at a time (12
 // accumulators), the last 4 as 2 + 2 (a lone row's 4 chains would wait on FMA latency).
 template <typename W, typename O>
-void block_rows(const W* w, const float* x, int64_t M, int64_t Kp, const float* bias, O* out, int64_t N,
-                int64_t n0, const W* next) {
-  const int64_t live = std::min<int64_t>(kRows, N - n0);  // the padded rows of the last block are not written
-  if (live < kRows) {
-    std::vector<O> full(M * kRows);
-    std::vector<float> b(kRows, 0.0f);
-    if (bias) std::copy(bias + n0, bias + n0 + live, b.begin());
-    block_rows(w, x, M, Kp, bias ? b.data() : nullptr, full.data(), kRows, 0, next);
-    for (int64_t m = 0; m < M; ++m) std::copy(&full[m * kRows], &full[m * kRows] + live, out + m * N + n0);
-    return;
-  }
-  const float* b = bias ? bias + n0 : nullptr;
-  O* o = out + n0;
+void block_rows(const W* w, const float* x, int64_t M, int64_t Kp, const float* b, O* o, int64_t N, const W* next) {
   const W* ahead = next;  // prefetched during the block's first pass
   int64_t m = 0;
   for (; M - m > 4; m += 3, ahead = nullptr) tile<3>(w, x + m * Kp, Kp, b, o + m * N, N, ahead);
@@ -94,11 +82,8 @@ void block_rows(const W* w, const float* x, int64_t M, int64_t Kp, const float* 
 
 template <typename W, typename O>
 void product(const W* w, const float* x, int64_t M, int64_t N, int64_t Kp, const float* bias, O* out) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      block_rows(w + block * kRows * Kp, x, M, Kp, bias, out, N, block * kRows,
-                 block + 1 < end ? w + (block + 1) * kRows * Kp : nullptr);
+  for_each_block(w, M, N, Kp, bias, out, [&](const W* wb, const W* next, const float* b, O* o, int64_t stride) {
+    block_rows(wb, x, M, Kp, b, o, stride, next);
   });
 }
 
@@ -151,21 +136,11 @@ inline void tile16(const W* w, const float* x, int64_t Kp, const float* bias, O*
 }
 
 template <typename W, typename O>
-void block_rows16(const W* w, const float* x, int64_t M, int64_t Kp, const float* bias, O* out, int64_t N,
-                  int64_t n0, const W* next) {
-  const int64_t live = std::min<int64_t>(kRows, N - n0);
-  if (live < kRows) {  // the padded rows of the last block are not written
-    std::vector<O> full(M * kRows);
-    std::vector<float> b(kRows, 0.0f);
-    if (bias) std::copy(bias + n0, bias + n0 + live, b.begin());
-    block_rows16(w, x, M, Kp, bias ? b.data() : nullptr, full.data(), kRows, 0, next);
-    for (int64_t m = 0; m < M; ++m) std::copy(&full[m * kRows], &full[m * kRows] + live, out + m * N + n0);
-    return;
-  }
-  const float* b = bias ? bias + n0 : nullptr;
+void block_rows16(const W* w, const float* x, int64_t M, int64_t Kp, const float* b, O* out, int64_t N,
+                  const W* next) {
   for (int64_t m = 0; m < M; m += 6) {
     const float* xm = x + m * Kp;
-    O* om = out + m * N + n0;
+    O* om = out + m * N;
     const W* ahead = m ? nullptr : next;
     switch (std::min<int64_t>(6, M - m)) {
       case 1: tile16<1>(w, xm, Kp, b, om, N, ahead); break;
@@ -180,11 +155,8 @@ void block_rows16(const W* w, const float* x, int64_t M, int64_t Kp, const float
 
 template <typename W, typename O>
 void product16(const W* w, const float* x, int64_t M, int64_t N, int64_t Kp, const float* bias, O* out) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      block_rows16(w + block * kRows * Kp, x, M, Kp, bias, out, N, block * kRows,
-                   block + 1 < end ? w + (block + 1) * kRows * Kp : nullptr);
+  for_each_block(w, M, N, Kp, bias, out, [&](const W* wb, const W* next, const float* b, O* o, int64_t stride) {
+    block_rows16(wb, x, M, Kp, b, o, stride, next);
   });
 }
 
@@ -230,21 +202,11 @@ inline void tile_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t Kp,
 }
 
 template <typename O>
-void block_rows_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t M, int64_t Kp, const float* bias, O* out,
-                    int64_t N, int64_t n0, const c10::BFloat16* next) {
-  const int64_t live = std::min<int64_t>(kRows, N - n0);
-  if (live < kRows) {  // the padded rows of the last block are not written
-    std::vector<O> full(M * kRows);
-    std::vector<float> b(kRows, 0.0f);
-    if (bias) std::copy(bias + n0, bias + n0 + live, b.begin());
-    block_rows_dot(w, x, M, Kp, bias ? b.data() : nullptr, full.data(), kRows, 0, next);
-    for (int64_t m = 0; m < M; ++m) std::copy(&full[m * kRows], &full[m * kRows] + live, out + m * N + n0);
-    return;
-  }
-  const float* b = bias ? bias + n0 : nullptr;
+void block_rows_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t M, int64_t Kp, const float* b, O* out,
+                    int64_t N, const c10::BFloat16* next) {
   for (int64_t m = 0; m < M; m += 8) {
     const c10::BFloat16* xm = x + m * Kp * 2;
-    O* om = out + m * N + n0;
+    O* om = out + m * N;
     const c10::BFloat16* ahead = m ? nullptr : next;
     switch (std::min<int64_t>(8, M - m)) {
       case 1: tile_dot<1>(w, xm, Kp, b, om, N, ahead); break;
@@ -262,11 +224,9 @@ void block_rows_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t M, i
 template <typename O>
 void product_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t M, int64_t N, int64_t Kp, const float* bias,
                  O* out) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      block_rows_dot(w + block * kRows * Kp, x, M, Kp, bias, out, N, block * kRows,
-                     block + 1 < end ? w + (block + 1) * kRows * Kp : nullptr);
+  using W = c10::BFloat16;
+  for_each_block(w, M, N, Kp, bias, out, [&](const W* wb, const W* next, const float* b, O* o, int64_t stride) {
+    block_rows_dot(wb, x, M, Kp, b, o, stride, next);
   });
 }
 
