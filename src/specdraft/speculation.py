@@ -161,16 +161,6 @@ class AdaptivePolicy:
             self.kinds[kind] = _KindState(self.initial_draft_seconds)
         return self.kinds[kind]
 
-    @property
-    def draft_seconds_per_token(self) -> float:
-        """The drafting cost per requested token of the last step's kind (moving average)."""
-        return self._state(self._kind).draft_seconds_per_token
-
-    @property
-    def nodes_per_depth(self) -> float:
-        """Verified nodes per requested depth of the last step's kind (moving average; trees > 1)."""
-        return self._state(self._kind).nodes_per_depth
-
     def _verify_seconds(self, new_tokens: int, context_length: int) -> float:
         return self.verify_scale * self.costs.seconds(new_tokens, context_length)
 
