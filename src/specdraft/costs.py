@@ -30,6 +30,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import cpu_model
+from specdraft.models import rowgemm
 from specdraft.models.base import CausalLM
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
@@ -51,8 +52,9 @@ def model_identity(model: CausalLM) -> dict:
     shape = {key: getattr(config, key, None) for key in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                                           "num_attention_heads", "num_key_value_heads")}
     packed = getattr(model, "packing", "none")  # the kernel kind: its curve differs (specdraft.models.packed)
+    kernels = {"kernels": rowgemm.build_id()} if packed == "rows" else {}  # a rebuilt kernel is measured again
     return {"name": model.name, "class": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch."),
-            "vocab_size": model.vocab_size, "prepacked": packed, **shape}
+            "vocab_size": model.vocab_size, "prepacked": packed, **shape, **kernels}
 
 
 @dataclass(frozen=True)

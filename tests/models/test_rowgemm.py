@@ -9,25 +9,19 @@ from specdraft.models import rowgemm
 
 pytestmark = pytest.mark.skipif(not rowgemm.available(), reason="no AVX2 CPU or C++ compiler for the kernel")
 
-SHAPES = [(48, 32), (10, 37), (3, 16), (96, 200)]  # (N, K): ragged N (blocks of 4) and K (steps of 16) included
+SHAPES = [(48, 32), (10, 37), (3, 16), (96, 200), (33, 1)]  # (N, K): N not a multiple of the 16-column panels
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2], ids=["256-bit", "512-bit", "avx512-bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear_and_each_row_alone(monkeypatch, mode: int, dtype: torch.dtype,
-                                                    shape: tuple[int, int], bias: bool) -> None:
-    """Every variant this CPU can run (the one a process uses is fixed: :func:`rowgemm.mode`)."""
-    if mode > rowgemm.mode():
-        pytest.skip("this CPU cannot run that variant")
-    monkeypatch.setattr(rowgemm, "mode", lambda: mode)
+def test_linear_matches_f_linear_and_each_row_alone(dtype: torch.dtype, shape: tuple[int, int], bias: bool) -> None:
     generator = torch.Generator().manual_seed(0)
     n, k = shape
     weight = torch.randn(n, k, generator=generator).to(dtype)
     b = torch.randn(n, generator=generator).to(dtype) if bias else None
     packed = rowgemm.pack(weight)
-    for rows in (1, 2, 3, 4, 5, 7, 13, 17):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):  # tiles of up to 6 rows: 7 = 4 + 3, 8 = 4 + 4, 9 = 6 + 3
         x = torch.randn(1, rows, k, generator=generator).to(dtype)
         out = rowgemm.linear(x, packed, b, n)
         assert out.shape == (1, rows, n) and out.dtype == dtype
@@ -36,6 +30,23 @@ def test_linear_matches_f_linear_and_each_row_alone(monkeypatch, mode: int, dtyp
         torch.testing.assert_close(out.float(), expected, atol=tol * k ** 0.5, rtol=tol)
         alone = torch.cat([rowgemm.linear(x[:, i : i + 1], packed, b, n) for i in range(rows)], dim=1)
         assert torch.equal(out, alone)
+
+
+def test_linear_is_the_same_on_one_thread_and_two() -> None:
+    """Threads split the panels, never a sum: the result does not depend on how many run."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(1000, 96, generator=generator).bfloat16()
+    packed = rowgemm.pack(weight)
+    x = torch.randn(5, 96, generator=generator).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rowgemm.linear(x, packed, None, 1000)
+        torch.set_num_threads(2)
+        two = rowgemm.linear(x, packed, None, 1000)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

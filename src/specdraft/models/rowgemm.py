@@ -2,9 +2,10 @@
 
 A batch-1 verify multiplies k = 2-20 rows by every weight. Where oneDNN cannot multiply bf16 natively (CPUs
 without AVX-512 BW/VL/DQ, e.g. AVX2-only ones) torch's eager bf16 ``F.linear`` costs about k times a 1-row product,
-so a 5-token verify cost 3.6 plain steps. :func:`linear` reads each block of weight rows once, widens bf16 to fp32
-in registers (exact) and multiplies it into all k rows with FMAs (256-bit, or 512-bit and AVX-512-BF16 pair dot
-products where the CPU has them, :func:`mode`): k rows cost one pass over the weights plus k times the arithmetic.
+so a 5-token verify cost 3.6 plain steps. :func:`linear` streams the weights once, in panels of 16 output columns
+prefetched ahead, widens bf16 to fp32 in registers (exact) and multiplies each weight row into all k rows with
+256-bit FMAs: k rows cost one pass over the weights plus k times the arithmetic (with two threads, a 5-row product
+over SmolLM2's weights costs about 1.2 one-row products on AVX2 and AVX-512 CPUs alike).
 :func:`attention` attends each new query with the arithmetic of a query alone, widening each block of cached keys
 and values to fp32 once for all the queries of its KV head. Each output element is computed by the same instruction
 sequence whatever the number of rows, so a k-token forward reproduces k 1-token forwards bit for bit.
@@ -32,11 +33,13 @@ from specdraft.files import cache_dir
 from specdraft.hardware import cpu_capability, cpu_flags
 
 _ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
-_WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" or "512" caps the variant on AVX-512 CPUs (for comparisons)
+_WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" keeps the 256-bit attention on AVX-512 CPUs (for comparisons)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowgemm.cpp", "rowattention.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("rowkernels.h", "rowattention_fixed.h"))
 _STALE_LOCK_SECONDS = 300  # a build takes about 10 s
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")  # explicit FMAs only: the summation order is the source's
+# explicit FMAs only (the summation order is the source's); OpenMP so that at::parallel_for splits the work (without
+# it the pragma inside ATen's header is ignored and every product runs on one thread)
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
 
 
 def _build_folder() -> Path:
@@ -51,6 +54,11 @@ def _put_ninja_on_path() -> None:
     folder = str(Path(sys.executable).parent)
     if (Path(folder) / "ninja").exists() and folder not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([folder, os.environ.get("PATH", "")])
+
+
+def build_id() -> str:
+    """Names this build of the kernels (their sources, flags, torch and Python): costs measured with another differ."""
+    return _build_folder().name
 
 
 @functools.cache
@@ -79,16 +87,13 @@ def _load() -> bool:
 
 @functools.cache
 def mode() -> int:
-    """Which variant :func:`linear` runs, fixed per process: 0 the 256-bit kernel; 1 the 512-bit one where torch's
-    kernels dispatch to AVX-512 (``ATEN_CPU_CAPABILITY=avx2`` keeps 0) and the CPU has AVX-512 F/BW/DQ/VL; 2 where
-    it also has AVX-512-BF16 (bf16 rows times bf16 weights by pair dot products). ``SPECDRAFT_ROWGEMM_WIDTH=256``
-    keeps 0 and ``512`` stops at 1, for comparisons."""
+    """Which variant :func:`attention` runs, fixed per process: 0 the 256-bit kernel; 1 the 512-bit one where torch's
+    kernels dispatch to AVX-512 (``ATEN_CPU_CAPABILITY=avx2`` keeps 0) and the CPU has AVX-512 F/BW/DQ/VL.
+    ``SPECDRAFT_ROWGEMM_WIDTH=256`` keeps 0, for comparisons. :func:`linear` runs one 256-bit kernel everywhere."""
     flags, limit = cpu_flags(), os.environ.get(_WIDTH_ENV, "")
     if limit == "256" or not cpu_capability().startswith("AVX512"):
         return 0
-    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
-        return 0
-    return 1 if limit == "512" or "avx512_bf16" not in flags else 2
+    return 1 if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags else 0
 
 
 def available() -> bool:
@@ -97,16 +102,16 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (N, K) in fp32 or bf16 blocked for :func:`linear`: (ceil(N / 4), ceil(K / 16), 4, 16), zero-padded.
-    Requires :func:`available`."""
+    """``weight`` (N, K) in fp32 or bf16 laid out for :func:`linear`: panels of 16 output columns, (ceil(N / 16), K,
+    16), zero-padded. Requires :func:`available`."""
     _load()
     return torch.ops.specdraft_rowgemm.pack(weight.detach())
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x @ weight.T + bias`` for x (..., K) in fp32 or bf16, ``packed`` = :func:`pack` (weight) with ``n`` rows:
-    accumulated in fp32, rounded once to x's dtype. Returns (..., n)."""
-    return torch.ops.specdraft_rowgemm.linear(x, packed, bias, n, mode())
+    accumulated in fp32 (one FMA chain over k per element), rounded once to x's dtype. Returns (..., n)."""
+    return torch.ops.specdraft_rowgemm.linear(x, packed, bias, n)
 
 
 def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
