@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data, shard_path
@@ -126,3 +127,51 @@ def test_torchrun_two_ranks_split_prompts_exactly_once(target, tmp_path):
     assert manifest["complete"] and manifest["num_shards"] == 6 and manifest["records"] == 11
     assert Counter(r["prompt_id"] for r in _records(out)) == {f"p.jsonl:{i}": 1 for i in range(11)}
     assert proc.stdout.count('"complete": true') == 1  # only rank 0 reports
+
+
+def test_native_engine_answers_as_transformers_does_in_float32(target, tmp_path):
+    """Greedy, fp32: the same responses and log-probabilities as the left-padded transformers path; records alike."""
+    prompts = _prompt_file(tmp_path / "p.jsonl", 7)
+    generate_distillation_data(_config(target, prompts, tmp_path / "hf", batch_size=4, top_logprobs=3), progress=False)
+    manifest = generate_distillation_data(_config(target, prompts, tmp_path / "nat", batch_size=4, top_logprobs=3,
+                                                  engine="native"), progress=False)
+    assert manifest["complete"] and manifest["config"]["engine"] == "native"
+    hf, native = _records(tmp_path / "hf"), _records(tmp_path / "nat")
+    assert [r["response_token_ids"] for r in native] == [r["response_token_ids"] for r in hf]
+    assert [r["finish_reason"] for r in native] == [r["finish_reason"] for r in hf]
+    for a, b in zip(native, hf, strict=True):
+        assert a["top_ids"] == b["top_ids"] and set(a) == set(b)
+        gap = torch.tensor(a["top_logprobs"]) - torch.tensor(b["top_logprobs"])  # (R, k)
+        assert gap.abs().max() < 1e-4
+
+
+def test_native_engine_samples_reproducibly_and_stops_rows_at_eos(target, tmp_path):
+    from specdraft.models.registry import load_model
+    from specdraft.sampling import SamplingConfig
+    from specdraft.training.native_generation import generate_rows
+
+    model = load_model(target, backend="native")
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [5, 6, 7]]
+    sampling = SamplingConfig(temperature=1.0)
+    eos = 5  # with this seed some rows end at it and some run to the length cap
+    first = generate_rows(model, prompts, 12, sampling, eos=eos, top_logprobs=2,
+                          generator=torch.Generator().manual_seed(1))
+    again = generate_rows(model, prompts, 12, sampling, eos=eos, top_logprobs=2,
+                          generator=torch.Generator().manual_seed(1))
+    assert first == again
+    assert {r["finish_reason"] for r in first} == {"eos", "length"}
+    for response in first:
+        ids = response["ids"]
+        assert 1 <= len(ids) <= 12 and len(response["top_ids"]) == len(ids)
+        assert (response["finish_reason"] == "eos") == (ids[-1] == eos) and eos not in ids[:-1]
+        assert response["finish_reason"] == "eos" or len(ids) == 12
+    greedy = generate_rows(model, prompts, 12, SamplingConfig(), eos=eos, top_logprobs=0, generator=None)
+    assert {r["finish_reason"] for r in greedy} == {"eos", "length"}
+    alone = [generate_rows(model, [p], 12, SamplingConfig(), eos=eos, top_logprobs=0, generator=None)[0]
+             for p in prompts]
+    assert greedy == alone  # rows leaving the batch never disturb the others
+
+
+def test_native_engine_refuses_on_policy_data(target, tmp_path):
+    with pytest.raises(SpecdraftError, match="--engine native"):
+        _config(target, "sharegpt", tmp_path / "o", engine="native", policy="draft", draft=target)

@@ -38,6 +38,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.training import onpolicy, runs
 from specdraft.training.data import MANIFEST_FILE
+from specdraft.training.native_generation import generate_rows
 
 CONFIG_FILE = "distill_config.json"
 
@@ -69,6 +70,9 @@ class DistillDataConfig:
     mix_fraction: float = field(default=0.5, metadata={"help": "mixed: share of prompts the drafter answers (λ)"})
     draft: str | None = field(default=None, metadata={"help": "drafter that answers under --policy draft or mixed"})
     greedy_response: bool = field(default=False, metadata={"help": "add a greedy response beside the sampled ones"})
+    engine: str = field(default="hf", metadata={
+        "help": "hf (transformers' generate, left-padded batches) or native (specdraft's Llama: each prompt "
+                "prefilled on its own row, rows decoded together; Llama-family targets, --policy target)"})
 
     def __post_init__(self) -> None:
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates the sampling values
@@ -82,11 +86,17 @@ class DistillDataConfig:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise SpecdraftError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         onpolicy.check_policy(self)
+        if self.engine not in ("hf", "native"):
+            raise SpecdraftError(f"engine must be hf or native, got {self.engine!r}")
+        if self.engine == "native" and self.policy != "target":
+            raise SpecdraftError("--engine native generates the target's answers only: use --policy target, or "
+                                 "--engine hf for on-policy data")
 
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
-        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response"}
-        return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self)
+        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine"}
+        engine = {"engine": self.engine} if self.engine != "hf" else {}  # runs made before the option stay valid
+        return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self) | engine
 
 
 def load_prompts(config: DistillDataConfig) -> list[tuple[str, list[dict]]]:
@@ -288,9 +298,10 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 
     if models is None:
-        target = load_model(config.target, parse_dtype(config.dtype), backend="hf")
+        native = config.engine == "native"
+        target = load_model(config.target, parse_dtype(config.dtype), backend="native" if native else "hf")
         tokenizer = load_tokenizer(config.target)
-        models = target.model, tokenizer, onpolicy.load_drafter(config, target, tokenizer)
+        models = (target if native else target.model), tokenizer, onpolicy.load_drafter(config, target, tokenizer)
     model, tokenizer, drafter = models
     done = lambda: sum(len(s) for i, s in enumerate(shards) if shard_path(out, i).is_file())  # noqa: E731
     bar = tqdm(total=sum(len(s) for s in shards), initial=done(), unit="prompt", disable=not progress,
@@ -337,8 +348,15 @@ def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], conf
     records: dict[int, list[dict]] = {}
     for start in range(0, len(order), config.batch_size):
         batch = order[start : start + config.batch_size]
-        torch.manual_seed(seed * 1_000 + start)  # transformers' sampling draws from the global generator
-        responses = _generate_batch(model, tokenizer, [encoded[i] for i in batch], config)
+        if config.engine == "native":
+            generator = torch.Generator().manual_seed(seed * 1_000 + start)
+            rows = [encoded[i] for i in batch for _ in range(config.responses_per_prompt)]
+            sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+            responses = generate_rows(model, rows, config.max_new_tokens, sampling, tokenizer.eos_token_id,
+                                      config.top_logprobs, generator)
+        else:
+            torch.manual_seed(seed * 1_000 + start)  # transformers' sampling draws from the global generator
+            responses = _generate_batch(model, tokenizer, [encoded[i] for i in batch], config)
         for slot, i in enumerate(batch):
             mine = responses[slot * config.responses_per_prompt : (slot + 1) * config.responses_per_prompt]
             records[i] = [_record(prompts[i], encoded[i], r, k, config, tokenizer) for k, r in enumerate(mine)]
