@@ -61,3 +61,17 @@ OMP_NUM_THREADS=2 $sd finetune --drafter ft-l01-fkl/model --target $T --data dd-
     --loss fkl --out ft-l01-tasks --steps 1200 --batch-size 16 --lr 5e-4 --warmup-steps 50 --max-seq-len 640 --bf16 \
     --target-dtype bfloat16 --checkpoint-every 200 --eval-every 600 --eval-prompts 4 --eval-max-new-tokens 64 \
     --export-dtype bfloat16 --freeze-embeddings --share-embeddings --draft-vocab 8192 --log-every 20 --no-progress
+
+# (f) the shipped weights: the drafter of (e) fine-tuned on the target's greedy answers to Spec-Bench-shaped ShareGPT
+#     prompts (chat, translation, summaries, questions, word problems, passages; kinds in turn). As run, the first
+#     640 prompts came through transformers (dd-tasks2) and the next 1,472 through --engine native (dd-tasks3, from a
+#     prompt file of the sharegpt-tasks prompts after the first 640); both runs were stopped for time and used as they
+#     were (--allow-incomplete). Here: the same 2,112 prompts in one native run.
+OMP_NUM_THREADS=2 $sd distill-data --target $T --out dd-tasks3 --prompts sharegpt-tasks --split train --limit 2112 \
+    --max-new-tokens 128 --temperature 0 --top-logprobs 32 --batch-size 32 --shard-size 64 --dtype bfloat16 \
+    --engine native
+OMP_NUM_THREADS=2 $sd finetune --drafter ft-l01-tasks/model --target $T --data dd-tasks3 --use-stored-topk \
+    --loss fkl --out ft-tasks-v8k --steps 500 --batch-size 16 --lr 3e-4 --warmup-steps 20 --max-seq-len 640 --bf16 \
+    --target-dtype bfloat16 --checkpoint-every 50 --eval-every 100000 --eval-prompts 4 --eval-max-new-tokens 64 \
+    --export-dtype bfloat16 --freeze-embeddings --share-embeddings --draft-vocab 8192 \
+    --draft-vocab-from ft-l01-tasks/model --log-every 10 --no-progress
