@@ -1,4 +1,4 @@
-// Shared by the row kernels (rowgemm.cpp, rowattention.cpp): the two 8-lane helpers
+// Shared by the row kernels (rowgemm.cpp, rowattention.cpp): their includes, and the two 8-lane helpers of the attention
 // whose fixed instruction order makes every result independent of how many rows are computed together.
 #pragma once
 

@@ -348,15 +348,8 @@ def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], conf
     records: dict[int, list[dict]] = {}
     for start in range(0, len(order), config.batch_size):
         batch = order[start : start + config.batch_size]
-        if config.engine == "native":
-            generator = torch.Generator().manual_seed(seed * 1_000 + start)
-            rows = [encoded[i] for i in batch for _ in range(config.responses_per_prompt)]
-            sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
-            responses = generate_rows(model, rows, config.max_new_tokens, sampling, tokenizer.eos_token_id,
-                                      config.top_logprobs, generator)
-        else:
-            torch.manual_seed(seed * 1_000 + start)  # transformers' sampling draws from the global generator
-            responses = _generate_batch(model, tokenizer, [encoded[i] for i in batch], config)
+        respond = _generate_batch_native if config.engine == "native" else _generate_batch
+        responses = respond(model, tokenizer, [encoded[i] for i in batch], config, seed * 1_000 + start)
         for slot, i in enumerate(batch):
             mine = responses[slot * config.responses_per_prompt : (slot + 1) * config.responses_per_prompt]
             records[i] = [_record(prompts[i], encoded[i], r, k, config, tokenizer) for k, r in enumerate(mine)]
@@ -367,8 +360,18 @@ def _encode(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
-def _generate_batch(model, tokenizer, batch: list[list[int]], config: DistillDataConfig) -> list[dict]:
+def _generate_batch_native(model, tokenizer, batch: list[list[int]], config: DistillDataConfig, seed: int
+                           ) -> list[dict]:
+    """The same through the native Llama's batched rows (:mod:`specdraft.training.native_generation`)."""
+    rows = [ids for ids in batch for _ in range(config.responses_per_prompt)]
+    sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+    return generate_rows(model, rows, config.max_new_tokens, sampling, tokenizer.eos_token_id, config.top_logprobs,
+                         torch.Generator().manual_seed(seed))
+
+
+def _generate_batch(model, tokenizer, batch: list[list[int]], config: DistillDataConfig, seed: int) -> list[dict]:
     """One left-padded ``generate`` call -> per response: token ids (cut after EOS), finish reason, top log-probs."""
+    torch.manual_seed(seed)  # transformers' sampling draws from the global generator
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(ids) for ids in batch)
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])  # (B, W)
