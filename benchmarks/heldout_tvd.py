@@ -11,6 +11,9 @@ drafting every draft token after an accepted one is predicted from the target's 
 of a block starting at position t is the run of consecutive positions from t where the drafter's argmax equals the
 target's token, capped at γ; the target then adds one token and the next block starts after it
 (:func:`greedy_blocks`). ``greedy_first_accept@γ`` is the fraction of blocks whose first draft token is accepted.
+With ``--siblings k``, ``greedy_tau@γ+k`` is the same for the chain with the drafter's k runners-up beside it at every
+depth (the ``siblings=k`` option): a block whose chain stops short of γ also accepts the target's token where it is
+among the runners-up at the first rejected depth (a leaf: the target's bonus token follows it).
 
 Usage:
     python benchmarks/heldout_tvd.py --target smollm2-135m-instruct --data dd-eval \
@@ -37,48 +40,60 @@ from specdraft.training.finetune import (
 )
 
 
-def greedy_blocks(matches: list[bool], num_draft_tokens: int) -> tuple[int, int, int]:
+def greedy_blocks(matches: list[bool], num_draft_tokens: int, sibling_hits: list[bool] | None = None
+                  ) -> tuple[int, int, int]:
     """(tokens, blocks, blocks whose first draft token is accepted) of greedy chain speculative decoding over one
-    response, from ``matches[t]`` = the drafter's argmax at response position t equals the target's token there."""
+    response, from ``matches[t]`` = the drafter's argmax at response position t equals the target's token there;
+    ``sibling_hits[t]``: the target's token there is among the drafter's runners-up (siblings beside the chain)."""
     tokens = blocks = first = t = 0
     while t < len(matches):
         accepted = 0
         while accepted < num_draft_tokens and t + accepted < len(matches) and matches[t + accepted]:
             accepted += 1
+        if sibling_hits is not None and accepted < num_draft_tokens and t + accepted < len(matches):
+            accepted += sibling_hits[t + accepted]  # the rejected depth's sibling leaf
         emitted = min(accepted + 1, len(matches) - t)  # accepted tokens, then the target's own (recovered or bonus)
         tokens, blocks, first, t = tokens + emitted, blocks + 1, first + (accepted > 0), t + emitted
     return tokens, blocks, first
 
 
-def response_matches(model, batches: list[dict], keep: torch.Tensor | None) -> list[list[bool]]:
-    """Per response: whether the drafter's greedy token equals the response token at each position."""
+def response_ranks(model, batches: list[dict], keep: torch.Tensor | None, top: int = 4) -> list[list[int]]:
+    """Per response and position: the rank of the response token among the drafter's ``top`` most likely tokens
+    (0 = its greedy token), ``top`` where it is not among them."""
     from specdraft.training.finetune import response_logits
 
     out = []
     for batch in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             draft = response_logits(model, batch, keep)  # (n, N or V), positions of batch["mask"] row-major
-        guess = draft.argmax(-1) if keep is None else keep[draft.argmax(-1)]  # (n,) target ids
-        hits = (guess == batch["labels"][batch["mask"]]).tolist()
+        guesses = draft.topk(top, dim=-1).indices  # (n, top)
+        guesses = guesses if keep is None else keep[guesses]  # target ids
+        found = guesses == batch["labels"][batch["mask"]].unsqueeze(-1)  # (n, top)
+        ranks = torch.where(found.any(-1), found.int().argmax(-1), top).tolist()
         start = 0
         for length in batch["mask"].sum(1).tolist():
-            out.append(hits[start:start + length])
+            out.append(ranks[start:start + length])
             start += length
     return out
 
 
-def greedy_tau(matches: list[list[bool]], gammas: list[int]) -> dict[str, float]:
-    """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`)."""
+def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = ()) -> dict[str, float]:
+    """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`), and τ with k siblings
+    per depth for each k in ``siblings``."""
     row = {}
     for gamma in gammas:
-        sums = [sum(x) for x in zip(*(greedy_blocks(m, gamma) for m in matches), strict=True)]
-        row[f"greedy_tau@{gamma}"] = sums[0] / max(sums[1], 1)
-        row[f"greedy_first_accept@{gamma}"] = sums[2] / max(sums[1], 1)
+        for k in (0, *siblings):
+            blocks = (greedy_blocks([r == 0 for r in rs], gamma, [0 < r <= k for r in rs] if k else None)
+                      for rs in ranks)
+            sums = [sum(x) for x in zip(*blocks, strict=True)]
+            row[f"greedy_tau@{gamma}" + (f"+{k}" if k else "")] = sums[0] / max(sums[1], 1)
+            if not k:
+                row[f"greedy_first_accept@{gamma}"] = sums[2] / max(sums[1], 1)
     return row
 
 
 def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, target_dtype: str,
-             gammas: list[int] | None = None) -> dict:
+             gammas: list[int] | None = None, siblings: list[int] = ()) -> dict:
     """{"drafter", "positions", "heldout_tvd", "heldout_fkl", ...} of one drafter on ``records``."""
     from specdraft.drafters.options import folder_options
 
@@ -93,7 +108,8 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
                for s in range(0, len(dataset), batch_size)]
     with torch.no_grad():
         metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
-        tau = greedy_tau(response_matches(model, batches, keep), gammas) if gammas else {}
+        top = max((1, *siblings)) + 1
+        tau = greedy_tau(response_ranks(model, batches, keep, top), gammas, siblings) if gammas else {}
     positions = sum(int(b["mask"].sum()) for b in batches)
     return {"drafter": drafter, "draft_vocab": vocab, "positions": positions} | metrics | tau
 
@@ -109,14 +125,16 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append one JSON line per drafter here")
     parser.add_argument("--num-draft-tokens", default="3,4,5",
                         help="γ values of the exact greedy τ (only for the target's greedy responses)")
+    parser.add_argument("--siblings", default="", help="k values: also the exact greedy τ with k siblings per depth")
     args = parser.parse_args()
     records = load_distill_records(args.data, allow_incomplete=True)[: args.limit]
     setup = json.loads((Path(args.data) / "distill_config.json").read_text())
     greedy = setup.get("temperature") == 0 and setup.get("policy", "target") == "target"
     gammas = [int(g) for g in args.num_draft_tokens.split(",") if g] if greedy else None
     for drafter in [d.strip() for d in args.drafters.split(",") if d.strip()]:
-        row = {"data": args.data, "records": len(records)} | evaluate(args.target, drafter, records,
-                                                                       args.batch_size, args.target_dtype, gammas)
+        siblings = [int(k) for k in args.siblings.split(",") if k]
+        row = {"data": args.data, "records": len(records)} | evaluate(args.target, drafter, records, args.batch_size,
+                                                                       args.target_dtype, gammas, siblings)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as file:

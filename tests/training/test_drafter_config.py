@@ -109,3 +109,31 @@ def test_bad_layer_lists_are_refused(layers, message):
     with pytest.raises(SpecdraftError, match=message):
         config = InitDrafterConfig(target="t", out="o", layers=layers)
         drafter_from_target_layers(tiny_llama(layers=3), config.layer_indices())
+
+
+def test_a_grown_drafter_computes_the_drafter_until_trained():
+    """Block expansion: the target's layers appended with zeroed output projections leave the logits unchanged,
+    every other weight of the new blocks is the target's, and one gradient step moves the new blocks' output
+    projections (so they can learn) while the function changes only through them."""
+    from specdraft.training.drafter_config import drafter_from_target_layers, grow_drafter
+
+    target = tiny_llama(seed=3, layers=3)
+    drafter = drafter_from_target_layers(target, [0])
+    with torch.no_grad():  # a "trained" drafter: not the target's layer any more
+        for p in drafter.model.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    grown = grow_drafter(drafter, target, [1, 2])
+    ids = torch.tensor([[1, 5, 9, 4, 7, 11]])
+    assert grown.config.num_hidden_layers == 3 and drafter.config.num_hidden_layers == 1
+    torch.testing.assert_close(grown(ids).logits, drafter(ids).logits)
+    assert grown.model.layers[1].self_attn.o_proj.weight.abs().max() == 0
+    torch.testing.assert_close(grown.model.layers[2].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
+    torch.testing.assert_close(grown.model.layers[0].mlp.up_proj.weight, drafter.model.layers[0].mlp.up_proj.weight)
+    grown.train()
+    grown(ids, labels=ids).loss.backward()
+    assert grown.model.layers[1].self_attn.o_proj.weight.grad.abs().max() > 0
+    assert grown.model.layers[2].mlp.down_proj.weight.grad.abs().max() > 0
+    with pytest.raises(SpecdraftError, match="out of range"):
+        grow_drafter(drafter, target, [3])
+    with pytest.raises(SpecdraftError, match="width"):
+        grow_drafter(tiny_llama(hidden=16, layers=1), target, [0])

@@ -294,7 +294,7 @@ def test_every_subcommand_documents_its_flags(name, capsys):
              "distill-data": ["--top-logprobs", "--overwrite"],
              "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens",
                           "--freeze-embeddings", "--share-embeddings", "--draft-vocab"],
-             "init-drafter": ["--layers", "--target"],
+             "init-drafter": ["--layers", "--target", "--grow"],
              "task-prompts": ["--out", "--per-task", "--seed"],
              "train-drafter": ["--config"]}[name]
     assert all(flag in text for flag in flags), text
@@ -404,6 +404,25 @@ def test_a_layer_copy_fine_tuned_with_shared_embeddings_loads_from_its_target(ru
     other = load_model(str(save_tiny_checkpoint(tmp_path / "other", seed=5, layers=1, hidden=32)))
     with pytest.raises(SpecdraftError, match="fingerprint"):
         load_draft_model(other, tokenizer, str(out))
+
+
+def test_init_drafter_grow_deepens_a_shared_embeddings_drafter_without_changing_it(run, tmp_path):
+    """init-drafter --grow on a fine-tuned drafter that ships no embedding table: the grown checkpoint has one
+    layer more, carries the target's table, and gives the drafter's logits."""
+    from specdraft.api import load_draft_model
+    from specdraft.models.registry import load_tokenizer
+
+    _cli("init-drafter", "--target", run / "target", "--out", tmp_path / "init", "--layers", "0")
+    fine = _finetune(run, tmp_path / "fine", drafter=str(tmp_path / "init"), steps=3, lr=1e-2,
+                     freeze_embeddings=True, share_embeddings=True)
+    _cli("init-drafter", "--target", run / "target", "--grow", fine, "--layers", "0", "--out", tmp_path / "grown")
+    grown = AutoModelForCausalLM.from_pretrained(tmp_path / "grown")
+    assert grown.config.num_hidden_layers == 2
+    target, tokenizer = load_model(str(run / "target")), load_tokenizer(str(run / "target"))
+    ids = torch.tensor([[1, 5, 9, 4]])
+    drafter = load_draft_model(target, tokenizer, str(fine), backend="hf")
+    expected = drafter.forward(ids, drafter.new_cache(8))
+    torch.testing.assert_close(grown(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_share_embeddings_needs_frozen_embeddings_of_the_targets_width(run, tmp_path):

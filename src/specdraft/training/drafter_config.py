@@ -119,8 +119,11 @@ class InitDrafterConfig:
 
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
     out: str = field(metadata={"help": "output checkpoint folder"})
-    layers: str = field(default="0,1", metadata={"help": "the target's decoder layers kept, comma-separated"})
+    layers: str = field(default="0,1", metadata={"help": "the target's decoder layers kept, comma-separated (with "
+                                                         "--grow: the target's layers appended to the drafter)"})
     export_dtype: str = field(default="float32", metadata={"help": "exported weights: float32 or bfloat16"})
+    grow: str = field(default="", metadata={"help": "a trained drafter of this target to deepen instead: --layers are "
+                                                    "appended to it as blocks that start as the identity"})
 
     def __post_init__(self) -> None:
         self.layer_indices()
@@ -180,17 +183,92 @@ def drafter_from_target_layers(target_model, layers: list[int]):
     return drafter.float().eval()
 
 
+def grow_drafter(drafter, target_model, layers: list[int]):
+    """Deepen a trained drafter without changing what it computes: LLaMA Pro's block expansion (Wu et al. 2024,
+    arXiv 2401.02415, eq. 2-3). Copies of the target's decoder layers ``layers`` are appended after the drafter's
+    own, each with its attention output projection and its MLP down projection set to zero, so each new block adds
+    zero to the residual stream and the grown drafter's logits equal the drafter's. Fine-tuning then trains the new
+    blocks from the target's weights (the zero projections get gradients at once; the rest once they are non-zero)
+    while the drafter starts at the acceptance it already had.
+
+    Args:
+        drafter: a transformers Llama-family drafter of the target's width (e.g. from :func:`init_drafter`).
+        target_model: the transformers target whose layers are copied.
+        layers: the target's decoder layer indices, appended in this order.
+    Returns:
+        a new float32 model of the drafter's class with ``num_hidden_layers + len(layers)`` layers.
+    """
+    import copy
+
+    base, source = getattr(drafter, "model", None), getattr(target_model, "model", None)
+    if base is None or source is None or not all(hasattr(m, "layers") for m in (base, source)):
+        raise SpecdraftError("--grow needs Llama-family models (model.layers) for the drafter and the target")
+    if drafter.config.hidden_size != target_model.config.hidden_size:
+        raise SpecdraftError(f"--grow needs a drafter of the target's width: {drafter.config.hidden_size} against "
+                             f"{target_model.config.hidden_size}")
+    if not layers or max(layers) >= len(source.layers):
+        raise SpecdraftError(f"layers {layers} out of range: the target has {len(source.layers)} decoder layers")
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = len(base.layers) + len(layers)
+    if isinstance(getattr(config, "layer_types", None), list):
+        kinds = getattr(target_model.config, "layer_types", None) or ["full_attention"] * len(source.layers)
+        config.layer_types = list(config.layer_types) + [kinds[i] for i in layers]
+    grown = type(drafter)(config).float()
+    with torch.no_grad():
+        missing, _ = grown.load_state_dict(drafter.state_dict(), strict=False)
+        for new, old in enumerate(layers, start=len(base.layers)):
+            block = grown.model.layers[new]
+            block.load_state_dict(source.layers[old].state_dict())
+            block.self_attn.o_proj.weight.zero_()  # (D, H*hd): the block's attention adds nothing yet
+            block.mlp.down_proj.weight.zero_()  # (D, F): nor does its MLP
+            for proj in (block.self_attn.o_proj, block.mlp.down_proj):
+                if getattr(proj, "bias", None) is not None:
+                    proj.bias.zero_()
+    unexpected = [k for k in missing if not k.startswith(tuple(f"model.layers.{i}." for i in
+                                                               range(len(base.layers), config.num_hidden_layers)))]
+    if unexpected:
+        raise SpecdraftError(f"--grow: the drafter lacks weights the grown model needs: {unexpected[:3]}")
+    grown.tie_weights()
+    return grown.float().eval()
+
+
 def init_drafter(config: InitDrafterConfig, command: str | None = None):
-    """Write :func:`drafter_from_target_layers` of ``config.target`` as a checkpoint folder; returns its path."""
+    """Write :func:`drafter_from_target_layers` of ``config.target`` (or, with ``grow``, :func:`grow_drafter` of that
+    drafter) as a checkpoint folder; returns its path."""
     from specdraft.models.registry import load_model
     from specdraft.training.checkpoint import export_hf
 
     target_model = load_model(config.target, torch.float32, backend="hf").model
     layers = config.layer_indices()
-    drafter = drafter_from_target_layers(target_model, layers)
+    if config.grow:
+        drafter = grow_drafter(_load_trained_drafter(config.grow, config.target), target_model, layers)
+        title = f"specdraft drafter ({config.grow} and the target's layers {config.layers}, not yet fine-tuned)"
+        data = f"none: {config.grow}'s weights and identity-initialised copies of the target's layers"
+    else:
+        drafter = drafter_from_target_layers(target_model, layers)
+        title, data = f"specdraft drafter (layers {config.layers} of the target, not yet fine-tuned)", \
+            "none: weights copied from the target"
     params = sum(p.numel() for p in drafter.parameters())
-    card = {"title": f"specdraft drafter (layers {config.layers} of the target, not yet fine-tuned)",
-            "command": command or "", "data": "none: weights copied from the target",
+    card = {"title": title, "command": command or "", "data": data,
             "budget": {"Parameters": f"{params:,} (embeddings included)"}, "metrics": {}}
     dtype = torch.bfloat16 if config.export_dtype == "bfloat16" else torch.float32
     return export_hf(drafter, config.out, config.target, card, dtype)
+
+
+def _load_trained_drafter(name: str, target: str):
+    """A drafter checkpoint as a transformers model in float32, its shared token embeddings (if it ships none)
+    taken from ``target``."""
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.models.registry import load_model, resolve
+    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
+
+    try:
+        drafter = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise SpecdraftError(f"cannot load drafter {name!r}: {str(exc).splitlines()[0]}") from None
+    if shared_embeddings(resolve(name)) is not None:
+        with torch.no_grad():
+            drafter.get_input_embeddings().weight.copy_(embeddings_for(resolve(name), load_model(target), name))
+        drafter.tie_weights()
+    return drafter
