@@ -241,7 +241,7 @@ def init_drafter(config: InitDrafterConfig, command: str | None = None):
     target_model = load_model(config.target, torch.float32, backend="hf").model
     layers = config.layer_indices()
     if config.grow:
-        drafter = grow_drafter(_load_trained_drafter(config.grow, config.target), target_model, layers)
+        drafter = grow_drafter(load_trained_drafter(config.grow, load_model(config.target)), target_model, layers)
         title = f"specdraft drafter ({config.grow} and the target's layers {config.layers}, not yet fine-tuned)"
         data = f"none: {config.grow}'s weights and identity-initialised copies of the target's layers"
     else:
@@ -255,12 +255,13 @@ def init_drafter(config: InitDrafterConfig, command: str | None = None):
     return export_hf(drafter, config.out, config.target, card, dtype)
 
 
-def _load_trained_drafter(name: str, target: str):
-    """A drafter checkpoint as a transformers model in float32, its shared token embeddings (if it ships none)
-    taken from ``target``."""
+def load_trained_drafter(name: str, target):
+    """A drafter checkpoint as a transformers model in float32; a drafter that ships no embedding table
+    (``shared_embeddings.json``) gets ``target``'s (a loaded :class:`~specdraft.models.base.CausalLM`), checked to be
+    the table it was trained with."""
     from transformers import AutoModelForCausalLM
 
-    from specdraft.models.registry import load_model, resolve
+    from specdraft.models.registry import resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     try:
@@ -269,6 +270,6 @@ def _load_trained_drafter(name: str, target: str):
         raise SpecdraftError(f"cannot load drafter {name!r}: {str(exc).splitlines()[0]}") from None
     if shared_embeddings(resolve(name)) is not None:
         with torch.no_grad():
-            drafter.get_input_embeddings().weight.copy_(embeddings_for(resolve(name), load_model(target), name))
+            drafter.get_input_embeddings().weight.copy_(embeddings_for(resolve(name), target, name))
         drafter.tie_weights()
     return drafter

@@ -424,24 +424,15 @@ def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[di
 def load_models(config: FinetuneConfig):
     """(drafter to train, transformers target, target for decoding, target tokenizer), with the vocabularies
     checked before any training."""
-    from transformers import AutoModelForCausalLM
-
     from specdraft.compat import check_compatible
     from specdraft.models.hf import HFCausalLM
-    from specdraft.models.registry import load_model, load_tokenizer, resolve
-    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
+    from specdraft.models.registry import load_model, load_tokenizer
+    from specdraft.training.drafter_config import load_trained_drafter
 
-    try:
-        drafter = AutoModelForCausalLM.from_pretrained(resolve(config.drafter), dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise SpecdraftError(f"cannot load drafter {config.drafter!r}: {str(exc).splitlines()[0]}") from None
     dtype = EXPORT_DTYPES[config.target_dtype]
-    target_model = load_model(config.target, dtype, backend="hf").model.eval().requires_grad_(False)
     target, tokenizer = load_model(config.target, torch.float32), load_tokenizer(config.target)
-    if shared_embeddings(resolve(config.drafter)) is not None:  # a drafter exported with --share-embeddings
-        with torch.no_grad():
-            drafter.get_input_embeddings().weight.copy_(embeddings_for(resolve(config.drafter), target, config.drafter))
-        drafter.tie_weights()
+    drafter = load_trained_drafter(config.drafter, target)  # a --share-embeddings export gets the target's table
+    target_model = load_model(config.target, dtype, backend="hf").model.eval().requires_grad_(False)
     if config.freeze_embeddings:
         drafter.get_input_embeddings().weight.requires_grad_(False)  # tied: the LM head too
     if config.share_embeddings:
