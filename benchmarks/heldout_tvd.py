@@ -108,7 +108,7 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
                for s in range(0, len(dataset), batch_size)]
     with torch.no_grad():
         metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
-        top = max((1, *siblings)) + 1
+        top = max(siblings, default=0) + 1  # the greedy token and k runners-up
         tau = greedy_tau(response_ranks(model, batches, keep, top), gammas, siblings) if gammas else {}
     positions = sum(int(b["mask"].sum()) for b in batches)
     return {"drafter": drafter, "draft_vocab": vocab, "positions": positions} | metrics | tau
@@ -131,8 +131,8 @@ def main() -> None:
     setup = json.loads((Path(args.data) / "distill_config.json").read_text())
     greedy = setup.get("temperature") == 0 and setup.get("policy", "target") == "target"
     gammas = [int(g) for g in args.num_draft_tokens.split(",") if g] if greedy else None
+    siblings = [int(k) for k in args.siblings.split(",") if k]
     for drafter in [d.strip() for d in args.drafters.split(",") if d.strip()]:
-        siblings = [int(k) for k in args.siblings.split(",") if k]
         row = {"data": args.data, "records": len(records)} | evaluate(args.target, drafter, records, args.batch_size,
                                                                        args.target_dtype, gammas, siblings)
         print(json.dumps(row), flush=True)

@@ -141,6 +141,11 @@ class InitDrafterConfig:
         return layers
 
 
+def _check_in_range(layers: list[int], total: int) -> None:
+    if not layers or max(layers) >= total:
+        raise SpecdraftError(f"layers {layers} out of range: the target has {total} decoder layers (0..{total - 1})")
+
+
 def drafter_from_target_layers(target_model, layers: list[int]):
     """A shallow drafter built from the target itself: its token embeddings, the decoder layers ``layers`` (in
     order), its final norm and its LM head, all copied.
@@ -165,8 +170,7 @@ def drafter_from_target_layers(target_model, layers: list[int]):
         raise SpecdraftError(f"init-drafter needs a Llama-family decoder (model.embed_tokens, model.layers, "
                              f"model.norm); {type(target_model).__name__} has another layout")
     total = len(base.layers)
-    if not layers or max(layers) >= total:
-        raise SpecdraftError(f"layers {layers} out of range: the target has {total} decoder layers (0..{total - 1})")
+    _check_in_range(layers, total)
     config = copy.deepcopy(target_model.config)
     config.num_hidden_layers = len(layers)
     if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds follow the kept layers
@@ -206,8 +210,7 @@ def grow_drafter(drafter, target_model, layers: list[int]):
     if drafter.config.hidden_size != target_model.config.hidden_size:
         raise SpecdraftError(f"--grow needs a drafter of the target's width: {drafter.config.hidden_size} against "
                              f"{target_model.config.hidden_size}")
-    if not layers or max(layers) >= len(source.layers):
-        raise SpecdraftError(f"layers {layers} out of range: the target has {len(source.layers)} decoder layers")
+    _check_in_range(layers, len(source.layers))
     config = copy.deepcopy(drafter.config)
     config.num_hidden_layers = len(base.layers) + len(layers)
     if isinstance(getattr(config, "layer_types", None), list):
@@ -241,7 +244,7 @@ def init_drafter(config: InitDrafterConfig, command: str | None = None):
     target_model = load_model(config.target, torch.float32, backend="hf").model
     layers = config.layer_indices()
     if config.grow:
-        drafter = grow_drafter(load_trained_drafter(config.grow, load_model(config.target)), target_model, layers)
+        drafter = grow_drafter(load_trained_drafter(config.grow, target_model), target_model, layers)
         title = f"specdraft drafter ({config.grow} and the target's layers {config.layers}, not yet fine-tuned)"
         data = f"none: {config.grow}'s weights and identity-initialised copies of the target's layers"
     else:
@@ -257,19 +260,20 @@ def init_drafter(config: InitDrafterConfig, command: str | None = None):
 
 def load_trained_drafter(name: str, target):
     """A drafter checkpoint as a transformers model in float32; a drafter that ships no embedding table
-    (``shared_embeddings.json``) gets ``target``'s (a loaded :class:`~specdraft.models.base.CausalLM`), checked to be
-    the table it was trained with."""
+    (``shared_embeddings.json``) gets ``target``'s (a loaded target: a :class:`~specdraft.models.base.CausalLM` or a
+    transformers model), checked to be the table it was trained with."""
     from transformers import AutoModelForCausalLM
 
     from specdraft.models.registry import resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
+    where = resolve(name)
     try:
-        drafter = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=torch.float32)
+        drafter = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
     except (OSError, ValueError, RuntimeError) as exc:
         raise SpecdraftError(f"cannot load drafter {name!r}: {str(exc).splitlines()[0]}") from None
-    if shared_embeddings(resolve(name)) is not None:
+    if shared_embeddings(where) is not None:
         with torch.no_grad():
-            drafter.get_input_embeddings().weight.copy_(embeddings_for(resolve(name), target, name))
+            drafter.get_input_embeddings().weight.copy_(embeddings_for(where, target, name))
         drafter.tie_weights()
     return drafter
