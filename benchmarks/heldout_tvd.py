@@ -14,6 +14,9 @@ target's token, capped at γ; the target then adds one token and the next block 
 With ``--siblings k``, ``greedy_tau@γ+k`` is the same for the chain with the drafter's k runners-up beside it at every
 depth (the ``siblings=k`` option): a block whose chain stops short of γ also accepts the target's token where it is
 among the runners-up at the first rejected depth (a leaf: the target's bonus token follows it).
+With ``--chain-copy m``, ``greedy_tau@γ:copym`` is the same for the ``chain_copy=m`` option: a depth whose prefix ends
+in an n-gram (n >= m) seen earlier in the prompt and response so far drafts its continuation, the others the
+drafter's argmax; on the target's own text the prefix of every drafted depth is the target's, so this is exact too.
 
 Usage:
     python benchmarks/heldout_tvd.py --target smollm2-135m-instruct --data dd-eval \
@@ -77,10 +80,37 @@ def response_ranks(model, batches: list[dict], keep: torch.Tensor | None, top: i
     return out
 
 
-def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = ()) -> dict[str, float]:
-    """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`), and τ with k siblings
-    per depth for each k in ``siblings``."""
+def copy_hits(records: list[dict], smallest: int) -> list[list[int]]:
+    """Per response and position: -1 where no n-gram (n from max(``smallest``, 4) down to ``smallest``) ending there
+    was seen earlier in the prompt and response so far, else 1 if the continuation of its most recent occurrence is
+    the response token, 0 if not (what ``chain_copy`` drafts, :class:`~specdraft.drafters.DraftModelDrafter`)."""
+    from specdraft.drafters import PromptLookupDrafter
+
+    lookup, out = PromptLookupDrafter(max(smallest, 4), smallest), []
+    for record in records:
+        prompt, response = record["prompt_token_ids"], record["response_token_ids"]
+        ids = torch.tensor(prompt + response)  # (P + R,)
+        hits = []
+        for t in range(len(response)):
+            size, copied = lookup.match(ids[: len(prompt) + t], 1)
+            hits.append(int(copied.tokens[0] == response[t]) if size else -1)
+        out.append(hits)
+    return out
+
+
+def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = (),
+               copies: dict[int, list[list[int]]] | None = None) -> dict[str, float]:
+    """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`), τ with k siblings
+    per depth for each k in ``siblings``, and τ with copies inside the chain for each m in ``copies`` ({m: the
+    :func:`copy_hits` of ``chain_copy=m``})."""
     row = {}
+    for m, hits in (copies or {}).items():
+        for gamma in gammas:
+            blocks = (greedy_blocks([h == 1 if h >= 0 else r == 0 for r, h in zip(rs, hs, strict=True)], gamma)
+                      for rs, hs in zip(ranks, hits, strict=True))
+            sums = [sum(x) for x in zip(*blocks, strict=True)]
+            row[f"greedy_tau@{gamma}:copy{m}"] = sums[0] / max(sums[1], 1)
+            row[f"greedy_first_accept@{gamma}:copy{m}"] = sums[2] / max(sums[1], 1)
     for gamma in gammas:
         for k in (0, *siblings):
             blocks = (greedy_blocks([r == 0 for r in rs], gamma, [0 < r <= k for r in rs] if k else None)
@@ -93,12 +123,13 @@ def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = 
 
 
 def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, target_dtype: str,
-             gammas: list[int] | None = None, siblings: list[int] = ()) -> dict:
+             gammas: list[int] | None = None, siblings: list[int] = (),
+             copies: dict[int, list[list[int]]] | None = None, max_seq_len: int = 512) -> dict:
     """{"drafter", "positions", "heldout_tvd", "heldout_fkl", ...} of one drafter on ``records``."""
     from specdraft.drafters.options import folder_options
 
     config = FinetuneConfig(drafter=drafter, target=target, data="-", out="-", batch_size=batch_size,
-                            target_dtype=target_dtype, bf16=True)
+                            target_dtype=target_dtype, bf16=True, max_seq_len=max_seq_len)
     model, target_model, target_lm, tokenizer = load_models(config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     vocab = folder_options(resolve(drafter)).get("draft_vocab")
@@ -109,7 +140,7 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
     with torch.no_grad():
         metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
         top = max(siblings, default=0) + 1  # the greedy token and k runners-up
-        tau = greedy_tau(response_ranks(model, batches, keep, top), gammas, siblings) if gammas else {}
+        tau = greedy_tau(response_ranks(model, batches, keep, top), gammas, siblings, copies) if gammas else {}
     positions = sum(int(b["mask"].sum()) for b in batches)
     return {"drafter": drafter, "draft_vocab": vocab, "positions": positions} | metrics | tau
 
@@ -126,15 +157,21 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", default="3,4,5",
                         help="γ values of the exact greedy τ (only for the target's greedy responses)")
     parser.add_argument("--siblings", default="", help="k values: also the exact greedy τ with k siblings per depth")
+    parser.add_argument("--chain-copy", default="", help="m values: also the exact greedy τ of chain_copy=m")
+    parser.add_argument("--max-seq-len", type=int, default=512,
+                        help="prompt + response tokens the drafter sees per answer (a longer prompt loses its start; "
+                             "copies always read the whole prompt, as in decoding)")
     args = parser.parse_args()
     records = load_distill_records(args.data, allow_incomplete=True)[: args.limit]
     setup = json.loads((Path(args.data) / "distill_config.json").read_text())
     greedy = setup.get("temperature") == 0 and setup.get("policy", "target") == "target"
     gammas = [int(g) for g in args.num_draft_tokens.split(",") if g] if greedy else None
     siblings = [int(k) for k in args.siblings.split(",") if k]
+    copies = {m: copy_hits(records, m) for m in (int(k) for k in args.chain_copy.split(",") if k)} if gammas else {}
     for drafter in [d.strip() for d in args.drafters.split(",") if d.strip()]:
-        row = {"data": args.data, "records": len(records)} | evaluate(args.target, drafter, records, args.batch_size,
-                                                                       args.target_dtype, gammas, siblings)
+        row = {"data": args.data, "records": len(records), "max_seq_len": args.max_seq_len} | evaluate(
+            args.target, drafter, records, args.batch_size, args.target_dtype, gammas, siblings, copies,
+            args.max_seq_len)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as file:

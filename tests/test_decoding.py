@@ -115,12 +115,13 @@ def _exact_sequence_distribution(target, prompt, length, sampling):
     "sampling",
     [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3), SamplingConfig(1.2, top_p=0.85), SamplingConfig(1.0, 4, 0.9)],
 )
-@pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup"])
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup", "chain-copy"])
 def test_sampling_distribution_chi_square(sampling, drafter_kind):
     """Many speculative samples of 3 tokens follow the target's warped distribution (chi-square, p > 1e-3)."""
     target, draft = random_bigram(5, seed=0), random_bigram(5, seed=1)
     prompt = [0, 1, 2, 0, 1, 2, 0]  # repeats give prompt lookup something to copy
-    drafter = DraftModelDrafter(draft) if drafter_kind == "draft-model" else PromptLookupDrafter()
+    drafter = {"draft-model": lambda: DraftModelDrafter(draft), "prompt-lookup": PromptLookupDrafter,
+               "chain-copy": lambda: DraftModelDrafter(draft, chain_copy=2)}[drafter_kind]()  # copies: point masses
     generator = torch.Generator().manual_seed(1234)
     config = GenerationConfig(3, 3, sampling)
     counts = Counter(tuple(generate(target, prompt, drafter, config, generator).token_ids) for _ in range(6000))

@@ -50,3 +50,21 @@ def test_greedy_tau_pools_over_responses(script):
     assert row["greedy_tau@2"] == pytest.approx(5 / 3)  # 1 + recovered, 1 + recovered, recovered
     assert row["greedy_tau@2+1"] == pytest.approx(5 / 3)  # chain + rank-1 sibling + bonus, recovered, recovered
     assert row["greedy_tau@2+2"] == pytest.approx(5 / 2)  # the same, then the rank-2 sibling + the end
+
+
+def test_copy_hits_read_the_continuation_of_the_longest_earlier_match(script):
+    records = [{"prompt_token_ids": [5, 6, 7, 8, 5], "response_token_ids": [6, 9, 5, 6, 7, 1]}]
+    # t=0: "8 5"? no 2-gram seen; t=1: "5 6" seen -> 7 (wrong, 9); t=2: "6 9" unseen; t=3: "9 5" unseen;
+    # t=4: "5 6" -> most recent continuation 9 (wrong, 7); t=5: "5 6 7" seen -> 8 (wrong, 1)
+    assert script.copy_hits(records, 2) == [[-1, 0, -1, -1, 0, 0]]
+    records = [{"prompt_token_ids": [1, 2, 3, 1, 2], "response_token_ids": [3, 1, 2, 3]}]
+    assert script.copy_hits(records, 2) == [[1, 1, 1, 1]]
+    assert script.copy_hits(records, 3) == [[-1, 1, 1, 1]]  # "1 2" alone is too short at t = 0
+
+
+def test_greedy_tau_with_chain_copies_takes_the_copy_where_there_is_one(script):
+    ranks, hits = [[0, 3, 3, 0, 3]], [[-1, 1, 0, -1, -1]]  # model, copy right, copy wrong, model, model wrong
+    row = script.greedy_tau(ranks, [4], copies={2: hits})
+    assert row["greedy_tau@4:copy2"] == pytest.approx(5 / 2)  # 2 accepted + recovered, 1 accepted + recovered
+    assert row["greedy_first_accept@4:copy2"] == pytest.approx(1.0)
+    assert row["greedy_tau@4"] == pytest.approx(5 / 3)  # without copies: 1 + recovered, recovered, 1 + recovered

@@ -330,3 +330,84 @@ def test_siblings_are_ignored_when_sampling_and_checked():
         DraftModelDrafter(hf_target(1), siblings=-1)
     with pytest.raises(SpecdraftError, match="tree_branching"):
         DraftModelDrafter(hf_target(1), siblings=1, tree_branching=2)
+
+
+def _chain_copy_reference(model, context: torch.Tensor, depth: int, smallest: int) -> list[int]:
+    """At each depth: the continuation of the longest (4 down to ``smallest``) n-gram match of the running context,
+    else the model's argmax after it, from a fresh forward."""
+    running = context.tolist()
+    for _ in range(depth):
+        token = None
+        for n in range(max(smallest, 4), smallest - 1, -1):
+            starts = [j for j in range(len(running) - n) if running[j:j + n] == running[-n:]]
+            if starts:
+                token = running[starts[-1] + n]
+                break
+        if token is None:
+            ids = torch.tensor(running).unsqueeze(0)
+            token = int(model.forward(ids, model.new_cache(64))[0, -1].argmax())
+        running.append(token)
+    return running[context.shape[0]:]
+
+
+def test_chain_copy_drafts_the_matched_continuation_at_every_depth_and_the_model_elsewhere():
+    """``chain_copy=2``: a depth whose running context ends in a seen 2-gram (or longer) copies what followed it,
+    with no draft forward, and the model drafts the other depths from its cache, caught up over the copies."""
+    from specdraft.drafters.draft_model import COPY, MODEL
+
+    model = hf_target(1)
+    context = torch.tensor([7, 8, 9, 10, 3, 5, 7, 8])  # "7 8" seen: copy 9 10, then "9 10" matches: copy 3 5 ...
+    drafter = DraftModelDrafter(model, chain_copy=2)
+    calls = []
+    forward = drafter._forward
+    drafter._forward = lambda *a, **k: calls.append(a[0].shape[1]) or forward(*a, **k)
+    draft = drafter.propose(context, 6, SamplingConfig(), None)
+    assert draft.tokens.tolist() == _chain_copy_reference(model, context, 6, 2)
+    assert draft.tokens.tolist()[:4] == [9, 10, 3, 5] and draft.q is None
+    assert calls == []  # every depth copied: not even the context tail is fed
+    assert draft.source.tolist()[:2] == [COPY + 2, COPY + 3] and draft.confidence[:2].isnan().all()
+    for context in (torch.tensor([3, 4, 5, 6, 3, 4]), torch.tensor([11, 12, 13, 14]), torch.arange(20) % 7):
+        for depth in (1, 3, 5):
+            draft = DraftModelDrafter(model, chain_copy=2).propose(context, depth, SamplingConfig(), None)
+            assert draft.tokens.tolist() == _chain_copy_reference(model, context, depth, 2), (context, depth)
+            copied = draft.source >= COPY
+            assert draft.confidence[copied].isnan().all() and (draft.source[~copied] == MODEL).all()
+    drafter = DraftModelDrafter(model, chain_copy=2)
+    assert drafter.draft_kind(torch.tensor([7, 8, 9, 7, 8]), SamplingConfig()) == ("chain_copy", 2)
+    assert drafter.draft_kind(torch.tensor([7, 8, 9, 7]), SamplingConfig()) == "model"  # a 1-gram is too short
+
+
+def test_chain_copy_cache_stays_exact_after_rollbacks_and_is_lossless():
+    from specdraft.decoding import GenerationConfig, generate
+
+    model, generator = hf_target(1), torch.Generator().manual_seed(0)
+    drafter = DraftModelDrafter(model, chain_copy=2)
+    context = torch.tensor([3, 4, 5, 6, 3, 4])
+    for step in range(16):
+        draft = drafter.propose(context, 4, SamplingConfig(), None).tokens
+        assert draft.tolist() == _chain_copy_reference(model, context, 4, 2), step
+        keep = step % 5
+        recovered = torch.randint(0, 64, (1,), generator=generator)
+        context = torch.cat([context, draft[:keep], recovered])
+    target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    plain = generate(target, prompt, None, GenerationConfig(40)).token_ids
+    for options in ({"chain_copy": 2}, {"chain_copy": 3, "confidence_threshold": 0.3},
+                    {"chain_copy": 2, "prompt_lookup": 3, "prompt_lookup_alone": 2, "siblings": 1}):
+        drafter = DraftModelDrafter(hf_target(1), **options)
+        assert generate(target, prompt, drafter, GenerationConfig(40, 4)).token_ids == plain, options
+
+
+def test_chain_copy_when_sampling_is_a_point_mass_row_and_options_are_checked():
+    import pytest
+
+    from specdraft.errors import SpecdraftError
+
+    context = torch.tensor([7, 8, 9, 10, 3, 5, 7, 8])
+    draft = DraftModelDrafter(hf_target(1), chain_copy=2).propose(
+        context, 3, SamplingConfig(1.0), torch.Generator().manual_seed(0))
+    assert draft.tokens.tolist() == [9, 10, 3] and draft.q.shape == (3, 64)
+    assert torch.equal(draft.q, torch.nn.functional.one_hot(draft.tokens, 64).float())
+    with pytest.raises(SpecdraftError, match="chain_copy must be >= 0"):
+        DraftModelDrafter(hf_target(1), chain_copy=-1)
+    with pytest.raises(SpecdraftError, match=r"chain_copy must be >= 0 .* with tree_branching"):
+        DraftModelDrafter(hf_target(1), chain_copy=2, tree_branching=2)

@@ -25,6 +25,18 @@ tokens that yields a full γ-token copy is drafted alone and the model's draft f
 choice depends on the context only). Greedy only: when sampling, siblings must be independent draws
 from one distribution (SpecInfer) and a copied branch is not, so the option is ignored there.
 
+Copies inside the chain (``chain_copy`` = m > 0, chain mode): at every depth, where the context so far (with the
+tokens already drafted) ends in an n-gram seen earlier in it, n from max(m, 4) down to m, the token that followed
+its most recent occurrence is drafted instead of the model's, as retrieval and a small model take turns in
+SAM-Decoding (Hu et al. 2024, arXiv 2411.10666); elsewhere the model drafts. A copied token needs no draft forward
+(the model catches up in one forward over the copied tokens when it drafts again). Measured teacher-forced on the
+target's greedy answers to 60 Spec-Bench questions, the target's next token was the continuation of a >= 2-gram
+match far more often than the model's argmax where such a match existed, in summaries, retrieved passages and
+translations; single-token matches were not (hence m = 2). Whether a depth copies depends only on the context and the
+tokens drawn before it, so the draft length and q stay a stopping time of the drafting process: greedy, the copy is
+a deterministic token; sampling, its q row is a point mass on it (accepted with probability p(token), the rest
+resampled from the residual), which is lossless under speculative sampling's rule.
+
 Siblings (``siblings`` = k > 0, chain mode, greedy): at every depth the chain reaches, the k next most likely
 draft tokens join the tree as leaves beside the chain's token (a top-k first level, as Medusa's and EAGLE's trees
 have, at every depth). They come from logits the chain computed anyway, so they cost no draft forward, only k more
@@ -66,7 +78,8 @@ class DraftModelDrafter:
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                  confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
-                 prompt_lookup_alone: int = 0, siblings: int = 0, *, keep: torch.Tensor | None = None) -> None:
+                 prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, *,
+                 keep: torch.Tensor | None = None) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
         if not 0.0 <= confidence_threshold < 1.0:
@@ -85,6 +98,10 @@ class DraftModelDrafter:
             raise SpecdraftError(f"siblings must be >= 0 (0 = off) and applies to chain drafts, got {siblings}"
                                  + (" with tree_branching" if tree_branching else ""))
         self.siblings = int(siblings)
+        if chain_copy < 0 or (chain_copy and tree_branching):
+            raise SpecdraftError(f"chain_copy must be >= 0 (0 = off) and applies to chain drafts, got {chain_copy}"
+                                 + (" with tree_branching" if tree_branching else ""))
+        self._chain_copy = PromptLookupDrafter(max(chain_copy, 4), chain_copy) if chain_copy > 0 else None
         self._lookup = PromptLookupDrafter(prompt_lookup, prompt_lookup_min) if prompt_lookup > 0 else None
         self.prompt_lookup_alone = prompt_lookup_alone
         self.model = model
@@ -105,6 +122,13 @@ class DraftModelDrafter:
 
     def _sync(self, context: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
         """Bring the cache to ``context[:-1]`` or further and return logits predicting the next token. (V,)"""
+        logits = self._forward(self._crop(context, num_draft_tokens).unsqueeze(0), logits_to_keep=1)[0, -1]  # (V,)
+        self._cached = context
+        return logits
+
+    def _crop(self, context: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+        """Crop the cache to the longest prefix it shares with ``context[:-1]`` (a new, larger cache when
+        ``context`` and the draft would not fit) and return the tail of ``context`` it lacks, (T,), T >= 1."""
         needed = context.shape[0] + num_draft_tokens
         if self._cache is None or self._cache.capacity < needed:
             self._cache = self.model.new_cache(min(max(2 * needed, 256), self.model.max_context))
@@ -113,9 +137,8 @@ class DraftModelDrafter:
         mismatch = (self._cached[:shared] != context[:shared]).nonzero()
         keep = int(mismatch[0]) if mismatch.numel() else shared
         self._cache.crop(keep)
-        logits = self._forward(context[keep:].unsqueeze(0), logits_to_keep=1)[0, -1]  # (V,)
-        self._cached = context
-        return logits
+        self._cached = context[:keep]
+        return context[keep:]
 
     @torch.inference_mode()
     def propose(
@@ -132,7 +155,8 @@ class DraftModelDrafter:
                 return _with_source(copied, COPY + size)  # a long match: the copy alone, no draft forwards
         chain, alternatives = self._propose_chain(context, num_draft_tokens, sampling, generator)
         tokens, parents = chain.tokens, chain_parents(len(chain))  # greedy: q is None
-        confidence, source = chain.confidence, torch.full((len(chain),), MODEL)
+        confidence = chain.confidence
+        source = chain.source if chain.source is not None else torch.full((len(chain),), MODEL)
         for depth, (siblings, probs) in enumerate(alternatives):  # leaves beside chain[depth], never equal to it
             tokens = torch.cat([tokens, siblings])
             parents = torch.cat([parents, torch.full((len(siblings),), depth - 1, dtype=torch.long)])
@@ -146,11 +170,19 @@ class DraftModelDrafter:
 
     def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
         """("copy", n) where :meth:`propose` would draft the continuation of a matched n-gram alone (no draft
-        forwards), else "model" (its chain, with a shorter copy beside it when there is one)."""
-        if self._lookup is None or not self.prompt_lookup_alone or self.tree_branching or not sampling.greedy:
+        forwards); ("chain_copy", n) where its chain starts with a copied token (``chain_copy``); else "model" (its
+        chain, with a shorter copy beside it when there is one)."""
+        if self.tree_branching:
             return "model"
-        size, copied = self._lookup.match(context, 1)
-        return ("copy", size) if size >= self.prompt_lookup_alone and len(copied) else "model"
+        if self._lookup is not None and self.prompt_lookup_alone and sampling.greedy:
+            size, copied = self._lookup.match(context, 1)
+            if size >= self.prompt_lookup_alone and len(copied):
+                return "copy", size
+        if self._chain_copy is not None:
+            size = self._chain_copy.match(context, 1)[0]
+            if size:
+                return "chain_copy", size
+        return "model"
 
     def _propose_chain(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
@@ -158,29 +190,52 @@ class DraftModelDrafter:
         """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop), with each
         token's confidence; when greedy with ``siblings`` = k, the k next most likely draft tokens at each of its
         depths and their draft probabilities ((k,), (k,) each; [] otherwise)."""
-        logits = self._sync(context, num_draft_tokens)
-        tokens, probs, alternatives, confidence = [], [], [], []
+        if self._chain_copy is None:
+            logits, pending = self._sync(context, num_draft_tokens), []
+        else:  # the model is fed only when a depth needs its logits: a chain of copies costs no draft forward
+            logits, pending = None, list(self._crop(context, num_draft_tokens))
+        tokens, probs, alternatives, confidence, source = [], [], [], [], []
+        running = context
         for i in range(num_draft_tokens):
-            if sampling.greedy:
-                token = logits.argmax(-1)
-                soft = torch.softmax(logits.float(), -1)  # (V,)
-                confidence.append(soft[token])
+            size, copied = self._chain_copy.match(running, 1) if self._chain_copy is not None else (0, EMPTY_DRAFT)
+            if size:  # the continuation of a matched n-gram: no draft forward
+                token = copied.tokens[0]
+                if not sampling.greedy:
+                    probs.append(torch.zeros(self.vocab_size).index_fill_(0, token.view(1), 1.0))  # point mass
+                confidence.append(torch.tensor(float("nan")))
+                source.append(COPY + size)
                 if self.siblings:
-                    runners_up = self._runners_up(logits, token)
-                    alternatives.append((runners_up, soft[runners_up]))
+                    alternatives.append((torch.empty(0, dtype=torch.long), torch.empty(0)))
             else:
-                probs.append(warp(logits, sampling))  # (V,)
-                confidence.append(probs[-1].max())  # read before the draw: a stopping time (speculation module)
-                token = sample(probs[-1], generator)
+                if pending:  # the model catches up over the context's tail and the copied tokens in one forward
+                    logits = self._forward(torch.stack(pending).view(1, -1), logits_to_keep=1)[0, -1]  # (V,)
+                    pending = []
+                if sampling.greedy:
+                    token = logits.argmax(-1)
+                    soft = torch.softmax(logits.float(), -1)  # (V,)
+                    confidence.append(soft[token])
+                    if self.siblings:
+                        runners_up = self._runners_up(logits, token)
+                        alternatives.append((runners_up, soft[runners_up]))
+                else:
+                    probs.append(warp(logits, sampling))  # (V,)
+                    confidence.append(probs[-1].max())  # read before the draw: a stopping time (speculation module)
+                    token = sample(probs[-1], generator)
+                source.append(MODEL)
             tokens.append(token)
-            if self.confidence_threshold and self._unsure(logits, token, probs, sampling):
+            if not size and self.confidence_threshold and self._unsure(logits, token, probs, sampling):
                 break
             if i + 1 < num_draft_tokens:  # the last draft token is fed next step, only if accepted
-                logits = self._forward(token.view(1, 1))[0, -1]  # (V,)
+                pending.append(token)
+                running = torch.cat([running, token.view(1)])
+                if self._chain_copy is None:
+                    logits, pending = self._forward(token.view(1, 1))[0, -1], []  # (V,)
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
-        self._cached = torch.cat([context, draft[:-1]])
+        drafted = torch.cat([context, draft[:-1]])  # what the model has been fed, but for the pending tail
+        self._cached = drafted[: drafted.shape[0] - len(pending)]
         sure = torch.stack(confidence).float() if confidence else torch.empty(0)  # (γ,)
-        return Draft(draft, torch.stack(probs) if probs else None, confidence=sure), alternatives
+        kinds = torch.tensor(source, dtype=torch.long) if self._chain_copy is not None else None  # (γ,)
+        return Draft(draft, torch.stack(probs) if probs else None, confidence=sure, source=kinds), alternatives
 
     def _runners_up(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The ``siblings`` most likely tokens after ``token`` (the argmax of ``logits`` (V,)), finite logits only
