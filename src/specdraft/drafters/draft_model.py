@@ -29,10 +29,10 @@ Copies inside the chain (``chain_copy`` = m > 0, chain mode): at every depth, wh
 tokens already drafted) ends in an n-gram seen earlier in it, n from max(m, 4) down to m, the token that followed
 its most recent occurrence is drafted instead of the model's, as retrieval and a small model take turns in
 SAM-Decoding (Hu et al. 2024, arXiv 2411.10666); elsewhere the model drafts. A copied token needs no draft forward
-(the model catches up in one forward over the copied tokens when it drafts again). Measured teacher-forced on the
-target's greedy answers to 60 Spec-Bench questions, the target's next token was the continuation of a >= 2-gram
-match far more often than the model's argmax where such a match existed, in summaries, retrieved passages and
-translations; single-token matches were not (hence m = 2). Whether a depth copies depends only on the context and the
+(the model catches up in one forward over the copied tokens when it drafts again). On SmolLM2's greedy answers to
+Spec-Bench questions, teacher-forced, a copy after a match of two or more tokens was right more often than the
+two-layer drafter's argmax, and a copy after a single token less often (docs/onpolicy.md), so m = 2 is the setting
+to start from. Whether a depth copies depends only on the context and the
 tokens drawn before it, so the draft length and q stay a stopping time of the drafting process: greedy, the copy is
 a deterministic token; sampling, its q row is a point mass on it (accepted with probability p(token), the rest
 resampled from the residual), which is lossless under speculative sampling's rule.
