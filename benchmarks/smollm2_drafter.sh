@@ -85,3 +85,48 @@ OMP_NUM_THREADS=2 $sd finetune --drafter grow4-init --target $T --data dd-tasks3
     --target-dtype bfloat16 --checkpoint-every 20 --eval-every 100000 --eval-prompts 4 --eval-max-new-tokens 64 \
     --export-dtype bfloat16 --freeze-embeddings --share-embeddings --draft-vocab 8192 \
     --draft-vocab-from ft-l01-tasks/model --log-every 10 --no-progress
+
+# (h) not shipped: the shipped drafter on the target's greedy answers to Spec-Bench-shaped prompts it never saw
+#     (sharegpt-tasks train prompts 2,113-9,000; the run was stopped after 5,440 and used as it was), one epoch of the
+#     first 2,944 (dd-tasks4a) per objective, then every answer with TVD; each evaluated exactly on the target's greedy
+#     answers to the first 10 Spec-Bench questions of each subtask (dd-sb60). Exact greedy τ moved by at most +0.012 at
+#     γ 4 (docs/onpolicy.md). Env: PYTHON (with specdraft installed), SPEC_BENCH (question.jsonl), HELDOUT_TVD (the
+#     path of benchmarks/heldout_tvd.py).
+py=${PYTHON:-python}
+$py - "${SPEC_BENCH:?question.jsonl of Spec-Bench}" <<'PY'
+import collections, json, sys
+from specdraft.training.prompt_sources import load_prompt_sources
+with open("tasks-rest2.jsonl", "w") as out:
+    for prompt_id, messages in load_prompt_sources("sharegpt-tasks", "train")[2112:9000]:
+        out.write(json.dumps({"id": prompt_id, "messages": messages}) + "\n")
+own, seen = {"translation", "summarization", "qa", "math_reasoning", "rag"}, collections.Counter()
+with open(sys.argv[1]) as questions, open("specbench60.jsonl", "w") as out:
+    for line in questions:
+        q = json.loads(line)
+        subtask = q["category"] if q["category"] in own else "mt_bench"
+        if seen[subtask] < 10:
+            seen[subtask] += 1
+            out.write(json.dumps({"turns": q["turns"][:1], "question_id": q["question_id"], "subtask": subtask}) + "\n")
+PY
+OMP_NUM_THREADS=2 $sd distill-data --target $T --out dd-sb60 --prompts specbench60.jsonl --max-new-tokens 128 \
+    --temperature 0 --top-logprobs 32 --batch-size 20 --shard-size 20 --dtype bfloat16
+OMP_NUM_THREADS=2 $sd distill-data --target $T --out dd-tasks4 --prompts tasks-rest2.jsonl --max-new-tokens 128 \
+    --temperature 0 --top-logprobs 32 --batch-size 32 --shard-size 64 --dtype bfloat16 --engine native --limit 5440
+mkdir -p dd-tasks4a && cp dd-tasks4/distill_config.json dd-tasks4/shard-000{00..45}.jsonl dd-tasks4a/
+ft() {  # ft OUT DATA STEPS FLAGS...: from the shipped drafter, one flag apart
+  local out=$1 data=$2 steps=$3
+  shift 3
+  $sd finetune --drafter smollm2-135m-instruct-drafter --target $T --data "$data" --allow-incomplete \
+      --use-stored-topk --steps "$steps" --batch-size 16 --lr 3e-4 --warmup-steps 10 --max-seq-len 640 --bf16 \
+      --target-dtype bfloat16 --checkpoint-every 25 --eval-every 100000 --eval-prompts 4 --eval-max-new-tokens 64 \
+      --export-dtype bfloat16 --freeze-embeddings --share-embeddings --draft-vocab 8192 \
+      --draft-vocab-from smollm2-135m-instruct-drafter --log-every 10 --no-progress --out "$out" "$@"
+}
+ft ft-fresh dd-tasks4a 175 --loss fkl
+ft ft-osd dd-tasks4a 175 --loss fkl --only-mismatched
+ft ft-tvd4a dd-tasks4a 175 --loss tvd
+ft ft-regen dd-tasks4a 175 --loss fkl --regenerate-every 50 --regenerate-prompts 256 --regenerate-temperature 1.0
+ft ft-final dd-tasks4 330 --loss tvd
+$py "${HELDOUT_TVD:?path of benchmarks/heldout_tvd.py}" --target $T --data dd-sb60 --num-draft-tokens 3,4,5 \
+    --chain-copy 2,3 --out sb60.jsonl \
+    --drafters smollm2-135m-instruct-drafter,ft-fresh/model,ft-osd/model,ft-tvd4a/model,ft-regen/model,ft-final/model
