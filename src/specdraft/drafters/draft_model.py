@@ -32,10 +32,10 @@ SAM-Decoding (Hu et al. 2024, arXiv 2411.10666); elsewhere the model drafts. A c
 (the model catches up in one forward over the copied tokens when it drafts again). On SmolLM2's greedy answers to
 Spec-Bench questions, teacher-forced, a copy after a match of two or more tokens was right more often than the
 two-layer drafter's argmax, and a copy after a single token less often (docs/onpolicy.md), so m = 2 is the setting
-to start from. Whether a depth copies depends only on the context and the
-tokens drawn before it, so the draft length and q stay a stopping time of the drafting process: greedy, the copy is
-a deterministic token; sampling, its q row is a point mass on it (accepted with probability p(token), the rest
-resampled from the residual), which is lossless under speculative sampling's rule.
+to start from. Whether a depth copies depends only on the context and the tokens drawn before it, so the draft
+length and q stay a stopping time of the drafting process: greedy, the copy is a deterministic token; sampling, its
+q row is a point mass on it (accepted with probability p(token), the rest resampled from the residual), which is
+lossless under speculative sampling's rule.
 
 Siblings (``siblings`` = k > 0, chain mode, greedy): at every depth the chain reaches, the k next most likely
 draft tokens join the tree as leaves beside the chain's token (a top-k first level, as Medusa's and EAGLE's trees
@@ -187,9 +187,10 @@ class DraftModelDrafter:
     def _propose_chain(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> tuple[Draft, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop), with each
-        token's confidence; when greedy with ``siblings`` = k, the k next most likely draft tokens at each of its
-        depths and their draft probabilities ((k,), (k,) each; [] otherwise)."""
+        """The model's chain of up to ``num_draft_tokens`` tokens (fewer after a confidence stop; with ``chain_copy``,
+        copied tokens at the depths with a match), with each token's confidence; when greedy with ``siblings`` = k,
+        the k next most likely draft tokens at each of its depths and their draft probabilities ((k,), (k,) each,
+        empty at copied depths; [] otherwise)."""
         if self._chain_copy is None:
             logits, pending = self._sync(context, num_draft_tokens), []
         else:  # the model is fed only when a depth needs its logits: a chain of copies costs no draft forward
