@@ -103,22 +103,23 @@ def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = 
     """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`), τ with k siblings
     per depth for each k in ``siblings``, and τ with copies inside the chain for each m in ``copies`` ({m: the
     :func:`copy_hits` of ``chain_copy=m``})."""
+    def pooled(blocks) -> tuple[float, float]:  # (τ, first-token acceptance) over the responses' blocks
+        tokens, count, first = (sum(x) for x in zip(*blocks, strict=True))
+        return tokens / max(count, 1), first / max(count, 1)
+
     row = {}
     for m, hits in (copies or {}).items():
         for gamma in gammas:
-            blocks = (greedy_blocks([h == 1 if h >= 0 else r == 0 for r, h in zip(rs, hs, strict=True)], gamma)
-                      for rs, hs in zip(ranks, hits, strict=True))
-            sums = [sum(x) for x in zip(*blocks, strict=True)]
-            row[f"greedy_tau@{gamma}:copy{m}"] = sums[0] / max(sums[1], 1)
-            row[f"greedy_first_accept@{gamma}:copy{m}"] = sums[2] / max(sums[1], 1)
+            row[f"greedy_tau@{gamma}:copy{m}"], row[f"greedy_first_accept@{gamma}:copy{m}"] = pooled(
+                greedy_blocks([h == 1 if h >= 0 else r == 0 for r, h in zip(rs, hs, strict=True)], gamma)
+                for rs, hs in zip(ranks, hits, strict=True))
     for gamma in gammas:
         for k in (0, *siblings):
-            blocks = (greedy_blocks([r == 0 for r in rs], gamma, [0 < r <= k for r in rs] if k else None)
-                      for rs in ranks)
-            sums = [sum(x) for x in zip(*blocks, strict=True)]
-            row[f"greedy_tau@{gamma}" + (f"+{k}" if k else "")] = sums[0] / max(sums[1], 1)
+            tau, first = pooled(greedy_blocks([r == 0 for r in rs], gamma, [0 < r <= k for r in rs] if k else None)
+                                for rs in ranks)
+            row[f"greedy_tau@{gamma}" + (f"+{k}" if k else "")] = tau
             if not k:
-                row[f"greedy_first_accept@{gamma}"] = sums[2] / max(sums[1], 1)
+                row[f"greedy_first_accept@{gamma}"] = first
     return row
 
 

@@ -155,8 +155,7 @@ class DraftModelDrafter:
                 return _with_source(copied, COPY + size)  # a long match: the copy alone, no draft forwards
         chain, alternatives = self._propose_chain(context, num_draft_tokens, sampling, generator)
         tokens, parents = chain.tokens, chain_parents(len(chain))  # greedy: q is None
-        confidence = chain.confidence
-        source = chain.source if chain.source is not None else torch.full((len(chain),), MODEL)
+        confidence, source = chain.confidence, chain.source
         for depth, (siblings, probs) in enumerate(alternatives):  # leaves beside chain[depth], never equal to it
             tokens = torch.cat([tokens, siblings])
             parents = torch.cat([parents, torch.full((len(siblings),), depth - 1, dtype=torch.long)])
@@ -227,15 +226,16 @@ class DraftModelDrafter:
             if not size and self.confidence_threshold and self._unsure(logits, token, probs, sampling):
                 break
             if i + 1 < num_draft_tokens:  # the last draft token is fed next step, only if accepted
-                pending.append(token)
-                running = torch.cat([running, token.view(1)])
                 if self._chain_copy is None:
-                    logits, pending = self._forward(token.view(1, 1))[0, -1], []  # (V,)
+                    logits = self._forward(token.view(1, 1))[0, -1]  # (V,)
+                else:  # fed when the model next drafts
+                    pending.append(token)
+                    running = torch.cat([running, token.view(1)])
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)  # (γ,)
         drafted = torch.cat([context, draft[:-1]])  # what the model has been fed, but for the pending tail
         self._cached = drafted[: drafted.shape[0] - len(pending)]
         sure = torch.stack(confidence).float() if confidence else torch.empty(0)  # (γ,)
-        kinds = torch.tensor(source, dtype=torch.long) if self._chain_copy is not None else None  # (γ,)
+        kinds = torch.tensor(source, dtype=torch.long)  # (γ,) MODEL or COPY + n
         return Draft(draft, torch.stack(probs) if probs else None, confidence=sure, source=kinds), alternatives
 
     def _runners_up(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
