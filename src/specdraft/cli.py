@@ -302,6 +302,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted")
     p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=4, help="most completions per request")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; larger answer 413")
+    p.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="most prompt characters, checked before tokenising (0 = 32 x --max-prompt-tokens)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds in-flight requests get after SIGTERM; the process exits within them")
     online = p.add_argument_group("online distillation (Online Speculative Decoding, Liu et al. 2023)")
     online.add_argument("--online-distill", metavar="DIR",
                         help="keep training the draft model on the served traffic; buffer and drafter saved in DIR")
@@ -328,7 +333,8 @@ def _run_serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
         max_draft_batch=args.max_draft_batch, batch_speculation=args.batch_speculation,
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-        max_n=args.max_n, host=args.host, port=args.port, online_distill=_online_config(args),
+        max_n=args.max_n, max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        shutdown_grace=args.shutdown_grace, host=args.host, port=args.port, online_distill=_online_config(args),
     ))
 
 
