@@ -123,8 +123,12 @@ def test_a_candidate_is_swapped_in_only_when_it_agrees_more_and_a_restart_resume
     assert state["version"] == 1 and [e["accepted"] for e in state["history"]] == [False, True]
     assert sorted(p.name for p in tmp_path.glob("drafter-v*")) == ["drafter-v1.safetensors"]
 
+    stale = [tmp_path / ".drafter-v2.safetensors.4242.tmp", tmp_path / ".state.json.4242.tmp"]  # writes a kill cut
+    for path in stale:
+        path.write_bytes(b"half")
     resumed = _distiller(tmp_path, drafter, str(tiny_draft))
     assert resumed.version == 1 and len(resumed.history) == 2 and len(resumed.buffer) == len(records)
+    assert not any(path.exists() for path in stale)
     again = resumed.make_drafter().model
     assert all(torch.equal(a, b) for a, b in zip(served.parameters(), again.parameters(), strict=True))
     with pytest.raises(SpecdraftError, match="continues drafter"):
