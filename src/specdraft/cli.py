@@ -125,9 +125,12 @@ def _add_demo(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto (default): the dtype fast on this CPU for decoding (bfloat16 with AVX-512 bf16 or the "
-                        "AVX2 row kernel, else float32); "
-                        "identity to plain decoding is checked in float32 beside it")
+                   help="auto (default): the fastest path of this CPU (the built-in GGUF's own blocks through the "
+                        "int8 kernels, else bfloat16 with AVX-512 bf16 or the AVX2 row kernel, else float32); a "
+                        "dense dtype's identity to plain decoding is checked in float32 beside it")
+    p.add_argument("--quantize", choices=QUANTIZE, default="auto",
+                   help="target weights: auto (the built-in GGUF's own blocks where the int8 kernels build, unless "
+                        "--dtype is given), none, gguf, int8 or int4")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.set_defaults(run=_run_demo)
 
@@ -141,7 +144,8 @@ def _run_demo(args: argparse.Namespace) -> None:
     drafters = tuple(name.strip() for name in args.drafters.split(",") if name.strip())
     run_demo(DemoConfig(draft=args.draft, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                         num_draft_tokens=args.num_draft_tokens, dtype=None if args.dtype == "auto" else
-                        parse_dtype(args.dtype), drafters=drafters, speculation=args.speculation))
+                        parse_dtype(args.dtype), drafters=drafters, speculation=args.speculation,
+                        quantize=args.quantize))
 
 
 def _add_bench(sub) -> None:
