@@ -14,6 +14,36 @@
 
 namespace {
 
+// e^x, 8 lanes, x clamped to [-87, 88] (cephes expf: Cody-Waite reduction, degree-6 polynomial, about 1 ulp); the same
+// instructions for every lane, so a token's activations never depend on its neighbours.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// silu(gate) * up = gate / (1 + e^-gate) * up for each token's F pairs (F a multiple of 8).
+void silu_mul(const float* gate_up, int64_t T, int64_t F, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < F; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate_up + t * 2 * F + i), u = _mm256_loadu_ps(gate_up + t * 2 * F + F + i);
+      const __m256 e = exp8(_mm256_sub_ps(zero, g));
+      _mm256_storeu_ps(out + t * F + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+    }
+}
+
 // y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of D; the sum of squares in one order (left to right).
 void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, float* y) {
   for (int64_t t = 0; t < T; ++t) {
@@ -96,11 +126,7 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
 
   rms_norm(xp, T, D, mn.data_ptr<float>(), static_cast<float>(eps), normed.data());
   specdraft_quant::multiply(normed.data(), T, D, weights[2], kinds[2], 2 * ffn, gate_up.data(), vnni);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < ffn; ++i) {
-      const float g = gate_up[t * 2 * ffn + i], u = gate_up[t * 2 * ffn + ffn + i];
-      act[t * ffn + i] = (g / (1.0f + std::exp(-g))) * u;
-    }
+  silu_mul(gate_up.data(), T, ffn, act.data());
   specdraft_quant::multiply(act.data(), T, ffn, weights[3], kinds[3], D, delta.data(), vnni);
   for (int64_t i = 0; i < T * D; ++i) xp[i] += delta[i];
   return x;
