@@ -11,6 +11,9 @@ product of the same blocks:
   scale d and zero m + 8d (w = (q - 8) d + zero); bf16 activations; the head stays bf16 dense.
 - ``torch int8pack``: ``aten._weight_int8pack_mm`` (int8 weights, one scale per output channel: not GGUF's blocks);
   bf16 activations.
+- ``torch _int_mm``: ``torch._int_mm`` (oneDNN's int8 x int8 -> int32 product, VNNI where the CPU has it) with the
+  activations quantized per row and one weight scale per output channel (not GGUF's blocks), what torchao's
+  dynamic-int8 configs run.
 - ``bf16 rows`` and ``bf16 F.linear``: the dense bf16 weights through specdraft's row kernel and through oneDNN.
 - ``--compile``: ``torch.compile`` (inductor's C++ code) of Q4_1 dequantization fused with the product, on the
   gate_up and head shapes only (each shape compiles for tens of seconds).
@@ -71,7 +74,8 @@ def build(seed: int = 0):
     torch.manual_seed(seed)
     shapes = {**LAYER_SHAPES, "head": HEAD}
     weights = {name: torch.randn(*shape) * 0.05 for name, shape in shapes.items()}
-    paths: dict[str, dict] = {name: {} for name in ("specdraft", "int4pack", "int8pack", "rows", "onednn")}
+    names = ("specdraft", "int4pack", "int8pack", "int_mm", "rows", "onednn")
+    paths: dict[str, dict] = {name: {} for name in names}
     for name, w in weights.items():
         packed, q, d, m = _q4_1_parts(w)
         paths["specdraft"][name] = Q.quantize(w, Q.Q8_0) if name == "head" else packed
@@ -79,6 +83,7 @@ def build(seed: int = 0):
         paths["int4pack"][name] = ("dense", bf16) if name == "head" else ("int4",) + _int4pack(q, d, m)
         scale = w.abs().amax(1) / 127
         paths["int8pack"][name] = (torch.round(w / scale[:, None]).to(torch.int8), scale.bfloat16())
+        paths["int_mm"][name] = (paths["int8pack"][name][0].T.contiguous(), scale)
         paths["rows"][name] = (bf16, packing.pack(bf16, "rows"))
         paths["onednn"][name] = bf16
     return paths
@@ -97,6 +102,10 @@ def forward(path: str, store: dict, xs: dict[str, torch.Tensor]) -> dict[str, to
                              torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), w[1], 32, w[2]))
             elif path == "int8pack":
                 out[name] = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w[0], w[1])
+            elif path == "int_mm":
+                row_scale = x.abs().amax(-1, keepdim=True) / 127  # (M, 1)
+                quants = torch.round(x / row_scale).to(torch.int8)
+                out[name] = torch._int_mm(quants, w[0]).float() * row_scale * w[1]
             elif path == "rows":
                 out[name] = packing.linear(x.bfloat16(), w[0], None, w[1])
             else:
@@ -146,8 +155,9 @@ def main() -> None:
     print(f"# {cpu_model()}, torch {torch.__version__} ({cpu_capability()}), {args.threads} threads; "
           f"specdraft kernel {'AVX-512 VNNI' if Q.mode() else 'AVX2'}")
     paths = build()
-    names = {"specdraft": "specdraft q4_1+q8_0", "int4pack": "torch int4pack (bf16 head)", "int8pack":
-             "torch int8pack (per-channel)", "rows": "bf16 rows kernel", "onednn": "bf16 F.linear (oneDNN)"}
+    names = {"specdraft": "specdraft q4_1+q8_0", "int4pack": "torch int4pack (bf16 head)",
+             "int8pack": "torch int8pack (per-channel)", "int_mm": "torch _int_mm (per-row x per-channel)",
+             "rows": "bf16 rows kernel", "onednn": "bf16 F.linear (oneDNN)"}
     inputs = {rows: {n: torch.randn(rows, s[1]) for n, s in {**LAYER_SHAPES, "head": HEAD}.items()} for rows in (1, 5)}
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():
