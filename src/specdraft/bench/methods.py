@@ -30,6 +30,7 @@ from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_options
 from specdraft.drafters.loading import load_draft_model, load_drafter
 from specdraft.errors import SpecdraftError
+from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import load_model
 from specdraft.speculation import make_policy
 
@@ -72,6 +73,8 @@ class Method(Protocol):
 
 def count_parameters(model) -> int:
     """Unique parameters of a CausalLM (native module or transformers adapter)."""
+    if isinstance(model, NativeLlama):
+        return model.parameter_count
     module = model if hasattr(model, "parameters") else model.model
     return sum(p.numel() for p in module.parameters())
 

@@ -213,7 +213,7 @@ def make_setup(run_info: dict) -> dict:
     temperature = config.get("temperature", 0.0)
     return {
         "target": config.get("target"),
-        "dtype": config.get("dtype"),
+        "dtype": run_info.get("precision") or config.get("dtype"),
         "sampling": {"greedy": temperature == 0.0, "temperature": temperature, "top_k": config.get("top_k"),
                      "top_p": config.get("top_p"), "seed": config.get("seed")},
         "max_new_tokens": config.get("max_new_tokens"),

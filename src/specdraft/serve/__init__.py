@@ -15,13 +15,13 @@ def build_server_app(config: ServeConfig):
     from specdraft.batch_drafting import lockstep_factory
     from specdraft.batching import DraftGate, drafter_factory
     from specdraft.drafters.loading import load_drafter
-    from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
+    from specdraft.models.registry import choose_precision, eos_token_ids, load_target
     from specdraft.serve.app import build_app
     from specdraft.serve.engine import Engine
 
-    dtype = parse_dtype(config.dtype)
-    target, tokenizer = load_target(config.target, dtype)
-    prototype = load_drafter(target, tokenizer, config.draft, config.drafter, dtype,
+    precision = choose_precision(config.target, config.dtype, config.quantize)
+    target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize)
+    prototype = load_drafter(target, tokenizer, config.draft, config.drafter, precision.draft_dtype,
                              options=dict(config.drafter_options))
     capacity = config.max_prompt_tokens + config.max_tokens
 
