@@ -8,6 +8,9 @@ run by building the new one beside it.
   checksum. :func:`verify_shards` checks both before a stage reads or reuses the folder, so a shard truncated or
   edited from outside is found. Manifests written before checksums existed are "legacy, unverified": their record
   counts are still checked, with a note.
+- **One writer.** A stage holds its run folder's lock while it runs (:func:`owns_out`,
+  :func:`specdraft.files.owning`): a second writer of the same folder is refused with one line. On the next start of
+  a run, what killed writes left in its folder (``.NAME.*.tmp``) is removed.
 - **Atomic replacement.** ``--overwrite`` builds the new run in ``.<name>.staging`` beside the folder and swaps it
   in at the end (:func:`swap_in`): the old folder is renamed to ``.<name>.old``, the staging folder to the name,
   then the old one is deleted. Killed at any moment, either the old complete run or a resumable new one is left;
@@ -16,17 +19,18 @@ run by building the new one beside it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
-from specdraft.files import write_text_atomic
+from specdraft.files import owning, remove_leftovers, write_text_atomic
 from specdraft.training.data import MANIFEST_FILE
 
 RUN_FILE = "run.json"
@@ -247,6 +251,33 @@ def atomic_write(path: Path, text: str) -> None:
     write_text_atomic(path, text)
 
 
+# --- one writer per run folder -------------------------------------------------------------------------------------
+
+
+def owns_out(stage: Callable) -> Callable:
+    """Decorate a stage ``stage(config, ...)`` that writes the run folder ``config.out``: it runs holding the folder's
+    lock (:func:`specdraft.files.owning`; under torchrun rank 0 holds it for the run), so a second writer is refused
+    with one line before it loads anything."""
+
+    @functools.wraps(stage)
+    def run(config, *args, **kwargs):
+        if int(os.environ.get("RANK", 0)) != 0:
+            return stage(config, *args, **kwargs)
+        with owning(config.out, on_stale=note):
+            return stage(config, *args, **kwargs)
+
+    return run
+
+
+def clear_leftovers(folder: str | Path) -> None:
+    """Remove what killed writes left in a run folder this process owns (:func:`specdraft.files.remove_leftovers`),
+    with a note naming it."""
+    removed = remove_leftovers(folder) if Path(folder).is_dir() else []
+    if removed:
+        note(f"{folder}: removed {len(removed)} temp file(s) left by a killed write ({', '.join(removed[:3])}"
+             f"{', ...' if len(removed) > 3 else ''})")
+
+
 # --- training runs ---------------------------------------------------------------------------------------------------
 
 # Settings that never change a training run's weights: how it is watched, saved, evaluated and exported.
@@ -366,10 +397,12 @@ def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defau
 
 
 def start_run(plan: RunPlan, precision: dict) -> None:
-    """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, and ``run.json`` written."""
+    """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, what killed writes left is
+    removed, and ``run.json`` written."""
     if plan.record["fresh"] and plan.work != plan.out and plan.work.exists():
         shutil.rmtree(plan.work)
     plan.work.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(plan.work)
     record = {k: v for k, v in plan.record.items() if k != "fresh"} | {"precision": precision, "finished": False}
     atomic_write(plan.work / RUN_FILE, json.dumps(record, indent=1))
 

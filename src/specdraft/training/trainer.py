@@ -4,8 +4,8 @@ on text and fine-tuning by distillation differ only in their dataset, loss funct
 The loop: AdamW; linear warm-up then cosine decay to ``min_lr_ratio * lr``; gradient accumulation; gradient-norm
 clipping; optional bf16 autocast; a held-out evaluation callback (run under ``no_grad``; it picks its own
 precision) every ``eval_every`` steps and at the end; tqdm progress (tokens/s, ETA); ``train_log.csv`` and
-``eval_log.csv`` (and tensorboard when it is installed); a training checkpoint every ``checkpoint_every`` steps
-and at the end.
+``eval_log.csv`` (and tensorboard when it is installed; a resumed run first drops the rows a killed run logged after
+its checkpoint); a training checkpoint every ``checkpoint_every`` steps and at the end.
 
 Resuming continues to exactly the weights of an uninterrupted run: the data order is a seeded permutation per
 epoch (seed and position are in the checkpoint), and the torch RNG, the loss's generator, the optimizer and the
@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, utf8_error
+from specdraft.files import write_text_atomic
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
@@ -203,17 +204,21 @@ def barrier(world: int) -> None:
 
 
 class RunLog:
-    """``train_log.csv`` and ``eval_log.csv`` in the run folder (appended on resume), plus tensorboard if importable;
-    a no-op on ranks other than 0."""
+    """``train_log.csv`` and ``eval_log.csv`` in the run folder, plus tensorboard if importable; a no-op on ranks
+    other than 0. They start at ``step``, the step the run starts from: a fresh run (0) starts fresh logs, a resumed
+    one keeps the rows up to its checkpoint's step and drops those a killed run wrote after it, so each step is logged
+    once."""
 
-    def __init__(self, out: Path, enabled: bool) -> None:
+    def __init__(self, out: Path, enabled: bool, step: int = 0) -> None:
         self.out, self.enabled, self.writer = out, enabled, None
         if enabled:
             out.mkdir(parents=True, exist_ok=True)
+            for name in ("train", "eval"):
+                rewind_log(out / f"{name}_log.csv", step)
             with contextlib.suppress(ImportError):  # tensorboard is optional
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(out / "tensorboard"))
+                self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
 
     def write(self, name: str, row: dict) -> None:
         if not self.enabled:
@@ -233,6 +238,34 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def rewind_log(path: Path, step: int) -> None:
+    """Keep the header and the rows of steps up to ``step`` of a run's CSV log (a torn last line is dropped too);
+    at step 0, or with no whole header, the log is deleted. Rewritten beside, then renamed."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, newline="", encoding="utf-8") as file:  # the rows as written (csv ends them with \r\n)
+            text = "" if step == 0 else file.read()
+    except UnicodeDecodeError as exc:
+        raise SpecdraftError(f"{path} is damaged ({utf8_error(exc)}); move it aside to resume") from None
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill
+        lines.pop()
+    if not lines:
+        path.unlink()
+        return
+    header = lines[0].rstrip("\r\n").split(",")
+    column = header.index("step") if "step" in header else 0
+
+    def logged(line: str) -> int:  # the row's step (numbers only: no quoting in these logs); -1 if unreadable
+        cells = line.split(",")
+        return int(cells[column]) if len(cells) > column and cells[column].isdigit() else -1
+
+    kept = lines[:1] + [line for line in lines[1:] if 0 <= logged(line) <= step]
+    if "".join(kept) != text:
+        write_text_atomic(path, "".join(kept))
 
 
 @dataclass
@@ -425,15 +458,12 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
         run = _new_run(model, len(dataset), config, rank, world)
     if config.resume:  # a missing or damaged checkpoint is a SpecdraftError
         run.load_state_dict(load_training_state(out / CHECKPOINT_FILE))
-    elif rank == 0:  # a fresh run starts fresh logs
-        for name in ("train_log.csv", "eval_log.csv"):
-            (out / name).unlink(missing_ok=True)
     wrapped = run.model
     if world > 1 and not sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    log = RunLog(out, rank == 0)
+    log = RunLog(out, rank == 0, run.step)  # the logs as of the checkpoint resumed from (fresh at step 0)
     try:
         result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world, after_step)
     finally:
