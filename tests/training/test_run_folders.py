@@ -20,7 +20,7 @@ from specdraft import cli
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
 from specdraft.files import lock_path, owning, remove_leftovers
-from specdraft.training import generation, trainer
+from specdraft.training import generation, runs, trainer
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data
 from toys import save_tiny_checkpoint
 
@@ -292,7 +292,7 @@ def test_leftovers_of_killed_writes_are_removed_and_nothing_else(tmp_path):
 def test_a_resumed_log_keeps_rows_up_to_its_step_and_drops_a_torn_row(tmp_path):
     log = tmp_path / "train_log.csv"
     log.write_text("step,loss\r\n1,0.5\r\n2,0.4\r\n3,0.3\r\n4,0.2\r\n1")
-    trainer.rewind_log(log, 2)
+    runs.rewind_log(log, 2)
     assert log.read_bytes() == b"step,loss\r\n1,0.5\r\n2,0.4\r\n"
-    trainer.rewind_log(log, 0)
+    runs.rewind_log(log, 0)
     assert not log.exists()

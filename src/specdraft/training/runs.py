@@ -10,7 +10,8 @@ run by building the new one beside it.
   counts are still checked, with a note.
 - **One writer.** A stage holds its run folder's lock while it runs (:func:`owns_out`,
   :func:`specdraft.files.owning`): a second writer of the same folder is refused with one line. On the next start of
-  a run, what killed writes left in its folder (``.NAME.*.tmp``) is removed.
+  a run, what killed writes left in its folder (``.NAME.*.tmp``) is removed (:func:`clear_leftovers`), and a resumed
+  training run's logs are cut back to its checkpoint's step (:func:`rewind_log`).
 - **Atomic replacement.** ``--overwrite`` builds the new run in ``.<name>.staging`` beside the folder and swaps it
   in at the end (:func:`swap_in`): the old folder is renamed to ``.<name>.old``, the staging folder to the name,
   then the old one is deleted. Killed at any moment, either the old complete run or a resumable new one is left;
@@ -29,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, utf8_error
 from specdraft.files import owning, remove_leftovers, write_text_atomic
 from specdraft.training.data import MANIFEST_FILE
 
@@ -276,6 +277,34 @@ def clear_leftovers(folder: str | Path) -> None:
     if removed:
         note(f"{folder}: removed {len(removed)} temp file(s) left by a killed write ({', '.join(removed[:3])}"
              f"{', ...' if len(removed) > 3 else ''})")
+
+
+def rewind_log(path: Path, step: int) -> None:
+    """Keep the header and the rows of steps up to ``step`` of a run's CSV log (a torn last line is dropped too);
+    at step 0, or with no whole header, the log is deleted. Rewritten beside, then renamed."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, newline="", encoding="utf-8") as file:  # the rows as written (csv ends them with \r\n)
+            text = "" if step == 0 else file.read()
+    except UnicodeDecodeError as exc:
+        raise SpecdraftError(f"{path} is damaged ({utf8_error(exc)}); move it aside to resume") from None
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill
+        lines.pop()
+    if not lines:
+        path.unlink()
+        return
+    header = lines[0].rstrip("\r\n").split(",")
+    column = header.index("step") if "step" in header else 0
+
+    def logged(line: str) -> int:  # the row's step (numbers only: no quoting in these logs); -1 if unreadable
+        cells = line.split(",")
+        return int(cells[column]) if len(cells) > column and cells[column].isdigit() else -1
+
+    kept = lines[:1] + [line for line in lines[1:] if 0 <= logged(line) <= step]
+    if "".join(kept) != text:
+        write_text_atomic(path, "".join(kept))
 
 
 # --- training runs ---------------------------------------------------------------------------------------------------

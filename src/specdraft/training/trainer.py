@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdraft.errors import SpecdraftError, utf8_error
-from specdraft.files import write_text_atomic
+from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
+from specdraft.training.runs import rewind_log
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
@@ -238,34 +238,6 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def rewind_log(path: Path, step: int) -> None:
-    """Keep the header and the rows of steps up to ``step`` of a run's CSV log (a torn last line is dropped too);
-    at step 0, or with no whole header, the log is deleted. Rewritten beside, then renamed."""
-    if not path.is_file():
-        return
-    try:
-        with open(path, newline="", encoding="utf-8") as file:  # the rows as written (csv ends them with \r\n)
-            text = "" if step == 0 else file.read()
-    except UnicodeDecodeError as exc:
-        raise SpecdraftError(f"{path} is damaged ({utf8_error(exc)}); move it aside to resume") from None
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill
-        lines.pop()
-    if not lines:
-        path.unlink()
-        return
-    header = lines[0].rstrip("\r\n").split(",")
-    column = header.index("step") if "step" in header else 0
-
-    def logged(line: str) -> int:  # the row's step (numbers only: no quoting in these logs); -1 if unreadable
-        cells = line.split(",")
-        return int(cells[column]) if len(cells) > column and cells[column].isdigit() else -1
-
-    kept = lines[:1] + [line for line in lines[1:] if 0 <= logged(line) <= step]
-    if "".join(kept) != text:
-        write_text_atomic(path, "".join(kept))
 
 
 @dataclass
