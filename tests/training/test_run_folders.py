@@ -162,6 +162,19 @@ def test_any_os_error_of_a_command_is_one_line_naming_the_file(monkeypatch, caps
     assert _one_error(capsys) == "specdraft: error: /runs/x/file.json: Permission denied"
 
 
+def test_a_failed_atomic_write_names_the_file_meant_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    from specdraft import files
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src)
+
+    monkeypatch.setattr(files.os, "replace", full)
+    with pytest.raises(OSError) as caught:
+        files.write_text_atomic(tmp_path / "manifest.json", "{}")
+    assert caught.value.filename == str(tmp_path / "manifest.json") and caught.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- output that becomes unwritable mid-run ------------------------------------------------------------------------
 
 
