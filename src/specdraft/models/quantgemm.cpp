@@ -119,6 +119,11 @@ void tile_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t 
           }
         }
       } else {
+        // 4-bit weights (<= 15) times int8 (|x| <= 127): a pair is at most 3810, so the 8 pair sums of a block add up
+        // in 16 bits (<= 30480) before one widening to 32 bits per row
+        __m256i pairs[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
           const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32 * h));
@@ -126,11 +131,12 @@ void tile_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t 
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const int8_t* xr = a.q + (r0 + r) * K + b * kBlock;
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(xr + 4 * t)));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(xr + 16 + 4 * t)));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));  // |pl + ph| <= 7620
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(xr + 4 * t))));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(xr + 16 + 4 * t))));
           }
         }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(pairs[r], ones);
       }
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
       __m256 mw = _mm256_setzero_ps();
