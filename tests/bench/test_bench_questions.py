@@ -110,7 +110,7 @@ class ScriptedMethod:
     """A fake method answering each turn with fixed words, remembering the prompts it saw."""
 
     name = base = "scripted"
-    num_draft_tokens = param_ratio = None
+    num_draft_tokens = param_ratio = engine = None
 
     def __init__(self, tokenizer, answers):
         self.answers = [tokenizer.convert_tokens_to_ids(a.split()) for a in answers]
