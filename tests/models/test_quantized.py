@@ -147,6 +147,16 @@ def test_greedy_speculative_equals_plain_on_the_quantized_path(speculation):
         assert generate(target, PROMPT, drafter, config).token_ids == plain
 
 
+def test_a_one_token_prompt_decodes_the_same_speculatively():
+    """A one-token prompt is not prefilled: its first forward is a plain step or a whole verify from an empty cache,
+    both on the row-wise path."""
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    for prompt in ([7], [7, 9]):
+        plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+        drafter = PatternDrafter(target, lambda step, i: (step * 7 + i * 3) % 5 == 0)
+        assert generate(target, prompt, drafter, GenerationConfig(24, 4, speculation="fixed")).token_ids == plain
+
+
 def test_sampled_output_follows_the_quantized_targets_distribution():
     """Speculative sampling on the quantized target: the second token's marginal is the target's own (chi-square)."""
     target = QuantizedLlama.from_dense(NativeLlama.from_hf(tiny_llama(0, std=0.05)), "int4")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -165,6 +166,16 @@ class QuantizedLlama(NativeLlama):
         mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
         return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start, step.cos,
                                         step.sin, mask)
+
+    def _step(self, start: int, steps: int):
+        """As the dense model's, but a forward of up to ROWS_MAX tokens into an empty cache is row-wise too (with an
+        explicit causal mask): a one-token prompt's first plain step and its first verify then agree bit for bit."""
+        step = super()._step(start, steps)
+        if start > 0 or not self._rowwise(steps):
+            return step
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=self.rope_cos.device).tril()  # (T, T)
+        return replace(step, mask=causal.repeat(groups, 1), explicit=True, rowwise=True)  # (G*T, T)
 
     def _rowwise(self, steps: int) -> bool:
         """The block kernels are row-invariant at any number of rows; the attention too up to ROWS_MAX tokens."""
