@@ -1,11 +1,13 @@
 """``specdraft`` command line: one subcommand per job, each building a config and calling one library function.
 
-Every user error (bad value, unknown model, vocabulary mismatch, ...) ends with one line on stderr and exit code 2.
+Every user error (bad value, unknown model, vocabulary mismatch, a file that cannot be read or written, a folder
+where a file belongs, a full disk, ...) ends with one line on stderr and exit code 2; a traceback means a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -14,7 +16,7 @@ import torch
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, parse_options
 from specdraft.drafters.loading import load_drafter
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, os_error, utf8_error
 from specdraft.models.registry import (
     DTYPE_CHOICES,
     DTYPES,
@@ -391,12 +393,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    message = _run(args)
+    if message is None:
+        return 0
+    gc.collect()  # progress bars the failed command left open are closed (their line ended) before the error line
+    print(f"specdraft: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> str | None:
+    """Run the subcommand; the one line describing the user's error that stopped it, or None."""
     try:
         args.run(args)
     except SpecdraftError as exc:
-        print(f"specdraft: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return str(exc)
+    except OSError as exc:  # unreadable input, unwritable output, a full disk: the environment's, not a bug
+        return os_error(exc)
+    except UnicodeDecodeError as exc:  # a file read where its name was not at hand (named ones are SpecdraftErrors)
+        return f"a file read is {utf8_error(exc)}: {exc.reason}"
+    return None
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from specdraft.errors import SpecdraftError
 from specdraft.files import cache_dir
@@ -25,6 +26,8 @@ from specdraft.models.base import CausalLM
 
 SMOLLM2 = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# what transformers' from_pretrained raises for a missing, truncated or foreign checkpoint
+CHECKPOINT_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,7 @@ def _load_hf(where: Path | str, name: str, dtype: torch.dtype):
 
     try:
         return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **_hub_kwargs())
-    except (OSError, ValueError, RuntimeError) as exc:
+    except CHECKPOINT_ERRORS as exc:
         raise SpecdraftError(f"corrupt or missing checkpoint {name!r}: {str(exc).splitlines()[0]}") from None
 
 
