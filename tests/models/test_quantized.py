@@ -236,3 +236,25 @@ def test_unsupported_gguf_tensors_are_refused_by_name(tmp_path):
     _write_gguf(tmp_path / "model.gguf", dense, gguf.GGMLQuantizationType.F16, Q.Q8_0)
     with pytest.raises(SpecdraftError, match=r"blk\.0\.attn_q\.weight is F16"):
         QuantizedLlama.from_gguf(tmp_path / "model.gguf", dense.config, "tiny")
+
+
+def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path):
+    """``quantize=int8`` on a draft model: its draft-vocabulary rows are multiplied as blocks (rounded once), and the
+    target's greedy output is unchanged."""
+    from specdraft.drafters.loading import quantize_draft
+
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    plain = generate(target, PROMPT, None, GenerationConfig(32)).token_ids
+    draft = quantize_draft(NativeLlama.from_hf(tiny_llama(1, std=0.1)), "int8")
+    keep = torch.arange(0, 64, 2)
+    rows = draft.lm_head_weight[keep].contiguous()
+    hidden = torch.randn(3, 32)
+    first = draft.lm_head(hidden, rows)
+    assert first.shape == (3, 32) and draft.lm_head(hidden, rows).equal(first)  # the same blocks, made once
+    torch.testing.assert_close(first, hidden @ rows.T, rtol=0.05, atol=0.05)
+    drafter = DraftModelDrafter(draft, keep=keep)
+    assert generate(target, PROMPT, drafter, GenerationConfig(32, 4)).token_ids == plain
+    with pytest.raises(SpecdraftError, match="quantize must be one of"):
+        quantize_draft(NativeLlama.from_hf(tiny_llama(1)), "int3")
+    with pytest.raises(SpecdraftError, match="dense Llama-family"):
+        quantize_draft(draft, "int8")

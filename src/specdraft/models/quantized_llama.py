@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import specdraft.models.packed as packing
@@ -64,6 +63,7 @@ class QuantizedLlama(NativeLlama):
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
         self.packed_head = None
         self._dense: dict[str, torch.Tensor] = {}
+        self._row_heads: list[tuple[torch.Tensor, quantization.QuantizedWeight]] = []  # logits_weight -> blocks
         self._fused = [None if any(getattr(layer, f"{name}_bias") is not None for name in _PROJECTIONS)
                        else quantization.FusedLayer.of(layer) for layer in self.layers]
         self.eval()
@@ -97,9 +97,19 @@ class QuantizedLlama(NativeLlama):
 
     def lm_head(self, rows: torch.Tensor, logits_weight: torch.Tensor | None = None, prepacked: bool = True
                 ) -> torch.Tensor:
-        if logits_weight is not None:
-            return F.linear(rows.to(logits_weight.dtype), logits_weight).float()
-        return quantization.linear(rows, self.head_quantized)  # (..., V) float32
+        """Logits (..., V) float32; a ``logits_weight`` (N, D) (a drafter's vocabulary rows) is rounded to the LM
+        head's block kind once, the first time it is given, and multiplied as blocks from then on."""
+        if logits_weight is None:
+            return quantization.linear(rows, self.head_quantized)  # (..., V) float32
+        return quantization.linear(rows, self._head_rows(logits_weight))  # (..., N) float32
+
+    def _head_rows(self, weight: torch.Tensor) -> quantization.QuantizedWeight:
+        for source, blocks in self._row_heads:
+            if source is weight:
+                return blocks
+        blocks = quantization.quantize(weight, self.head_quantized.kind)
+        self._row_heads = [(weight, blocks), *self._row_heads[:3]]  # a drafter keeps one table: a few suffice
+        return blocks
 
     @property
     def embed_weight(self) -> torch.Tensor:
