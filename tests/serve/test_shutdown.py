@@ -113,6 +113,7 @@ class _SlowDrafter:
         pass
 
 
+@pytest.mark.slow  # asserts the drain's timing: run on a quiet machine (make test-slow)
 def test_draining_ends_eight_requests_in_flight_cleanly(tiny_checkpoint):
     target, tokenizer = load_target(str(tiny_checkpoint))
     grace = 2.0
@@ -145,6 +146,7 @@ def long_context_checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny4k") / "tiny", seed=0, max_positions=4096)
 
 
+@pytest.mark.slow  # a process that must exit within its grace: run on a quiet machine (make test-slow)
 def test_sigterm_with_eight_in_flight_ends_each_cleanly_and_exits_within_the_grace(long_context_checkpoint,
                                                                                        tmp_path):
     """The process: SIGTERM drains (new requests 503), ends every request in flight cleanly and exits within
