@@ -258,3 +258,25 @@ def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_pa
         quantize_draft(NativeLlama.from_hf(tiny_llama(1)), "int3")
     with pytest.raises(SpecdraftError, match="dense Llama-family"):
         quantize_draft(draft, "int8")
+
+
+def test_precision_rules(tmp_path):
+    """auto takes a GGUF target's own blocks unless --dtype is given; other targets stay dense; drafters follow
+    --dtype, or the CPU's fast dtype beside quantized weights."""
+    from specdraft.hardware import fast_dtype
+    from specdraft.models.registry import SMOLLM2, choose_precision
+
+    fast = torch.bfloat16 if fast_dtype().bf16 else torch.float32
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    assert choose_precision(SMOLLM2) == ("gguf", torch.float32, fast)
+    assert choose_precision(SMOLLM2, "bfloat16") == (None, torch.bfloat16, torch.bfloat16)
+    assert choose_precision(SMOLLM2, "bfloat16", "gguf") == ("gguf", torch.float32, torch.bfloat16)
+    assert choose_precision(str(folder), dense_default=torch.bfloat16) == (None, torch.bfloat16, torch.bfloat16)
+    assert choose_precision(str(folder), quantize="int4") == ("int4", torch.float32, fast)
+    (folder / "model.gguf").write_bytes(b"")
+    assert choose_precision(str(folder)).quantize == "gguf"
+    with pytest.raises(SpecdraftError, match="needs a GGUF target"):
+        choose_precision(str(tmp_path), quantize="gguf")
+    with pytest.raises(SpecdraftError, match="quantize must be one of"):
+        choose_precision(SMOLLM2, quantize="int3")
