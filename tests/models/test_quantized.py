@@ -147,6 +147,16 @@ def test_greedy_speculative_equals_plain_on_the_quantized_path(speculation):
         assert generate(target, PROMPT, drafter, config).token_ids == plain
 
 
+def test_a_one_token_prompt_decodes_the_same_speculatively():
+    """A one-token prompt is not prefilled: its first forward is a plain step or a whole verify from an empty cache,
+    both on the row-wise path."""
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    for prompt in ([7], [7, 9]):
+        plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+        drafter = PatternDrafter(target, lambda step, i: (step * 7 + i * 3) % 5 == 0)
+        assert generate(target, prompt, drafter, GenerationConfig(24, 4, speculation="fixed")).token_ids == plain
+
+
 def test_sampled_output_follows_the_quantized_targets_distribution():
     """Speculative sampling on the quantized target: the second token's marginal is the target's own (chi-square)."""
     target = QuantizedLlama.from_dense(NativeLlama.from_hf(tiny_llama(0, std=0.05)), "int4")
@@ -226,3 +236,47 @@ def test_unsupported_gguf_tensors_are_refused_by_name(tmp_path):
     _write_gguf(tmp_path / "model.gguf", dense, gguf.GGMLQuantizationType.F16, Q.Q8_0)
     with pytest.raises(SpecdraftError, match=r"blk\.0\.attn_q\.weight is F16"):
         QuantizedLlama.from_gguf(tmp_path / "model.gguf", dense.config, "tiny")
+
+
+def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path):
+    """``quantize=int8`` on a draft model: its draft-vocabulary rows are multiplied as blocks (rounded once), and the
+    target's greedy output is unchanged."""
+    from specdraft.drafters.loading import quantize_draft
+
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    plain = generate(target, PROMPT, None, GenerationConfig(32)).token_ids
+    draft = quantize_draft(NativeLlama.from_hf(tiny_llama(1, std=0.1)), "int8")
+    keep = torch.arange(0, 64, 2)
+    rows = draft.lm_head_weight[keep].contiguous()
+    hidden = torch.randn(3, 32)
+    first = draft.lm_head(hidden, rows)
+    assert first.shape == (3, 32) and draft.lm_head(hidden, rows).equal(first)  # the same blocks, made once
+    torch.testing.assert_close(first, hidden @ rows.T, rtol=0.05, atol=0.05)
+    drafter = DraftModelDrafter(draft, keep=keep)
+    assert generate(target, PROMPT, drafter, GenerationConfig(32, 4)).token_ids == plain
+    with pytest.raises(SpecdraftError, match="quantize must be one of"):
+        quantize_draft(NativeLlama.from_hf(tiny_llama(1)), "int3")
+    with pytest.raises(SpecdraftError, match="dense Llama-family"):
+        quantize_draft(draft, "int8")
+
+
+def test_precision_rules(tmp_path):
+    """auto takes a GGUF target's own blocks unless --dtype is given; other targets stay dense; drafters follow
+    --dtype, or the CPU's fast dtype beside quantized weights."""
+    from specdraft.hardware import fast_dtype
+    from specdraft.models.registry import SMOLLM2, choose_precision
+
+    fast = torch.bfloat16 if fast_dtype().bf16 else torch.float32
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    assert choose_precision(SMOLLM2) == ("gguf", torch.float32, fast)
+    assert choose_precision(SMOLLM2, "bfloat16") == (None, torch.bfloat16, torch.bfloat16)
+    assert choose_precision(SMOLLM2, "bfloat16", "gguf") == ("gguf", torch.float32, torch.bfloat16)
+    assert choose_precision(str(folder), dense_default=torch.bfloat16) == (None, torch.bfloat16, torch.bfloat16)
+    assert choose_precision(str(folder), quantize="int4") == ("int4", torch.float32, fast)
+    (folder / "model.gguf").write_bytes(b"")
+    assert choose_precision(str(folder)).quantize == "gguf"
+    with pytest.raises(SpecdraftError, match="needs a GGUF target"):
+        choose_precision(str(tmp_path), quantize="gguf")
+    with pytest.raises(SpecdraftError, match="quantize must be one of"):
+        choose_precision(SMOLLM2, quantize="int3")

@@ -17,10 +17,10 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import specdraft.models.packed as packing
@@ -63,6 +63,7 @@ class QuantizedLlama(NativeLlama):
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
         self.packed_head = None
         self._dense: dict[str, torch.Tensor] = {}
+        self._row_heads: list[tuple[torch.Tensor, quantization.QuantizedWeight]] = []  # logits_weight -> blocks
         self._fused = [None if any(getattr(layer, f"{name}_bias") is not None for name in _PROJECTIONS)
                        else quantization.FusedLayer.of(layer) for layer in self.layers]
         self.eval()
@@ -96,9 +97,19 @@ class QuantizedLlama(NativeLlama):
 
     def lm_head(self, rows: torch.Tensor, logits_weight: torch.Tensor | None = None, prepacked: bool = True
                 ) -> torch.Tensor:
-        if logits_weight is not None:
-            return F.linear(rows.to(logits_weight.dtype), logits_weight).float()
-        return quantization.linear(rows, self.head_quantized)  # (..., V) float32
+        """Logits (..., V) float32; a ``logits_weight`` (N, D) (a drafter's vocabulary rows) is rounded to the LM
+        head's block kind once, the first time it is given, and multiplied as blocks from then on."""
+        if logits_weight is None:
+            return quantization.linear(rows, self.head_quantized)  # (..., V) float32
+        return quantization.linear(rows, self._head_rows(logits_weight))  # (..., N) float32
+
+    def _head_rows(self, weight: torch.Tensor) -> quantization.QuantizedWeight:
+        for source, blocks in self._row_heads:
+            if source is weight:
+                return blocks
+        blocks = quantization.quantize(weight, self.head_quantized.kind)
+        self._row_heads = [(weight, blocks), *self._row_heads[:3]]  # a drafter keeps one table: a few suffice
+        return blocks
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -165,6 +176,16 @@ class QuantizedLlama(NativeLlama):
         mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
         return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start, step.cos,
                                         step.sin, mask)
+
+    def _step(self, start: int, steps: int):
+        """As the dense model's, but a forward of up to ROWS_MAX tokens into an empty cache is row-wise too (with an
+        explicit causal mask): a one-token prompt's first plain step and its first verify then agree bit for bit."""
+        step = super()._step(start, steps)
+        if start > 0 or not self._rowwise(steps):
+            return step
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=self.rope_cos.device).tril()  # (T, T)
+        return replace(step, mask=causal.repeat(groups, 1), explicit=True, rowwise=True)  # (G*T, T)
 
     def _rowwise(self, steps: int) -> bool:
         """The block kernels are row-invariant at any number of rows; the attention too up to ROWS_MAX tokens."""

@@ -170,6 +170,14 @@ class Precision:
     dtype: torch.dtype
     draft_dtype: torch.dtype
 
+    def __eq__(self, other: object) -> bool:  # comparable with a (quantize, dtype, draft_dtype) tuple too
+        if isinstance(other, tuple):
+            return (self.quantize, self.dtype, self.draft_dtype) == other
+        return isinstance(other, Precision) and (self.quantize, self.dtype, self.draft_dtype) == (
+            other.quantize, other.dtype, other.draft_dtype)
+
+    __hash__ = None
+
     def describe(self) -> str:
         """e.g. ``gguf blocks (float32 activations), drafters bfloat16`` or ``bfloat16``."""
         if self.quantize is None:
