@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +118,12 @@ def test_the_worker_dies_with_a_killed_parent(fake, target, monkeypatch):
     while time.monotonic() < deadline and _alive(worker):
         time.sleep(0.2)
     assert not _alive(worker)
+    from specdraft.engines.vllm import SCRATCH_PREFIX, remove_stale_scratch
+
+    left = list(Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}{parent.pid}-*"))
+    assert left  # the killed process could not clean up
+    remove_stale_scratch()
+    assert not any(folder.exists() for folder in left)
 
 
 def _alive(pid: int) -> bool:

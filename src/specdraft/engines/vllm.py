@@ -37,6 +37,7 @@ from specdraft.errors import SpecdraftError
 VLLM_VERSION = "0.32.0"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 START_TIMEOUT = 900.0  # seconds for an engine to load and compile (72-150 s on 2 CPU cores)
+SCRATCH_PREFIX = "specdraft-vllm-"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
@@ -146,7 +147,8 @@ class VllmEngine:
     def __init__(self, settings: EngineSettings, python: Path | None = None, timeout: float = START_TIMEOUT) -> None:
         python = python or vllm_python()
         self.settings = settings
-        self.scratch = Path(tempfile.mkdtemp(prefix="specdraft-vllm-"))
+        remove_stale_scratch()
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=True)
         kwargs = settings.llm_kwargs() | user_arguments() | {"parent_pid": os.getpid()}
         kwargs["model"] = kwargs["tokenizer"] = loadable_folder(settings.model, self.scratch)
@@ -203,6 +205,15 @@ class VllmEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def remove_stale_scratch() -> None:
+    """Delete the scratch folders (views, vLLM's compile cache) of engines whose specdraft process is gone (a
+    ``kill -9`` leaves them)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        owner = folder.name.removeprefix(SCRATCH_PREFIX).split("-")[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def describe(settings: EngineSettings) -> str:
