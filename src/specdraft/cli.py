@@ -160,7 +160,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--target", default=SMOLLM2, help="built-in name, checkpoint folder or cached hub id")
     p.add_argument("--methods", default=",".join(_default_methods()),
                    help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, llama.cpp, "
-                        "llama.cpp-draft:DRAFT.gguf, or a training-free drafter "
+                        "llama.cpp-draft:DRAFT.gguf, vllm, vllm-ngram, vllm-draft:PATH, vllm-eagle3:PATH, or a "
+                        "training-free drafter "
                         f"({', '.join(sorted(TRAINING_FREE))}); ar always runs")
     p.add_argument("--questions", default=BUILTIN,
                    help="Spec-Bench-format question JSONL file, 'builtin', or 'sharegpt-heldout'")

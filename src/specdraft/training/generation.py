@@ -41,6 +41,7 @@ from specdraft.training.data import MANIFEST_FILE
 from specdraft.training.native_generation import generate_rows
 
 CONFIG_FILE = "distill_config.json"
+ENGINES = ("hf", "native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,11 @@ class DistillDataConfig:
     draft: str | None = field(default=None, metadata={"help": "drafter that answers under --policy draft or mixed"})
     greedy_response: bool = field(default=False, metadata={"help": "add a greedy response beside the sampled ones"})
     engine: str = field(default="hf", metadata={
-        "help": "hf (transformers' generate, left-padded batches) or native (specdraft's Llama: each prompt "
-                "prefilled on its own row, rows decoded together; Llama-family targets, --policy target)"})
+        "help": "hf (transformers' generate, left-padded batches), native (specdraft's Llama: each prompt "
+                "prefilled on its own row, rows decoded together; Llama-family targets, --policy target) or vllm "
+                "(vLLM's offline engine in its own environment, built by `make engines`; --policy target)"})
+    tensor_parallel: int = field(default=1, metadata={
+        "help": "vllm: GPUs the target is sharded over (vLLM's tensor_parallel_size)"})
 
     def __post_init__(self) -> None:
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates the sampling values
@@ -86,15 +90,18 @@ class DistillDataConfig:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise SpecdraftError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         onpolicy.check_policy(self)
-        if self.engine not in ("hf", "native"):
-            raise SpecdraftError(f"engine must be hf or native, got {self.engine!r}")
-        if self.engine == "native" and self.policy != "target":
-            raise SpecdraftError("--engine native generates the target's answers only: use --policy target, or "
-                                 "--engine hf for on-policy data")
+        if self.engine not in ENGINES:
+            raise SpecdraftError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine != "hf" and self.policy != "target":
+            raise SpecdraftError(f"--engine {self.engine} generates the target's answers only: use --policy target, "
+                                 "or --engine hf for on-policy data")
+        if self.tensor_parallel < 1 or (self.tensor_parallel > 1 and self.engine != "vllm"):
+            raise SpecdraftError(f"tensor_parallel must be >= 1, and above 1 only with --engine vllm; got "
+                                 f"{self.tensor_parallel} with --engine {self.engine}")
 
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
-        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine"}
+        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "tensor_parallel"}
         engine = {"engine": self.engine} if self.engine != "hf" else {}  # runs made before the option stay valid
         return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self) | engine
 
@@ -293,15 +300,31 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
                      entries: dict[str, tuple[int, str]] | None = None) -> None:
     """Generate the shards ``todo`` into ``out``; the progress bar counts the prompts of every rank (shards on
     disk), so under torchrun it shows the whole run."""
-    from tqdm import tqdm
-
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 
-    if models is None:
+    engine = None
+    if models is None and config.engine == "vllm":
+        from specdraft.training.vllm_generation import start_engine
+
+        engine = start_engine(config)  # a subprocess: stopped below, and dies with this process
+        models = engine, load_tokenizer(config.target), None
+    elif models is None:
         native = config.engine == "native"
         target = load_model(config.target, parse_dtype(config.dtype), backend="native" if native else "hf")
         tokenizer = load_tokenizer(config.target)
         models = (target if native else target.model), tokenizer, onpolicy.load_drafter(config, target, tokenizer)
+    try:
+        _write_shards(config, out, shards, todo, progress, after_shard, models, entries)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _write_shards(config: DistillDataConfig, out: Path, shards: list, todo: list[int], progress: bool,
+                  after_shard: Callable[[], object] | None, models: tuple,
+                  entries: dict[str, tuple[int, str]] | None) -> None:
+    from tqdm import tqdm
+
     model, tokenizer, drafter = models
     done = lambda: sum(len(s) for i, s in enumerate(shards) if shard_path(out, i).is_file())  # noqa: E731
     bar = tqdm(total=sum(len(s) for s in shards), initial=done(), unit="prompt", disable=not progress,
@@ -342,18 +365,29 @@ def write_manifest(out: Path, num_shards: int, config: DistillDataConfig,
 @torch.inference_mode()
 def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], config: DistillDataConfig,
                    seed: int) -> list[dict]:
-    """Responses for one shard, batched with left padding; records in prompt order."""
+    """Responses for one shard, batched (vLLM: the whole shard at once; it batches itself); records in prompt
+    order."""
     encoded = [_encode(tokenizer, messages) for _, messages in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     records: dict[int, list[dict]] = {}
-    for start in range(0, len(order), config.batch_size):
-        batch = order[start : start + config.batch_size]
-        respond = _generate_batch_native if config.engine == "native" else _generate_batch
-        responses = respond(model, tokenizer, [encoded[i] for i in batch], config, seed * 1_000 + start)
+    step = len(order) if config.engine == "vllm" else config.batch_size
+    for start in range(0, len(order), step):
+        batch = order[start : start + step]
+        responses = _respond(config.engine)(model, tokenizer, [encoded[i] for i in batch], config,
+                                            seed * 1_000 + start)
         for slot, i in enumerate(batch):
             mine = responses[slot * config.responses_per_prompt : (slot + 1) * config.responses_per_prompt]
             records[i] = [_record(prompts[i], encoded[i], r, k, config, tokenizer) for k, r in enumerate(mine)]
     return [record for i in range(len(prompts)) for record in records[i]]
+
+
+def _respond(engine: str) -> Callable:
+    """The batch function of an engine: ``(model, tokenizer, prompts, config, seed) -> responses``."""
+    if engine == "vllm":
+        from specdraft.training.vllm_generation import generate_batch
+
+        return generate_batch
+    return _generate_batch_native if engine == "native" else _generate_batch
 
 
 def _encode(tokenizer, messages: list[dict]) -> list[int]:
