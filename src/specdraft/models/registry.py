@@ -271,10 +271,9 @@ def load_model(
 
 
 def _load_quantized(name_or_path: str, quantize: str, backend: str, embeddings: torch.Tensor | None) -> CausalLM:
+    from specdraft.models import quantized
     from specdraft.models.native_llama import NativeLlama, read_config, supports
     from specdraft.models.quantized_llama import QuantizedLlama
-
-    from specdraft.models import quantized
 
     if backend == "hf":
         raise SpecdraftError("quantized weights run on the native backend: use --backend auto or native")
