@@ -72,8 +72,8 @@ def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
     if not isinstance(model, NativeLlama) or isinstance(model, QuantizedLlama):
         raise SpecdraftError(f"quantize={scheme} needs a dense Llama-family draft model; {model.name} is not one")
     if not _can_quantize():
-        raise SpecdraftError(f"quantize={scheme} needs specdraft's int8 kernels, which cannot run here (an x86 CPU with "
-                             "AVX2, FMA and F16C and a C++ compiler)")
+        raise SpecdraftError(f"quantize={scheme} needs specdraft's int8 kernels, which cannot run here (an x86 CPU "
+                             "with AVX2, FMA and F16C and a C++ compiler)")
     quantized = QuantizedLlama.from_dense(model, scheme)
     quantized.name = model.name
     return quantized
