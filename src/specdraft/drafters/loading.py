@@ -42,8 +42,11 @@ def load_drafter(
     from specdraft.models.registry import resolve
 
     folder = resolve(draft)
-    options = folder_options(folder) | dict(options or {})
+    given = dict(options or {})
+    options = folder_options(folder) | given
     quantize = options.pop("quantize", None)
+    if quantize and "quantize" not in given and not _can_quantize():
+        quantize = None  # the folder's default where the int8 kernels cannot run: the dense drafter
     model = load_draft_model(target, target_tokenizer, draft, dtype, backend, quantize)
     keep = None
     if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
@@ -51,6 +54,12 @@ def load_drafter(
 
         keep = draft_subset(str(folder), model.vocab_size, options.pop("draft_vocab"))
     return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
+
+
+def _can_quantize() -> bool:
+    from specdraft.models import quantized
+
+    return quantized.available()
 
 
 def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
@@ -62,6 +71,9 @@ def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
         raise SpecdraftError(f"drafter option quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if not isinstance(model, NativeLlama) or isinstance(model, QuantizedLlama):
         raise SpecdraftError(f"quantize={scheme} needs a dense Llama-family draft model; {model.name} is not one")
+    if not _can_quantize():
+        raise SpecdraftError(f"quantize={scheme} needs specdraft's int8 kernels, which cannot run here (an x86 CPU "
+                             "with AVX2, FMA and F16C and a C++ compiler)")
     quantized = QuantizedLlama.from_dense(model, scheme)
     quantized.name = model.name
     return quantized
