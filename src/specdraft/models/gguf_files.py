@@ -12,12 +12,12 @@ TOKENIZER_PREFIX = "tokenizer."
 
 def target_gguf_file(target: str, explicit: str | Path | None = None) -> Path:
     """The GGUF of ``target``: ``explicit`` when given, the built-in model's file, or the one .gguf in its folder."""
-    from specdraft.models.registry import BUILTINS, _package_dir, resolve
+    from specdraft.models.registry import BUILTINS, package_dir, resolve
 
     if explicit:
         path = Path(explicit).expanduser()
     elif target in BUILTINS:
-        path = _package_dir(BUILTINS[target].package) / BUILTINS[target].gguf_file
+        path = package_dir(BUILTINS[target].package) / BUILTINS[target].gguf_file
     else:
         folder = resolve(target)
         found = sorted(Path(folder).glob("*.gguf")) if isinstance(folder, Path) else []
