@@ -30,7 +30,7 @@ def load_drafter(
     best with (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override
     them."""
     if draft and drafter:
-        raise SpecdraftError("give either a draft model or a training-free drafter, not both")
+        raise SpecdraftError("give either a draft model (--draft) or a drafter by name (--drafter), not both")
     if drafter:
         if drafter not in NAMED_DRAFTERS:
             raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(NAMED_DRAFTERS))}")
