@@ -119,9 +119,9 @@ class OneSequence:
 
     def forward(self, layouts: Sequence[Layout]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         (layout,) = layouts
-        positions = None if layout.offsets is None else self.cache.length + layout.offsets  # (T,)
-        out = self.target.forward(layout.tokens.unsqueeze(0), self.cache, positions=positions,
-                                  attention_mask=layout.mask, **self.features)
+        tree = {} if layout.mask is None else {"positions": self.cache.length + layout.offsets,  # (T,)
+                                               "attention_mask": layout.mask}  # (T, T)
+        out = self.target.forward(layout.tokens.unsqueeze(0), self.cache, **tree, **self.features)
         return [(out[0][0], out[1][0]) if self.features else (out[0], None)]  # (T, V), (T, D)
 
 
