@@ -64,6 +64,7 @@ class BatchSequence:
     hidden: torch.Tensor | None = None  # (L - 1, D) the prompt's features, for a drafter that reads them
     reads_features: bool = False  # whether its drafter reads the target's features
     tag: object = None  # the caller's handle (a request, an index)
+    error: Exception | None = None  # why this sequence alone failed (finish_reason "error"); the batch went on
 
     def result(self) -> GenerationResult:
         return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats)
@@ -113,6 +114,10 @@ class BatchRows:
                 for i, size in enumerate(sizes)]
 
 
+MAX_NUM_DRAFT_TOKENS = STEP_ROOM // 2 - 1  # the largest num_draft_tokens (γ) batched decoding takes
+MAX_TREE_NODES = STEP_ROOM - 2  # a token tree keeps at most this many nodes in batched decoding (beside its tail)
+
+
 class BatchDecoder:
     """Continuous batching over one target: up to ``max_batch`` sequences of up to ``capacity`` positions each
     (prompt and generated tokens; a step's draft lives in :data:`~specdraft.step.STEP_ROOM` extra slots). Each
@@ -156,8 +161,8 @@ class BatchDecoder:
         if prompt.numel() + config.max_new_tokens > self.capacity:
             raise SpecdraftError(f"prompt too long: {prompt.numel()} prompt tokens + max_new_tokens "
                                  f"{config.max_new_tokens} exceed the batch's context of {self.capacity}")
-        if config.num_draft_tokens >= STEP_ROOM // 2:
-            raise SpecdraftError(f"num_draft_tokens must be below {STEP_ROOM // 2} in batched decoding, "
+        if config.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
+            raise SpecdraftError(f"num_draft_tokens must be below {MAX_NUM_DRAFT_TOKENS + 1} in batched decoding, "
                                  f"got {config.num_draft_tokens}")
         if not self.free_rows:
             raise SpecdraftError(f"the batch is full ({self.cache.max_rows} sequences)")
@@ -192,7 +197,7 @@ class BatchDecoder:
         room beside the one-token tail is the same for every row (what the batch's padding leaves)."""
         config = seq.config
         limit = config.max_new_tokens - len(seq.generated) - 1 if drafting else 0
-        bounds = StepBounds(limit, STEP_ROOM - 2, self.target.max_context - 1 - seq.context.shape[0])
+        bounds = StepBounds(limit, MAX_TREE_NODES, self.target.max_context - 1 - seq.context.shape[0])
         return propose(seq.policy, seq.drafter, seq.context, self.cache.lengths[seq.row], bounds, config.sampling,
                        seq.generator)
 
@@ -220,41 +225,71 @@ class BatchDecoder:
         depend on whether it drafted, so a seeded request would stop being reproducible)."""
         return all(seq.config.sampling.greedy for seq in self.rows)
 
-    def _propose_all(self) -> list[Draft]:
+    def _propose_or_error(self, seq: BatchSequence, drafting: bool = True) -> Draft | Exception:
+        """The row's :meth:`_propose`, or the exception it raised: one drafter's failure is its sequence's alone."""
+        try:
+            return self._propose(seq, drafting)
+        except Exception as exc:
+            return exc
+
+    def _propose_all(self) -> list[Draft | Exception]:
         """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
         if (self.max_draft_batch and len(self.rows) > self.max_draft_batch) or \
                 (self.gate is not None and self._greedy() and not self.gate.drafting(len(self.rows))):
-            return [self._propose(seq, drafting=False) for seq in self.rows]
-        drafts: list[Draft | None] = [None] * len(self.rows)
+            return [self._propose_or_error(seq, drafting=False) for seq in self.rows]
+        drafts: list[Draft | Exception | None] = [None] * len(self.rows)
         groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
         for i, seq in enumerate(self.rows):
             batcher = batcher_of(seq.drafter)
             if batcher is not None:
                 groups.setdefault(id(batcher), (batcher, []))[1].append(i)
         for batcher, rows in groups.values():
-            together = batcher.run([functools.partial(self._propose, self.rows[i]) for i in rows])
+            together = batcher.run([functools.partial(self._propose_or_error, self.rows[i]) for i in rows])
             for i, draft in zip(rows, together, strict=True):
                 drafts[i] = draft
-        return [draft if draft is not None else self._propose(seq) for draft, seq in zip(drafts, self.rows,
-                                                                                          strict=True)]
+        return [draft if draft is not None else self._propose_or_error(seq)
+                for draft, seq in zip(drafts, self.rows, strict=True)]
+
+    def _drop_failed(self, proposals: list[Draft | Exception]) -> tuple[list[BatchSequence], list[Draft]]:
+        """Rows whose proposal raised end alone with their error (``error``, finish_reason "error") and leave the
+        batch; returns them and the drafts of the rows that stay, in row order."""
+        draft_of = {id(seq): draft for seq, draft in zip(self.rows, proposals, strict=True)}
+        failed = [seq for seq in list(self.rows) if isinstance(draft_of[id(seq)], Exception)]
+        for seq in failed:
+            seq.error, seq.finish_reason = draft_of[id(seq)], "error"
+            self.remove(seq)
+        return failed, [draft_of[id(seq)] for seq in self.rows]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One draft-verify step of every active sequence. Returns (sequence, tokens it committed) for each; the
-        sequences that finished (``finish_reason`` set) have left the batch."""
+        sequences that finished (``finish_reason`` set) have left the batch. A sequence whose own draft, distribution
+        or verification raised (a non-finite distribution, a failing drafter) ends alone: ``error`` set,
+        finish_reason "error", no tokens; the other rows' results are those they would have had without it."""
         if not self.rows:
             return []
         tick = time.perf_counter()
-        drafts = self._propose_all()
+        failed, drafts = self._drop_failed(self._propose_all())
+        if not self.rows:
+            return [(seq, []) for seq in failed]
         tock = time.perf_counter()
         rows = list(self.rows)
         inputs = [StepInput(seq.context, draft, seq.config.sampling, seq.generator)
                   for seq, draft in zip(rows, drafts, strict=True)]
-        steps = speculative_step(BatchRows(self.target, self.cache, [seq.reads_features for seq in rows]), inputs)
+        target = BatchRows(self.target, self.cache, [seq.reads_features for seq in rows])
+        steps = speculative_step(target, inputs, isolate=True)
         verified = time.perf_counter()
-        committed, done = [], []
+        committed, done = [(seq, []) for seq in failed], []
         for seq, draft, step in zip(rows, drafts, steps, strict=True):
-            new = self._commit(seq, draft, step, (tock - tick) / len(rows), verified - tock)
+            try:
+                if isinstance(step, Exception):
+                    raise step
+                new = self._commit(seq, draft, step, (tock - tick) / len(rows), verified - tock)
+            except Exception as exc:  # this row's distribution or verification failed: the others are unaffected
+                seq.error, seq.finish_reason = exc, "error"
+                committed.append((seq, []))
+                done.append(seq)
+                continue
             committed.append((seq, new))
             if seq.finish_reason is not None:
                 done.append(seq)
@@ -354,6 +389,8 @@ def generate_batch(
             i = waiting.pop(0)
             decoder.add(prompts[i], drafter_of(i), config, generators[i]).tag = i
         for seq, _ in decoder.step():
+            if seq.error is not None:
+                raise seq.error
             if seq.finish_reason is not None:
                 results[seq.tag] = seq.result()
     return results  # type: ignore[return-value]

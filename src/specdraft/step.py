@@ -151,11 +151,22 @@ def settle(cache: KVCache, start: int, layout: Layout, logits: torch.Tensor, fea
     return StepResult(result, draft.tokens[nodes].tolist(), rows)
 
 
-def speculative_step(target: StepTarget, inputs: Sequence[StepInput]) -> list[StepResult]:
+def speculative_step(target: StepTarget, inputs: Sequence[StepInput], isolate: bool = False
+                     ) -> list[StepResult | Exception]:
     """One speculative step of every sequence in ``inputs`` (row i of ``target``): lay out, one target forward,
-    verify, roll back. Lossless per sequence (Leviathan et al. 2023, Alg. 1; SpecInfer for trees)."""
+    verify, roll back. Lossless per sequence (Leviathan et al. 2023, Alg. 1; SpecInfer for trees). With ``isolate``,
+    a sequence whose verification raises (non-finite logits, a sampling error) gets its exception in place of its
+    result and the others go on (batched serving); without it, the exception propagates."""
     starts = [target.cached(row) for row in range(len(inputs))]
     layouts = [lay_out(step.context, start, step.draft) for step, start in zip(inputs, starts, strict=True)]
     outputs = target.forward(layouts)
-    return [settle(target.row_cache(row), starts[row], layout, logits, features, step.sampling, step.generator)
-            for row, (step, layout, (logits, features)) in enumerate(zip(inputs, layouts, outputs, strict=True))]
+    results: list[StepResult | Exception] = []
+    for row, (step, layout, (logits, features)) in enumerate(zip(inputs, layouts, outputs, strict=True)):
+        try:
+            results.append(settle(target.row_cache(row), starts[row], layout, logits, features, step.sampling,
+                                  step.generator))
+        except Exception as exc:
+            if not isolate:
+                raise
+            results.append(exc)
+    return results

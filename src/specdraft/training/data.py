@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 
 from specdraft.errors import SpecdraftError, json_error
+from specdraft.files import read_text, text_lines
 
 T = TypeVar("T")
 
@@ -257,7 +258,7 @@ def read_text_documents(path: str | Path) -> Iterator[str]:
 
 def _text_pieces(files: list[Path]) -> Iterator[str]:
     for file in files:
-        for piece in _BLANK_LINE.split(file.read_text(encoding="utf-8")):
+        for piece in _BLANK_LINE.split(read_text(file)):
             if piece.strip():
                 yield piece.strip()
 
@@ -266,18 +267,17 @@ def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     """(line number, record) for each non-blank line; malformed lines raise with the file and line number."""
     path = _existing(path)
     count = 0
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise SpecdraftError(f"{path}:{number}: invalid JSON ({json_error(err)})") from None
-            if not isinstance(record, dict):
-                raise SpecdraftError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            count += 1
-            yield number, record
+    for number, line in text_lines(path):  # a folder, or bytes that are not UTF-8, named with the line
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SpecdraftError(f"{path}:{number}: invalid JSON ({json_error(err)})") from None
+        if not isinstance(record, dict):
+            raise SpecdraftError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        count += 1
+        yield number, record
     if count == 0:
         raise SpecdraftError(f"{path}: no records")
 

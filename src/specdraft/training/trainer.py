@@ -4,8 +4,8 @@ on text and fine-tuning by distillation differ only in their dataset, loss funct
 The loop: AdamW; linear warm-up then cosine decay to ``min_lr_ratio * lr``; gradient accumulation; gradient-norm
 clipping; optional bf16 autocast; a held-out evaluation callback (run under ``no_grad``; it picks its own
 precision) every ``eval_every`` steps and at the end; tqdm progress (tokens/s, ETA); ``train_log.csv`` and
-``eval_log.csv`` (and tensorboard when it is installed); a training checkpoint every ``checkpoint_every`` steps
-and at the end.
+``eval_log.csv`` (and tensorboard when it is installed; a resumed run first drops the rows a killed run logged after
+its checkpoint); a training checkpoint every ``checkpoint_every`` steps and at the end.
 
 Resuming continues to exactly the weights of an uninterrupted run: the data order is a seeded permutation per
 epoch (seed and position are in the checkpoint), and the torch RNG, the loss's generator, the optimizer and the
@@ -43,6 +43,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
+from specdraft.training.runs import rewind_log
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
@@ -203,17 +204,21 @@ def barrier(world: int) -> None:
 
 
 class RunLog:
-    """``train_log.csv`` and ``eval_log.csv`` in the run folder (appended on resume), plus tensorboard if importable;
-    a no-op on ranks other than 0."""
+    """``train_log.csv`` and ``eval_log.csv`` in the run folder, plus tensorboard if importable; a no-op on ranks
+    other than 0. They start at ``step``, the step the run starts from: a fresh run (0) starts fresh logs, a resumed
+    one keeps the rows up to its checkpoint's step and drops those a killed run wrote after it, so each step is logged
+    once."""
 
-    def __init__(self, out: Path, enabled: bool) -> None:
+    def __init__(self, out: Path, enabled: bool, step: int = 0) -> None:
         self.out, self.enabled, self.writer = out, enabled, None
         if enabled:
             out.mkdir(parents=True, exist_ok=True)
+            for name in ("train", "eval"):
+                rewind_log(out / f"{name}_log.csv", step)
             with contextlib.suppress(ImportError):  # tensorboard is optional
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(out / "tensorboard"))
+                self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
 
     def write(self, name: str, row: dict) -> None:
         if not self.enabled:
@@ -425,15 +430,12 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
         run = _new_run(model, len(dataset), config, rank, world)
     if config.resume:  # a missing or damaged checkpoint is a SpecdraftError
         run.load_state_dict(load_training_state(out / CHECKPOINT_FILE))
-    elif rank == 0:  # a fresh run starts fresh logs
-        for name in ("train_log.csv", "eval_log.csv"):
-            (out / name).unlink(missing_ok=True)
     wrapped = run.model
     if world > 1 and not sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    log = RunLog(out, rank == 0)
+    log = RunLog(out, rank == 0, run.step)  # the logs as of the checkpoint resumed from (fresh at step 0)
     try:
         result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world, after_step)
     finally:
