@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters.combined import draft_model_drafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
@@ -140,7 +141,7 @@ def test_greedy_speculative_equals_plain_on_the_quantized_path(speculation):
     target = QuantizedLlama.from_dense(_dense(), "int4")
     plain = generate(target, PROMPT, None, GenerationConfig(48)).token_ids
     draft = NativeLlama.from_hf(tiny_llama(1, std=0.1))
-    for drafter in (DraftModelDrafter(draft), DraftModelDrafter(draft, siblings=1), PromptLookupDrafter(),
+    for drafter in (DraftModelDrafter(draft), draft_model_drafter(draft, siblings=1), PromptLookupDrafter(),
                     DraftModelDrafter(QuantizedLlama.from_dense(draft, "int8")),
                     PatternDrafter(target, lambda step, i: (step * 7 + i * 3) % 5 == 0)):
         config = GenerationConfig(48, 4, speculation=speculation)

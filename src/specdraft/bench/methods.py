@@ -1,12 +1,12 @@
 """Benchmarked methods: each is an object with a ``name`` and ``answer(prompt_ids, config, generator) -> TurnResult``.
 
 Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-assisted:PATH``) are looked up in
-:data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.TRAINING_FREE``); the runner never branches on a name.
+:data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.NAMED_DRAFTERS``); the runner never branches on a name.
 
 - ``ar``: plain decoding through specdraft's loop (the baseline; always run).
 - ``draft:PATH``: a draft model (``specdraft.load_drafter(..., draft=PATH)``); ``draft:PATH;tree_branching=2;
   tree_nodes=12`` drafts a dynamic token tree.
-- a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter, optionally with options
+- a ``NAMED_DRAFTERS`` name (``prompt-lookup``, ...): that drafter, optionally with options
   ``NAME:KEY=VALUE;KEY=VALUE`` (quote the semicolons in a shell).
 - ``hf``: transformers' ``model.generate`` on the same weights and dtype.
 - ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
@@ -29,7 +29,8 @@ from typing import Protocol
 import torch
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_options
+from specdraft.drafters import NAMED_DRAFTERS, Drafter, parse_options
+from specdraft.drafters.combined import draft_model_of
 from specdraft.drafters.loading import load_draft_model, load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
@@ -259,9 +260,8 @@ def _build_ar(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> l
 
 def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
     path, _, options = arg.partition(";")  # draft:PATH;tree_branching=2;tree_nodes=12
-    drafter: DraftModelDrafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype,
-                                              options=parse_options(options))
-    ratio = ctx.param_ratio(drafter.model)
+    drafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype, options=parse_options(options))
+    ratio = ctx.param_ratio(draft_model_of(drafter).model)
     return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec),
                      ctx.speculations)
 
@@ -346,9 +346,9 @@ BASELINE = "ar"
 def _kind(spec: str) -> tuple[MethodKind, str | None]:
     name, _, arg = spec.partition(":")
     kind = METHOD_KINDS.get(name) or (MethodKind(_build_training_free, takes_options=True)
-                                      if name in TRAINING_FREE else None)
+                                      if name in NAMED_DRAFTERS else None)
     if kind is None:
-        known = [*METHOD_KINDS, *TRAINING_FREE]
+        known = [*METHOD_KINDS, *NAMED_DRAFTERS]
         raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} "
                              "(draft, hf-assisted, llama.cpp-draft, vllm-draft and vllm-eagle3 take :PATH)")
     if kind.needs_path and not arg:

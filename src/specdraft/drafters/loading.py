@@ -1,5 +1,5 @@
-"""Build a drafter by name: a draft model folder or name (checked against the target), or a training-free
-drafter from :data:`specdraft.drafters.TRAINING_FREE`."""
+"""Build a drafter by name: a draft model folder or name (checked against the target), or a drafter from
+:data:`specdraft.drafters.NAMED_DRAFTERS`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from specdraft.compat import check_compatible
-from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter
+from specdraft.drafters import NAMED_DRAFTERS, Drafter, draft_model_drafter
 from specdraft.drafters.options import build, folder_options
 from specdraft.errors import SpecdraftError
 from specdraft.models import CausalLM, load_model, load_tokenizer
@@ -23,18 +23,19 @@ def load_drafter(
     backend: str = "auto",
     options: dict[str, str] | None = None,
 ) -> Drafter | None:
-    """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
-    ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
-    strings). A draft model folder may hold ``drafter_options.json``, the options it was measured best with
-    (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them.
-    ``quantize=int8`` or ``int4`` runs a native Llama draft model on block-quantized weights (its draft vocabulary's
-    head rows too): drafting gets cheaper, acceptance may move, the target's output never changes."""
+    """A drafter from a draft model name/path (checked for compatibility; its options are
+    :func:`~specdraft.drafters.combined.draft_model_drafter`'s: ``tree_branching``, ``tree_nodes`` turn on its tree
+    mode, ``prompt_lookup`` and the others combine it with copies) or a named drafter, with ``options``
+    (``{KEY: VALUE}`` strings). A draft model folder may hold ``drafter_options.json``, the options it was measured
+    best with (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override
+    them. ``quantize=int8`` or ``int4`` runs a native Llama draft model on block-quantized weights (its draft
+    vocabulary's head rows too): drafting gets cheaper, acceptance may move, the target's output never changes."""
     if draft and drafter:
-        raise SpecdraftError("give either a draft model or a training-free drafter, not both")
+        raise SpecdraftError("give either a draft model (--draft) or a drafter by name (--drafter), not both")
     if drafter:
-        if drafter not in TRAINING_FREE:
-            raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(TRAINING_FREE))}")
-        return TRAINING_FREE[drafter](target, target_tokenizer, dict(options or {}))
+        if drafter not in NAMED_DRAFTERS:
+            raise SpecdraftError(f"unknown drafter {drafter!r}; known: {', '.join(sorted(NAMED_DRAFTERS))}")
+        return NAMED_DRAFTERS[drafter](target, target_tokenizer, dict(options or {}))
     if not draft:
         if options:
             raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
@@ -53,7 +54,7 @@ def load_drafter(
         from specdraft.draft_vocab import draft_subset
 
         keep = draft_subset(str(folder), model.vocab_size, options.pop("draft_vocab"))
-    return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
+    return build(draft_model_drafter, options, model=model, name=f"draft:{draft}", keep=keep)
 
 
 def _can_quantize() -> bool:
