@@ -2,8 +2,8 @@
 
 ``NAMED_DRAFTERS`` maps the name of each drafter chosen by name (``--drafter NAME``) to its factory
 ``make(target, tokenizer, options) -> Drafter`` (options: ``KEY=VALUE`` strings, see
-:mod:`specdraft.drafters.options`): prompt lookup, REST, Lookahead and layer-skip need nothing trained; Medusa,
-EAGLE and EAGLE-3 read heads trained on the target. Draft models are built from a checkpoint with
+:mod:`specdraft.drafters.options`): prompt lookup, REST, Lookahead, SuffixDecoding and layer-skip need nothing
+trained; Medusa, EAGLE and EAGLE-3 read heads trained on the target. Draft models are built from a checkpoint with
 :class:`DraftModelDrafter`, combined with prompt lookup, copies or runners-up by :mod:`specdraft.drafters.combined`.
 Factories import their module lazily, so a drafter's dependencies load only when it is used.
 """
@@ -42,6 +42,12 @@ def _rest(target, tokenizer, options: dict[str, str]) -> Drafter:
     from specdraft.drafters.rest import RESTDrafter
 
     return build(RESTDrafter, options, tokenizer=tokenizer, store=None)
+
+
+def _suffix(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.suffix import SuffixDrafter
+
+    return build(SuffixDrafter, options)
 
 
 def _medusa(target, tokenizer, options: dict[str, str]) -> Drafter:
@@ -87,6 +93,7 @@ NAMED_DRAFTERS: dict[str, DrafterFactory] = {
     "layer-skip": _layer_skip,
     "lookahead": _lookahead,
     "rest": _rest,
+    "suffix": _suffix,
     "eagle": _eagle,
     "eagle3": _eagle3,
     "medusa": _medusa,
