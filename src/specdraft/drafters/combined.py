@@ -42,6 +42,7 @@ import torch
 
 from specdraft.drafters.base import Draft, Drafter, TargetFeatures, draft_kind, target_features
 from specdraft.drafters.draft_model import COPY, SIBLING, Chain, DraftModelDrafter, Fill
+from specdraft.drafters.graph import GraphDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
@@ -181,10 +182,12 @@ class WithSiblings(Combination):
 
 def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                         confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
-                        prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, *,
-                        keep: torch.Tensor | None = None) -> Drafter:
+                        prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, merge_ngram: int = 0,
+                        *, keep: torch.Tensor | None = None) -> Drafter:
     """The drafter the draft-model options name: a :class:`DraftModelDrafter` (``tree_branching``, ``tree_nodes``,
-    ``confidence_threshold``, ``keep``), inside :class:`WithChainCopies` (``chain_copy`` = m > 0), then
+    ``confidence_threshold``, ``keep``; with ``merge_ngram`` = n > 0 its tree grown as a graph whose nodes with equal
+    last n tokens merge, :class:`~specdraft.drafters.graph.GraphDrafter`), inside :class:`WithChainCopies`
+    (``chain_copy`` = m > 0), then
     :class:`WithSiblings` (``siblings`` = k > 0), then :class:`WithPromptLookup` (``prompt_lookup`` = n > 0, down to
     ``prompt_lookup_min``, alone from ``prompt_lookup_alone`` tokens). The combinations apply to chains only."""
     if prompt_lookup < 0:
@@ -197,7 +200,14 @@ def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching
         if value < 0 or (value and tree_branching):
             raise SpecdraftError(f"{option} must be >= 0 (0 = off) and applies to chain drafts, got {value}"
                                  + (" with tree_branching" if tree_branching else ""))
-    drafter: Drafter = DraftModelDrafter(model, name, tree_branching, tree_nodes, confidence_threshold, keep=keep)
+    if merge_ngram < 0 or (merge_ngram and (not tree_branching or confidence_threshold)):
+        raise SpecdraftError(f"merge_ngram must be >= 0 (0 = off) and applies to tree drafts (tree_branching, no "
+                             f"confidence_threshold), got {merge_ngram}")
+    drafter: Drafter
+    if merge_ngram:
+        drafter = GraphDrafter(model, name, tree_branching, tree_nodes, merge_ngram, keep=keep)
+    else:
+        drafter = DraftModelDrafter(model, name, tree_branching, tree_nodes, confidence_threshold, keep=keep)
     if chain_copy:
         drafter = WithChainCopies(drafter, chain_copy)
     if siblings:
