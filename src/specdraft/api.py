@@ -11,7 +11,8 @@ A thin front: every name here is defined in the module that owns it, and no modu
 from __future__ import annotations
 
 from specdraft.decoding import GenerationConfig, GenerationResult, generate
-from specdraft.drafters.loading import load_draft_model, load_drafter
+from specdraft.drafters.draft_models import load_draft_model
+from specdraft.drafters.loading import load_drafter
 from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
 from specdraft.prompts import encode_prompt
 

@@ -5,7 +5,8 @@ all of them, verify each on its own logits, roll each cache back to its accepted
 A chain is the tree with parents ``chain_parents(n)`` and is laid out as one: the same rows, the same rollback. It
 keeps the causal kernel (no positions, no mask), since the causal mask already is its tree mask; a tree or a draft
 with an auxiliary branch gets :func:`specdraft.trees.verify_layout`'s positions and mask. Verification is
-:func:`specdraft.verification.verify` (greedy or sampling, chain or tree); the rollback keeps the accepted nodes
+:func:`specdraft.verification.verify` (greedy or sampling, chain or tree; lossy only for a draft that carries
+BiLD's ``rollback`` threshold); the rollback keeps the accepted nodes
 (:func:`roll_back`: a crop when they are contiguous, which a chain's always are).
 
 Where the forward runs is a :class:`StepTarget`: :class:`OneSequence` (a target and its batch-1 cache) here, a batch
@@ -141,7 +142,7 @@ def settle(cache: KVCache, start: int, layout: Layout, logits: torch.Tensor, fea
     draft, tail = layout.draft, layout.tail
     check_finite(logits[tail - 1 :], "target")
     rows = logits[tail - 1 : tail + len(draft)]  # (N + 1, V): the root, then every node
-    result = verify(draft.tokens, draft.parents, draft.q, rows, sampling, generator)
+    result = verify(draft.tokens, draft.parents, draft.q, rows, sampling, generator, draft.rollback)
     nodes = list(result.accepted_nodes)
     roll_back(cache, start + tail, nodes)
     if draft.aux is not None:

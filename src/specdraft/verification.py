@@ -3,6 +3,12 @@
 Glossary (as vLLM's rejection sampler): the leading draft tokens the target keeps are **accepted**; at the first
 rejection the target supplies a **recovered** token; when every draft token is accepted it supplies a **bonus**
 token from its distribution at the next position. Each target forward therefore yields ``num_accepted + 1`` tokens.
+
+One lossy relaxation, opt-in per draft (``rollback``): BiLD's rollback policy (Kim et al. 2023, *Speculative
+Decoding with Big Little Decoder*, NeurIPS, Sec. 3.3). A chain's token is rolled back only where the exact test
+rejects it *and* its distance d = -log p(token) (the cross-entropy of the draft's hard label under the target's
+distribution) exceeds the rollback threshold α; a token within α is kept although the target would not have chosen
+it. α = 0 keeps exactly what the exact test keeps, so the output is exact again.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, sample, warp
 
 
@@ -47,6 +54,7 @@ def verify(
     target_logits: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
+    rollback: float | None = None,
 ) -> VerifyResult:
     """Verify a draft on the target's logits: greedy exact match or speculative sampling (p warped once, here), on a
     chain (``parents`` None) or a token tree. Every decoding loop verifies through this one dispatch.
@@ -54,14 +62,35 @@ def verify(
     Args:
         tokens: (N,) drafted ids; parents: (N,) the tree, or None for a chain; q: (N, V) or None (a point mass).
         target_logits: (N + 1, V) the target's logits at the root (row 0) and at every node (row i + 1).
+        rollback: None (exact), or BiLD's rollback threshold α for a chain (lossy when > 0; module docstring).
     """
+    if rollback is not None and parents is not None:
+        raise SpecdraftError("a rollback threshold (BiLD) applies to chain drafts, not token trees")
+    gamma = tokens.shape[0]
     if parents is None:
         if sampling.greedy:
-            return verify_greedy(tokens, target_logits)
-        return verify_sampling(tokens, q, warp(target_logits, sampling), generator)
+            log_p = torch.log_softmax(target_logits[:gamma].float(), -1)  # (γ, V)
+            return verify_greedy(tokens, target_logits, within_rollback(tokens, log_p, rollback))
+        p = warp(target_logits, sampling)  # (γ + 1, V)
+        return verify_sampling(tokens, q, p, generator, within_rollback(tokens, p[:gamma].log(), rollback))
     if sampling.greedy:
         return verify_tree_greedy(tokens, parents, target_logits)
     return verify_tree_sampling(tokens, parents, q, warp(target_logits, sampling), generator)
+
+
+def within_rollback(draft_tokens: torch.Tensor, log_p: torch.Tensor, rollback: float | None) -> torch.Tensor | None:
+    """BiLD's rollback test, negated: whether each draft token's distance d = -log p(token) is at most the rollback
+    threshold α (Kim et al. 2023, Sec. 3.3). None when ``rollback`` is None (exact verification).
+
+    Args:
+        draft_tokens: (γ,); log_p: (γ, V) the target's log-probabilities at each draft position.
+    Returns:
+        (γ,) bool, or None.
+    """
+    if rollback is None:
+        return None
+    distance = -log_p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (γ,)
+    return distance <= rollback
 
 
 def _leading_true(mask: torch.Tensor) -> int:
@@ -69,8 +98,10 @@ def _leading_true(mask: torch.Tensor) -> int:
     return int(mask.long().cumprod(0).sum())
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
-    """Greedy exact match: accept the longest draft prefix equal to the target's argmax.
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                  tolerated: torch.Tensor | None = None) -> VerifyResult:
+    """Greedy exact match: accept the longest draft prefix equal to the target's argmax (or ``tolerated``, (γ,)
+    bool: kept anyway, a lossy rule such as :func:`within_rollback`).
 
     Args:
         draft_tokens: (γ,) drafted ids.
@@ -78,7 +109,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     """
     target_tokens = target_logits.argmax(-1)  # (γ + 1,)
     gamma = draft_tokens.shape[0]
-    num_accepted = _leading_true(draft_tokens == target_tokens[:gamma])
+    kept = draft_tokens == target_tokens[:gamma]  # (γ,)
+    num_accepted = _leading_true(kept if tolerated is None else kept | tolerated)
     return VerifyResult(gamma, num_accepted, int(target_tokens[num_accepted]))
 
 
@@ -114,7 +146,8 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify_sampling(
-    draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None
+    draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None,
+    tolerated: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2): the emitted tokens are
     distributed exactly as sampling from p one token at a time.
@@ -124,12 +157,14 @@ def verify_sampling(
         q: (γ, V) draft probabilities, or None for a deterministic draft (treated as a point mass).
         p: (γ + 1, V) warped target probabilities.
         generator: the source of every random draw.
+        tolerated: None, or (γ,) bool: tokens kept whatever the test draws (a lossy rule, :func:`within_rollback`).
     """
     gamma = draft_tokens.shape[0]
     if q is None:
         q = point_mass(draft_tokens, p.shape[-1])
     uniforms = torch.rand(gamma, generator=generator)  # (γ,)
-    num_accepted = _leading_true(uniforms < acceptance_probabilities(draft_tokens, p, q))
+    kept = uniforms < acceptance_probabilities(draft_tokens, p, q)  # (γ,)
+    num_accepted = _leading_true(kept if tolerated is None else kept | tolerated)
     if num_accepted < gamma:
         next_token = sample(residual_distribution(p[num_accepted], q[num_accepted]), generator)
     else:

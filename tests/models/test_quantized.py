@@ -242,7 +242,7 @@ def test_unsupported_gguf_tensors_are_refused_by_name(tmp_path):
 def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path):
     """``quantize=int8`` on a draft model: its draft-vocabulary rows are multiplied as blocks (rounded once), and the
     target's greedy output is unchanged."""
-    from specdraft.drafters.loading import quantize_draft
+    from specdraft.drafters.draft_models import quantize_draft
 
     target = QuantizedLlama.from_dense(_dense(), "int4")
     plain = generate(target, PROMPT, None, GenerationConfig(32)).token_ids
@@ -288,7 +288,7 @@ def test_a_folder_default_quantize_falls_back_to_dense_where_the_kernels_cannot_
     error there."""
     import json
 
-    from specdraft.drafters import loading
+    from specdraft.drafters import draft_models, loading
     from toys import save_tiny_checkpoint
 
     target = NativeLlama.from_hf(tiny_llama(0))
@@ -298,7 +298,7 @@ def test_a_folder_default_quantize_falls_back_to_dense_where_the_kernels_cannot_
 
     tokenizer = tiny_tokenizer()
     assert isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
-    monkeypatch.setattr(loading, "_can_quantize", lambda: False)
+    monkeypatch.setattr(draft_models, "_can_quantize", lambda: False)
     assert not isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
     with pytest.raises(SpecdraftError, match="int8 kernels"):
         loading.load_drafter(target, tokenizer, draft=str(folder), options={"quantize": "int8"})

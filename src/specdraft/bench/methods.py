@@ -31,7 +31,8 @@ import torch
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import NAMED_DRAFTERS, Drafter, parse_options
 from specdraft.drafters.combined import draft_model_of
-from specdraft.drafters.loading import load_draft_model, load_drafter
+from specdraft.drafters.draft_models import load_draft_model
+from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import load_model

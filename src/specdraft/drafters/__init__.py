@@ -3,7 +3,8 @@
 ``NAMED_DRAFTERS`` maps the name of each drafter chosen by name (``--drafter NAME``) to its factory
 ``make(target, tokenizer, options) -> Drafter`` (options: ``KEY=VALUE`` strings, see
 :mod:`specdraft.drafters.options`): prompt lookup, REST, Lookahead, SuffixDecoding and layer-skip need nothing
-trained; Medusa, EAGLE and EAGLE-3 read heads trained on the target. Draft models are built from a checkpoint with
+trained; Medusa, EAGLE and EAGLE-3 read heads trained on the target; GSD and BiLD (lossy, opt-in) run on a draft
+model (``draft=NAME``, by default the target's shipped drafter). Draft models are built from a checkpoint with
 :class:`DraftModelDrafter`, combined with prompt lookup, copies or runners-up by :mod:`specdraft.drafters.combined`.
 Factories import their module lazily, so a drafter's dependencies load only when it is used.
 """
@@ -50,6 +51,33 @@ def _suffix(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(SuffixDrafter, options)
 
 
+def _gsd(target, tokenizer, options: dict[str, str]) -> Drafter:
+    """GSD on a draft model (``draft=NAME``, default: the target's shipped drafter)."""
+    from specdraft.drafters.graph import GraphDrafter
+
+    return _on_draft_model(GraphDrafter, "gsd", target, tokenizer, options)
+
+
+def _bild(target, tokenizer, options: dict[str, str]) -> Drafter:
+    """BiLD (lossy) with a draft model as its small model (``draft=NAME``, default: the target's shipped drafter)."""
+    from specdraft.drafters.bild import BiLDDrafter
+
+    return _on_draft_model(BiLDDrafter, "bild", target, tokenizer, options)
+
+
+def _on_draft_model(factory, method: str, target, tokenizer, options: dict[str, str]) -> Drafter:
+    """``factory(model=..., name=..., keep=..., **options)`` on the draft model ``options`` names, loaded in the
+    target's dtype with its folder's ``quantize`` and ``draft_vocab``."""
+    import torch
+
+    from specdraft.drafters.draft_models import default_draft_model, draft_model_parts
+
+    draft, merged = default_draft_model(target, options, method)
+    dtype = getattr(target, "dtype", torch.float32)
+    model, keep, rest = draft_model_parts(target, tokenizer, draft, dtype, "auto", merged, options)
+    return build(factory, rest, model=model, name=f"{method}:{draft}", keep=keep)
+
+
 def _medusa(target, tokenizer, options: dict[str, str]) -> Drafter:
     from specdraft.drafters.medusa import MedusaDrafter
     from specdraft.errors import SpecdraftError
@@ -94,6 +122,8 @@ NAMED_DRAFTERS: dict[str, DrafterFactory] = {
     "lookahead": _lookahead,
     "rest": _rest,
     "suffix": _suffix,
+    "gsd": _gsd,
+    "bild": _bild,
     "eagle": _eagle,
     "eagle3": _eagle3,
     "medusa": _medusa,

@@ -52,6 +52,8 @@ class Draft:
        the drafter has none. Adaptive speculation (:mod:`specdraft.speculation`) learns what it is worth.
     source: None, or (N,) long: a drafter-defined kind of each node (e.g. the n-gram size a copy matched), so that
        acceptance is learned per kind; None = all one kind.
+    rollback: None (exact verification), or, for a chain, BiLD's rollback threshold α: verification also keeps a
+       token whose distance -log p(token) is at most α (lossy for α > 0; :mod:`specdraft.verification`).
     """
 
     tokens: torch.Tensor
@@ -60,10 +62,14 @@ class Draft:
     aux: AuxBranch | None = None
     confidence: torch.Tensor | None = None
     source: torch.Tensor | None = None
+    rollback: float | None = None
 
     def __post_init__(self) -> None:
         if self.parents is not None:
             check_tree(self.tokens, self.parents, self.q)
+        if self.rollback is not None and (self.is_tree or not self.rollback >= 0):
+            raise SpecdraftError(f"a rollback threshold applies to chain drafts and must be >= 0, got "
+                                 f"{self.rollback}" + (" on a tree" if self.is_tree else ""))
         for name in ("confidence", "source"):
             value = getattr(self, name)
             if value is not None and value.shape != self.tokens.shape:
@@ -76,7 +82,8 @@ class Draft:
         def pick(value):
             return None if value is None else value[kept]
 
-        return Draft(self.tokens[kept], pick(self.q), parents, self.aux, pick(self.confidence), pick(self.source))
+        return Draft(self.tokens[kept], pick(self.q), parents, self.aux, pick(self.confidence), pick(self.source),
+                     self.rollback)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

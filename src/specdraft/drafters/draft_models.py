@@ -1,0 +1,103 @@
+"""Load a draft model checked against the target (vocabulary, special tokens, tokenizer), with the ``quantize`` and
+``draft_vocab`` options of its folder or of the caller: the part of :mod:`specdraft.drafters.loading` that drafters
+built on a draft model by name (GSD, BiLD) share with ``--draft``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdraft.compat import check_compatible
+from specdraft.drafters.options import folder_options
+from specdraft.errors import SpecdraftError
+from specdraft.models import CausalLM, load_model, load_tokenizer
+
+
+def draft_model_path(draft: str):
+    """The folder (or hub id) a draft model name resolves to."""
+    from specdraft.models.registry import resolve
+
+    return resolve(draft)
+
+
+def draft_model_parts(target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype, backend: str,
+                      options: dict[str, str], given: dict[str, str] | None = None,
+                      ) -> tuple[CausalLM, torch.Tensor | None, dict[str, str]]:
+    """The draft model ``draft`` (checked against the target) with the ``quantize`` and ``draft_vocab`` of
+    ``options`` applied: (model, the draft vocabulary's token ids or None, the other options). A ``quantize`` not in
+    ``given`` (a folder's default) is dropped where the int8 kernels cannot run."""
+    options = dict(options)
+    quantize = options.pop("quantize", None)
+    if quantize and "quantize" not in (given or {}) and not _can_quantize():
+        quantize = None  # the folder's default where the int8 kernels cannot run: the dense drafter
+    model = load_draft_model(target, target_tokenizer, draft, dtype, backend, quantize)
+    keep = None
+    if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
+        from specdraft.draft_vocab import draft_subset
+
+        keep = draft_subset(str(draft_model_path(draft)), model.vocab_size, options.pop("draft_vocab"))
+    return model, keep, options
+
+
+def default_draft_model(target: CausalLM, options: dict[str, str], method: str) -> tuple[str, dict[str, str]]:
+    """The draft model a drafter built on one names (``draft=NAME`` in ``options``, else the target's shipped
+    drafter) and the options to load it with: ``options`` (less ``draft``) over the folder's ``quantize`` and
+    ``draft_vocab`` defaults (its other defaults are for its own chain drafts)."""
+    from specdraft.models.registry import DEFAULT_DRAFTERS
+
+    options = dict(options)
+    draft = options.pop("draft", None) or DEFAULT_DRAFTERS.get(getattr(target, "name", ""))
+    if not draft:
+        raise SpecdraftError(f"{method} needs a draft model: --drafter-option draft=NAME_OR_PATH (the target "
+                             f"{getattr(target, 'name', '?')!r} ships none)")
+    defaults = folder_options(draft_model_path(draft))
+    return draft, {k: defaults[k] for k in ("quantize", "draft_vocab") if k in defaults} | options
+
+
+def _can_quantize() -> bool:
+    from specdraft.models import quantized
+
+    return quantized.available()
+
+
+def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
+    """A native Llama draft model on block-quantized weights (``int8``: Q8_0, ``int4``: Q4_1 layers)."""
+    from specdraft.models.native_llama import NativeLlama
+    from specdraft.models.quantized_llama import SCHEMES, QuantizedLlama
+
+    if scheme not in SCHEMES:
+        raise SpecdraftError(f"drafter option quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if not isinstance(model, NativeLlama) or isinstance(model, QuantizedLlama):
+        raise SpecdraftError(f"quantize={scheme} needs a dense Llama-family draft model; {model.name} is not one")
+    if not _can_quantize():
+        raise SpecdraftError(f"quantize={scheme} needs specdraft's int8 kernels, which cannot run here (an x86 CPU "
+                             "with AVX2, FMA and F16C and a C++ compiler)")
+    quantized = QuantizedLlama.from_dense(model, scheme)
+    quantized.name = model.name
+    return quantized
+
+
+def load_draft_model(
+    target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
+    quantize: str | None = None,
+) -> CausalLM:
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
+    shares the target's token embeddings gets them from ``target``. ``quantize`` (``int8``, ``int4``) rounds a
+    native Llama draft model's weights to blocks at load (:class:`~specdraft.models.quantized_llama.QuantizedLlama`).
+    """
+    from specdraft.models.registry import resolve
+    from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
+
+    folder = resolve(draft)
+    shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
+    model = load_model(draft, torch.float32 if quantize else dtype, backend,
+                       embeddings_for(folder, target, draft) if shared else None)
+    if quantize:
+        model = quantize_draft(model, quantize)
+    try:
+        draft_tokenizer = load_tokenizer(draft)
+    except SpecdraftError:
+        draft_tokenizer = None  # a bare checkpoint: only the vocabulary size can be checked
+    check_compatible(target, target_tokenizer, model, draft_tokenizer)
+    return model
