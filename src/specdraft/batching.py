@@ -26,7 +26,7 @@ import torch
 
 from specdraft.batch_drafting import DraftBatcher, batcher_of
 from specdraft.decoding import GenerationConfig, GenerationResult, check_inputs
-from specdraft.drafters.base import Draft, Drafter, NoDrafter, target_features
+from specdraft.drafters.base import Draft, Drafter, NoDrafter, share_target_cache, target_features
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.models.batched_llama import BatchedKVCache, batched_forward, new_batched_cache, supports_batching
@@ -170,6 +170,7 @@ class BatchDecoder:
         seq = BatchSequence(prompt, config, drafter, generator, stopper, prompt, FixedPolicy(config.num_draft_tokens),
                             row=len(self.rows), started=time.perf_counter())
         drafter.begin(self.target, _UnsharedCache())
+        share_target_cache(drafter, _UnsharedCache())  # a drafter that reads the target's cache is refused here
         seq.reads_features = target_features(drafter) is not None
         self.cache.lengths[seq.row] = 0
         self.rows.append(seq)

@@ -32,6 +32,14 @@ class HFCache:
         if length < self.length:
             self.cache.crop(length - self.length)  # transformers 5 crops by a negative count of tokens to drop
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys (rotated, as transformers caches them) and values, each (B, K, length, hd)
+        (:class:`~specdraft.models.base.ReadableKVCache`)."""
+        layers = self.cache.layers
+        if not -len(layers) <= layer < len(layers) or getattr(layers[layer], "keys", None) is None:
+            raise SpecdraftError(f"layer {layer} of this transformers cache holds no keys ({len(layers)} layers)")
+        return layers[layer].keys, layers[layer].values
+
     def compact(self, start: int, slots: list[int]) -> None:
         """Keep positions ``0 .. start - 1`` plus the given slots moved after them (the accepted tree path)."""
         length = self.length
