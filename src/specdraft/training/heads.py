@@ -31,6 +31,7 @@ from specdraft.heads import load_heads, save_heads
 from specdraft.models.registry import eos_token_ids
 from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.eagle3 import EAGLE3
+from specdraft.training.glide import GLIDE
 from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
 from specdraft.training.pretrain import EXPORT_DTYPES
 from specdraft.training.runs import owns_out
@@ -48,6 +49,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "medusa": MEDUSA,
     "eagle": EAGLE,
     "eagle3": EAGLE3,
+    "glide": GLIDE,
 }
 
 HEADS_FOLDER = "heads"
@@ -64,7 +66,7 @@ def get_kind(name: str) -> HeadKind:
 class HeadsConfig(TrainerConfig):
     """Settings of ``specdraft train-heads``."""
 
-    kind: str = field(metadata={"help": "heads kind: medusa, eagle or eagle3"})
+    kind: str = field(metadata={"help": "heads kind: medusa, eagle, eagle3 or glide"})
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id), kept frozen"})
     data: str = field(metadata={"help": "distill-data output folder (the target's responses)"})
     num_heads: int = field(default=4, metadata={"help": "number of heads (medusa: draft depth)"})
@@ -73,7 +75,8 @@ class HeadsConfig(TrainerConfig):
     options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8, "
                                                           "distill=0|1; eagle: cls_weight=0.1, reg_weight=1, noise=0; "
                                                           "eagle3: loss=fkl|tvd|tvdpp, ttt_steps=7, decay=0.8, "
-                                                          "draft_vocab=8192, aux_layers=2,15,27)"})
+                                                          "draft_vocab=8192, aux_layers=2,15,27; glide: layers=1, "
+                                                          "glimpse_layer=-1, ttt_steps=3, decay=0.8)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
     max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
