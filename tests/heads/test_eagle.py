@@ -71,7 +71,7 @@ def test_head_sizes_registry_and_options():
     out = head(torch.randn(2, 5, d), torch.randn(2, 5, d))
     assert out.shape == (2, 5, d)
     assert HEAD_KINDS["eagle"] is EAGLE
-    assert head.loss_settings == {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0}
+    assert head.loss_settings == {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0, "partial_alignment": 0.0}
     with pytest.raises(SpecdraftError, match="unknown eagle option decay"):
         eagle_spec(model.config, None, {"decay": "0.8"})
     with pytest.raises(SpecdraftError, match="cls_weight must be a number"):

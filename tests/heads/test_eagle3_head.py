@@ -107,7 +107,7 @@ def test_losses_and_metrics_on_the_unroll():
         value.backward()
         assert torch.isfinite(value) and count == int(batch["mask"].sum()) and value > 0
         assert head.fc.weight.grad is not None and all(p.grad is None for p in model.parameters())
-    masks, draft, target, greedy = unrolled(head, model, batch, 3, greedy=True)
+    masks, draft, target, greedy, _ = unrolled(head, model, batch, 3, greedy=True)
     counts = [int(batch["mask"][:, i:].sum()) for i in range(3)]
     assert [int(m.sum()) for m in masks] == counts and [d.shape[0] for d in draft] == counts
     assert draft[2].shape == target[2].shape == (counts[2], 64) and greedy[1].shape == (counts[1],)

@@ -124,7 +124,7 @@ def _eagle_loss(module, target_model, batch: dict,
     features, tokens, mask = _eagle_pairs(module, target_model, batch)
     embed, lm_head = target_weights(target_model)
     return eagle_loss(module, features, tokens, mask, embed, lm_head, settings["cls_weight"], settings["reg_weight"],
-                      settings["noise"], generator)
+                      settings["noise"], settings.get("partial_alignment", 0.0), generator)
 
 
 @torch.no_grad()
