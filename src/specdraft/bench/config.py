@@ -36,6 +36,7 @@ class BenchConfig:
     sweep: tuple[int, ...] | None = field(default=None, metadata={"help": "γ values to sweep (num_draft_tokens=...)"})
     repeats: int = field(default=1, metadata={"help": "timing repeats per (question, method)"})
     dtype: str = field(default="bfloat16", metadata={"help": "float32 or bfloat16, for every model"})
+    device: str = field(default="cpu", metadata={"help": "where the target and draft models run (cpu, cuda:N)"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     top_k: int = field(default=0, metadata={"help": "0 = off"})
     top_p: float = field(default=1.0, metadata={"help": "1 = off"})
@@ -72,6 +73,8 @@ class BenchConfig:
         """The fields a resumed run must share with the run it continues (all but ``out``)."""
         fields = asdict(self)
         del fields["out"]
+        if fields["device"] == "cpu":  # runs made before the option stay resumable
+            del fields["device"]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
 
 

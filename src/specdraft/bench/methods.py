@@ -145,7 +145,7 @@ class HFMethod:
     @torch.inference_mode()
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         kwargs = self._kwargs(config, generator)
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, N)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.model.device)  # (1, N)
         self.calls = 0
         start = time.perf_counter()
         out = self.model.generate(ids, **kwargs)
@@ -187,11 +187,12 @@ class BuildContext:
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)
     speculations: tuple[str, ...] = ("adaptive",)  # policies every speculative method runs with
+    device: str = "cpu"  # where the models run
 
     def hf_target(self):
         """The target's weights as a transformers model (loaded once, shared by ``hf`` and ``hf-assisted``)."""
         if "hf" not in self.cache:
-            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf").model
+            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf", device=self.device).model
         return self.cache["hf"]
 
     def param_ratio(self, draft_model) -> float:

@@ -113,8 +113,9 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
     run_info = _run_info(config, sha, command)
     check_out(out, run_info, overwrite)
     dtype = parse_dtype(config.dtype)
-    target, tokenizer = load_target(config.target, dtype)
-    ctx = BuildContext(target, tokenizer, config.target, dtype, speculations=config.speculation)
+    target, tokenizer = load_target(config.target, dtype, device=config.device)
+    ctx = BuildContext(target, tokenizer, config.target, dtype, speculations=config.speculation,
+                       device=config.device)
     methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)
     run_info["cost_curve"] = cost_curve(target, log=lambda line: print(line, file=sys.stderr, flush=True)).to_dict()
     gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, config.sampling,

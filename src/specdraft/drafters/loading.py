@@ -53,14 +53,15 @@ def load_drafter(
 def load_draft_model(
     target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto"
 ) -> CausalLM:
-    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
-    shares the target's token embeddings gets them from ``target``."""
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint), on the
+    target's device; one that shares the target's token embeddings gets them from ``target``."""
     from specdraft.models.registry import resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     folder = resolve(draft)
     shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
-    model = load_model(draft, dtype, backend, embeddings_for(folder, target, draft) if shared else None)
+    device = getattr(target, "device", None) or "cpu"  # an HFCausalLM on CUDA: its drafter decodes there too
+    model = load_model(draft, dtype, backend, embeddings_for(folder, target, draft) if shared else None, device=device)
     try:
         draft_tokenizer = load_tokenizer(draft)
     except SpecdraftError:

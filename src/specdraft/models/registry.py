@@ -154,12 +154,16 @@ def _hub_kwargs() -> dict:
 
 
 def load_model(
-    name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto", embeddings: torch.Tensor | None = None
+    name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
+    embeddings: torch.Tensor | None = None, device: str | torch.device = "cpu",
 ) -> CausalLM:
     """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers.
 
     A checkpoint that shares its target's token embeddings (:mod:`specdraft.models.shared_embeddings`) needs that
     table as ``embeddings`` (V, D); :func:`specdraft.drafters.loading.load_draft_model` passes the target's.
+    ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``) is where the weights go; on CUDA ``auto`` loads the
+    transformers model (the native Llama decodes one sequence on the CPU; on CUDA it serves the batched data engine,
+    :mod:`specdraft.models.static_batch`).
     """
     from transformers import AutoConfig
 
@@ -179,8 +183,12 @@ def load_model(
         raise SpecdraftError(f"{name_or_path} shares its target's token embeddings ({SHARED_EMBEDDINGS_FILE}): "
                              "load it as a drafter of that target (--draft), not on its own")
     extra = {EMBEDDING_KEY: embeddings} if shared else None
-    if backend == "native" or (backend == "auto" and isinstance(where, Path) and supports(config)):
+    device = _device(device)
+    native_ok = isinstance(where, Path) and supports(config) and device.type == "cpu"
+    if backend == "native" or (backend == "auto" and native_ok):
         model = NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
+        if device.type != "cpu":
+            return model.to(device)
         model.prepack()  # weights packed for the row kernels or oneDNN: k-token verifies cost far less (models.packed)
         return model
     model = _load_hf(where, name_or_path, dtype)
@@ -188,7 +196,19 @@ def load_model(
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(embeddings)
         model.tie_weights()
-    return HFCausalLM(model, name=name_or_path)
+    return HFCausalLM(model.to(device), name=name_or_path)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device (``auto`` resolved: :func:`specdraft.hardware.resolve_device`)."""
+    from specdraft.hardware import resolve_device
+
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return resolve_device(device).device
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
 
 
 def _load_hf(where: Path | str, name: str, dtype: torch.dtype):
@@ -218,9 +238,10 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
-    """The target model and its tokenizer."""
-    return load_model(name_or_path, dtype, backend), load_tokenizer(name_or_path)
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
+                device: str | torch.device = "cpu"):
+    """The target model (on ``device``) and its tokenizer."""
+    return load_model(name_or_path, dtype, backend, device=device), load_tokenizer(name_or_path)
 
 
 def eos_token_ids(tokenizer, model_name: str | None = None) -> tuple[int, ...]:

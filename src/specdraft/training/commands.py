@@ -228,13 +228,17 @@ def _section(name: str):
 def _training_stage(name: str, run, config, inputs, overwrite: bool, command: str | None) -> None:
     """Run one training stage of the pipeline: fresh, continued, reused, or (``overwrite``, when its settings or
     inputs changed) replaced."""
-    from specdraft.hardware import resolve_bf16
+    from specdraft.hardware import resolve_bf16, resolve_device
     from specdraft.training.runs import stage_changes
 
     with _section(name):
         held = Path(config.out).exists()
         if held and overwrite:
-            resolved = replace(config, bf16=resolve_bf16(config.bf16).bf16)
+            try:
+                device = resolve_device(config.device).device
+            except ValueError as exc:
+                raise SpecdraftError(str(exc)) from None
+            resolved = replace(config, bf16=resolve_bf16(config.bf16, device).bf16)
             if hasattr(resolved, "with_budget"):
                 resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
             defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}

@@ -484,7 +484,7 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     ranking = (load_token_ranking(resolve(config.draft_vocab_from), target.vocab_size) if config.draft_vocab_from
                else rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size))  # (V,)
     keep = ranking[: config.draft_vocab] if 0 < config.draft_vocab < target.vocab_size else None  # (N,)
-    rank, _, device = init_distributed()
+    rank, _, device = init_distributed(config.device)
     target_model.to(device)
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),

@@ -185,7 +185,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
         return Path(config.out) / HEADS_FOLDER
     config = replace(config, bf16=run_config.bf16)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rank, _, device = init_distributed()
+    rank, _, device = init_distributed(config.device)
     target_model.to(device)
     evaluate = make_evaluate(config, kind, target_model, target, heldout, pad_id,
                              eos_token_ids(tokenizer, config.target))
