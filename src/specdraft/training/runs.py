@@ -254,7 +254,7 @@ def atomic_write(path: Path, text: str) -> None:
 OPERATIONAL = frozenset({
     "out", "resume", "overwrite", "stop_after", "progress", "log_every", "checkpoint_every", "eval_every",
     "eval_prompts", "eval_max_new_tokens", "eval_num_draft_tokens", "max_eval_rows", "export_dtype",
-    "allow_incomplete", "device",
+    "allow_incomplete", "device", "eval_data",
 })
 
 
