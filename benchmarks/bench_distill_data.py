@@ -2,7 +2,8 @@
 settings, in one process (what ``distill-data`` spends per shard: chat template, generation, records).
 
 Engines: ``native`` (specdraft's Llama: ragged rows on the CPU; on CUDA a static cache decoded by CUDA graphs,
-:mod:`specdraft.models.static_batch`) and ``hf`` (transformers' ``generate``, left-padded batches). The first
+:mod:`specdraft.models.static_batch`), ``static`` (that static batch on any device: eager on the CPU) and ``hf``
+(transformers' ``generate``, left-padded batches). The first
 (warm-up) call answers two prompts; CUDA graph captures of the timed run count in its time, as in ``distill-data``.
 
     python benchmarks/bench_distill_data.py --target smollm2-135m-instruct --prompts sharegpt --limit 16 \
@@ -27,12 +28,13 @@ from specdraft.training.prompt_sources import load_prompt_sources
 
 
 def load_engine(engine: str, target: str, dtype: str, device: str):
-    """The model object ``generate_shard`` takes for ``engine`` on ``device``."""
-    native = engine == "native"
+    """The model object ``generate_shard`` takes for ``engine`` on ``device`` (``static``: the CUDA path's static
+    batch on any device, eager on the CPU)."""
+    native = engine in ("native", "static")
     model = load_model(target, parse_dtype(dtype), backend="native" if native else "hf", device=device)
     if not native:
         return model.model
-    return StaticEngine(model) if device != "cpu" else model
+    return StaticEngine(model) if device != "cpu" or engine == "static" else model
 
 
 def measure(model, tokenizer, prompts: list, config: DistillDataConfig) -> dict:
@@ -72,7 +74,8 @@ def main() -> None:
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
             config = DistillDataConfig(target=args.target, out="-", max_new_tokens=args.max_new_tokens,
                                        temperature=0.0, batch_size=batch_size, shard_size=len(prompts), dtype=dtype,
-                                       top_logprobs=args.top_logprobs, engine=engine, device=device)
+                                       top_logprobs=args.top_logprobs, engine="hf" if engine == "hf" else "native",
+                                       device=device)
             row = {"engine": engine, "batch_size": batch_size, "device": device, "hardware": hardware,
                    "dtype": dtype, "max_new_tokens": args.max_new_tokens, "top_logprobs": args.top_logprobs,
                    "threads": torch.get_num_threads()} | measure(model, tokenizer, prompts, config)

@@ -76,7 +76,7 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
     model, target_model = model.to(device), target_model.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     vocab = folder_options(resolve(drafter)).get("draft_vocab")
-    keep = draft_subset(str(resolve(drafter)), target_lm.vocab_size, vocab) if vocab else None  # (N,) or None
+    keep = draft_subset(str(resolve(drafter)), target_lm.vocab_size, vocab).to(device) if vocab else None  # (N,)
     dataset = DistillDataset(records, config.max_seq_len)
     batches = [collate_distill([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), batch_size)]

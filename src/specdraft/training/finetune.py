@@ -433,7 +433,8 @@ def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[di
     from specdraft.training.exact_tau import greedy_tau, response_ranks
 
     heldout, exact = greedy_answers(config.eval_data) if config.eval_data else (heldout, False)
-    dataset = DistillDataset(heldout, config.max_seq_len)
+    longest = max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in heldout)
+    dataset = DistillDataset(heldout, longest if config.eval_data else config.max_seq_len)  # eval_data: whole, as run
     batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), config.batch_size)]
     prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]

@@ -3,9 +3,9 @@ prompts to an exported drafter (Goel et al. 2024, arXiv 2403.00858) and, optiona
 
 Sections, run in this order (``[finetune]`` may be one table or several ``[[finetune]]`` phases):
 
-- ``[distill_data]``: the target's answers to the training prompts (:mod:`specdraft.training.generation`);
 - ``[heldout_data]`` (optional): the target's greedy answers to held-out questions (e.g. Spec-Bench's): every
   training stage evaluates on them, the drafter with its exact greedy τ (:mod:`specdraft.training.exact_tau`);
+- ``[distill_data]``: the target's answers to the training prompts (:mod:`specdraft.training.generation`);
 - ``[pretrain]`` or ``[init_drafter]``: the drafter to start from (trained from scratch, or the target's layers);
 - ``[finetune]`` / ``[[finetune]]``: distillation; each phase starts from the previous one's export, on
   ``[distill_data]`` unless it names its data;
@@ -18,7 +18,8 @@ steps: the learning curve in the stage's ``eval_log.csv``).
 
 A stage whose folder holds a run of the same settings and inputs is continued, or reused when finished; a changed one
 is refused naming its section, or rebuilt beside the old run with ``overwrite``. ``stages`` runs only the named
-sections (the others still give their outputs as inputs), e.g. the heads alone after the drafter.
+sections (the others still give their outputs as inputs), e.g. the heads alone after the drafter. Under torchrun
+every stage splits its work by rank (data shards, DDP or FSDP training), and rank 0 alone copies the drafter's layers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 
-SECTIONS = ("distill_data", "heldout_data", "pretrain", "init_drafter", "finetune", "heads")
+SECTIONS = ("heldout_data", "distill_data", "pretrain", "init_drafter", "finetune", "heads")
 SHARED = ("target", "device")  # top-level keys every section that has the setting takes
 RECIPE_KEYS = ("budget_s", "evals")  # read by the recipe, not by the stage
 TRAINING = ("pretrain", "finetune", "heads")  # the sections that train (and take the recipe keys)
@@ -124,12 +125,12 @@ def pipeline_configs(spec: dict) -> list[Stage]:
         raise SpecdraftError("pipeline file needs one of [pretrain] and [init_drafter] (the drafter to start from)")
     shared = {k: spec[k] for k in SHARED if k in spec}
     data = _build(DistillDataConfig, "distill_data", spec["distill_data"], shared)
-    stages = [Stage("distill_data", "distill_data", data)]
-    evaluation = {}
-    if "heldout_data" in spec:
+    stages, evaluation = [], {}
+    if "heldout_data" in spec:  # first: small, and every training stage evaluates on it
         heldout = _build(DistillDataConfig, "heldout_data", {"temperature": 0.0} | spec["heldout_data"], shared)
         stages.append(Stage("heldout_data", "heldout_data", heldout))
         evaluation = {"eval_data": heldout.out}
+    stages.append(Stage("distill_data", "distill_data", data))
     if "pretrain" in spec:
         stages.append(_stage(PretrainConfig, "pretrain", "pretrain", spec["pretrain"], shared))
         drafter = str(export_path(stages[-1].config.out))
@@ -166,13 +167,13 @@ def train_drafter(spec: dict, command: str | None = None, overwrite: bool = Fals
         if only and stage.section not in only:
             continue
         with _section(stage.name):
-            _run_stage(stage, command, overwrite, progress)
+            _run_stage(stage, command, overwrite, progress, spec.get("device", "auto"))
     exports = {"drafter": export_path([s for s in stages if s.section == "finetune"][-1].config.out)}
     heads = [s for s in stages if s.section == "heads"]
     return exports | ({"heads": Path(heads[0].config.out) / HEADS_FOLDER} if heads else {})
 
 
-def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: bool) -> None:
+def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: bool, device: str) -> None:
     from specdraft.training.checkpoint import is_complete_export
     from specdraft.training.drafter_config import init_drafter
     from specdraft.training.generation import distill_changes, generate_distillation_data
@@ -181,8 +182,14 @@ def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: boo
     if stage.section in ("distill_data", "heldout_data"):
         generate_distillation_data(config, overwrite=overwrite and bool(distill_changes(config)), progress=progress)
     elif stage.section == "init_drafter":
-        if not is_complete_export(config.out):  # made once: its fingerprint is the next stage's input
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if rank == 0 and not is_complete_export(config.out):  # made once: its fingerprint is the next stage's input
             init_drafter(config, command=command)
+        if world > 1:
+            from specdraft.training.trainer import barrier, init_distributed
+
+            init_distributed(device)
+            barrier(world)
     else:
         run, inputs, export = _training(stage)
         config = fit_budget(stage, run, export, command)
