@@ -37,8 +37,8 @@ def load_engine(engine: str, target: str, dtype: str, device: str):
     return StaticEngine(model) if device != "cpu" or engine == "static" else model
 
 
-def measure(model, tokenizer, prompts: list, config: DistillDataConfig) -> dict:
-    """Answer ``prompts`` in batches of ``config.batch_size``; tokens, seconds and rates."""
+def measure(model, tokenizer, prompts: list, config: DistillDataConfig) -> tuple[dict, list[list[int]]]:
+    """Answer ``prompts`` in batches of ``config.batch_size``: (tokens, seconds and rates; the answers)."""
     generate_shard(model, tokenizer, prompts[:2], config, seed=1)  # warm-up: kernels, allocator
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -46,9 +46,10 @@ def measure(model, tokenizer, prompts: list, config: DistillDataConfig) -> dict:
     records = generate_shard(model, tokenizer, prompts, config, seed=0)
     seconds = time.perf_counter() - start
     tokens = sum(len(r["response_token_ids"]) for r in records)
-    return {"prompts": len(prompts), "answer_tokens": tokens, "seconds": round(seconds, 2),
-            "answer_tokens_per_s": round(tokens / seconds, 1), "prompts_per_min": round(60 * len(prompts) / seconds, 1),
-            "eos_share": round(sum(r["finish_reason"] == "eos" for r in records) / len(records), 3)}
+    row = {"prompts": len(prompts), "answer_tokens": tokens, "seconds": round(seconds, 2),
+           "answer_tokens_per_s": round(tokens / seconds, 1), "prompts_per_min": round(60 * len(prompts) / seconds, 1),
+           "eos_share": round(sum(r["finish_reason"] == "eos" for r in records) / len(records), 3)}
+    return row, [r["response_token_ids"] for r in records]
 
 
 def main() -> None:
@@ -63,12 +64,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where native), float32 or bfloat16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json-out", help="append one JSON line per (engine, batch size) here")
+    parser.add_argument("--compare", action="store_true", help="also the share of answers identical to the first "
+                                                               "engine's at the same batch size (greedy: in float32, "
+                                                               "all of them)")
     args = parser.parse_args()
     device = resolve_device(args.device).name
     dtype = resolve_dtype(args.dtype, device).dtype
     tokenizer = load_tokenizer(args.target)
     prompts = load_prompt_sources(args.prompts, "train", args.limit)
     hardware = torch.cuda.get_device_name(device) if device != "cpu" else cpu_model()
+    first: dict[int, list[list[int]]] = {}  # batch size -> the first engine's answers
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         model = load_engine(engine, args.target, dtype, device)
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
@@ -76,12 +81,17 @@ def main() -> None:
                                        temperature=0.0, batch_size=batch_size, shard_size=len(prompts), dtype=dtype,
                                        top_logprobs=args.top_logprobs, engine="hf" if engine == "hf" else "native",
                                        device=device)
+            measured, answers = measure(model, tokenizer, prompts, config)
             row = {"engine": engine, "batch_size": batch_size, "device": device, "hardware": hardware,
                    "dtype": dtype, "max_new_tokens": args.max_new_tokens, "top_logprobs": args.top_logprobs,
-                   "threads": torch.get_num_threads()} | measure(model, tokenizer, prompts, config)
+                   "threads": torch.get_num_threads()} | measured
+            if args.compare:
+                reference = first.setdefault(batch_size, answers)
+                row["same_answers_as_first_engine"] = sum(a == b for a, b in zip(answers, reference, strict=True))
+            same = f", {row['same_answers_as_first_engine']} answers as the first engine's" if args.compare else ""
             print(f"{engine:>6} batch {batch_size:>5}: {row['answer_tokens_per_s']:>9.1f} answer tokens/s "
                   f"({row['answer_tokens']} tokens of {row['prompts']} answers in {row['seconds']:.1f} s, "
-                  f"{row['prompts_per_min']:.0f} prompts/min) on {hardware}", flush=True)
+                  f"{row['prompts_per_min']:.0f} prompts/min{same}) on {hardware}", flush=True)
             print(json.dumps(row), flush=True)
             if args.json_out:
                 with open(args.json_out, "a") as file:

@@ -33,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "smollm2-135m-instruct"  # the built-in name: its shipped drafter resolves against it
 SHIPPED = "smollm2-135m-instruct-drafter"
-# Each phase's share of the budget (seconds at --budget 560); unspent time passes to the later phases.
-PLAN = {"bench-native": 45, "bench-hf": 35, "heldout": 35, "data": 95, "drafter": 200, "heads": 100, "tau": 40}
+# Each phase's share of the budget (about seconds at --budget 560); unspent time passes to the later phases.
+PLAN = {"check": 20, "bench-native": 40, "bench-hf": 30, "heldout": 30, "data": 95, "drafter": 195, "heads": 95,
+        "tau": 40}
 TINY = {  # --tiny: the same path with a few prompts and steps, no budgets (a CPU test)
     "heldout_data": {"limit": 6, "max_new_tokens": 12, "batch_size": 6, "shard_size": 6, "dtype": "float32"},
     "distill_data": {"limit": 24, "max_new_tokens": 12, "batch_size": 8, "shard_size": 8, "dtype": "float32"},
@@ -200,7 +201,9 @@ def verdicts(summary: dict) -> dict:
     drafter = final_drafter(Path(summary["work"]))
     shipped, final = taus.get(SHIPPED), taus.get(str(drafter)) if drafter else None
     recipe = [summary["phases"].get(p, {}).get("seconds", 0) for p in ("heldout", "data", "drafter", "heads")]
+    check = {r["engine"]: r.get("same_answers_as_first_engine") for r in summary.get("check", [])}
     return {"distill_data_answer_tokens_per_s": max((r["answer_tokens_per_s"] for r in native), default=None),
+            "float32_answers_equal_to_transformers": check.get("hf"),
             "recipe_seconds_prompts_to_exports": round(sum(recipe), 1),
             "recipe_drafter": str(drafter) if drafter else None, "greedy_tau@4_recipe": final,
             "greedy_tau@4_shipped": shipped,
@@ -254,13 +257,20 @@ def run_all(args, clock: Clock, out: Path, work: Path, env: dict, summary: dict)
              "--max-new-tokens", "8" if tiny else "256", "--device", args.device,
              "--json-out", str(out / "bench.jsonl")]
     batch = "4" if tiny else str(args.bench_batch)  # --tiny: the static batch of the CUDA path, eager on the CPU
+    few = "4" if tiny else "64"
+    check = [python, "benchmarks/bench_distill_data.py", "--target", TARGET, "--prompts", args.prompts, "--dtype",
+             "float32", "--device", args.device, "--limit", few, "--batch-sizes", few, "--max-new-tokens",
+             "8" if tiny else "64", "--engines", "static,hf" if tiny else "native,hf", "--compare",
+             "--json-out", str(out / "check.jsonl")]
+    run_phase("check", check, clock.box("check"), out, env, summary)  # float32: the engines' answers must agree
     run_phase("bench-native", bench + ["--engines", "static" if tiny else "native", "--batch-sizes", batch, "--limit",
                                        "4" if tiny else str(args.bench_prompts)], clock.box("bench-native"), out, env,
               summary)
     run_phase("bench-hf", bench + ["--engines", "hf", "--batch-sizes", "4" if tiny else str(args.hf_batch), "--limit",
                                    "4" if tiny else str(args.hf_prompts)], clock.box("bench-hf"), out, env, summary)
-    summary["bench"] = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()] if (
-        out / "bench.jsonl").is_file() else []
+    for name in ("bench", "check"):
+        path = out / f"{name}.jsonl"
+        summary[name] = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     stages = {"heldout": "heldout_data", "data": "distill_data", "drafter": "init_drafter,finetune", "heads": "heads"}
     for phase, sections in stages.items():
         box = clock.box(phase)

@@ -21,9 +21,11 @@ def test_every_engine_reports_its_rate_on_the_same_answers(tmp_path, monkeypatch
     out = tmp_path / "rows.jsonl"
     monkeypatch.setattr(sys, "argv", ["bench", "--target", str(target), "--prompts", str(prompts), "--limit", "6",
                                       "--engines", "native,static,hf", "--batch-sizes", "1,4", "--max-new-tokens", "5",
-                                      "--dtype", "float32", "--device", "cpu", "--json-out", str(out)])
+                                      "--dtype", "float32", "--device", "cpu", "--json-out", str(out), "--compare"])
     module.main()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["engine"], r["batch_size"]) for r in rows] == [(e, b) for e in ("native", "static", "hf") for b in (1, 4)]
+    engines = [(e, b) for e in ("native", "static", "hf") for b in (1, 4)]
+    assert [(r["engine"], r["batch_size"]) for r in rows] == engines
     assert len({r["answer_tokens"] for r in rows}) == 1 and all(r["answer_tokens_per_s"] > 0 for r in rows)
+    assert all(r["same_answers_as_first_engine"] == 6 for r in rows)
     assert "answer tokens/s" in capsys.readouterr().out

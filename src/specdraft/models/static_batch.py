@@ -20,11 +20,15 @@ reason).
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from specdraft.errors import SpecdraftError
 
+GRAPHS_ENV = "SPECDRAFT_CUDA_GRAPHS"  # "0" decodes eagerly (for comparisons)
 END_STEP = 64  # attended slots are rounded up to a multiple of this (one CUDA graph per bucket)
 PREFILL_TOKENS = 16_384  # padded prompt tokens per prefill chunk
 
@@ -54,7 +58,7 @@ class StaticBatch:
         self.model, self.rows, self.capacity, self.device = model, rows, capacity, device
         self.row_ids = torch.arange(rows, device=device)  # (R,)
         self.slot_ids = torch.arange(capacity, device=device)  # (S,)
-        self.use_graphs = graphs and device.type == "cuda"
+        self.use_graphs = graphs and device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -112,27 +116,34 @@ class StaticBatch:
         advance the positions."""
         end = min(self.capacity, -(-end // END_STEP) * END_STEP)
         self.tokens[:n] = tokens
-        if not self.use_graphs:
-            self._step(n, end)
+        graph = self._graphs.get((n, end))
+        if graph is not None:
+            graph.replay()
+        elif self.use_graphs:
+            self._graphs[(n, end)] = self._capture(n, end)  # its warm-up ran this step
         else:
-            graph = self._graphs.get((n, end))
-            if graph is None:
-                graph = self._graphs[(n, end)] = self._capture(n, end)
-            else:
-                graph.replay()
+            self._step(n, end)
         self.positions[:n] += 1
         return self.logits[:n]
 
-    def _capture(self, n: int, end: int) -> torch.cuda.CUDAGraph:
-        """Run the step once on a side stream (the real step: its writes are this step's), then capture it."""
+    def _capture(self, n: int, end: int) -> torch.cuda.CUDAGraph | None:
+        """Run the step once on a side stream (the real step: its writes are this step's), then capture it. Where
+        capture fails, the batch decodes eagerly from then on (one warning): the step already ran."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._step(n, end)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step(n, end)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(n, end)
+        except RuntimeError as exc:
+            warnings.warn(f"specdraft: CUDA graph capture failed ({str(exc).splitlines()[0][:200]}); decoding "
+                          f"eagerly", stacklevel=2)
+            torch.cuda.synchronize(self.device)
+            self.use_graphs = False
+            return None
         return graph
 
     def _step(self, n: int, end: int) -> None:

@@ -202,8 +202,8 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
 
     from specdraft.hardware import resolve_device
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and ":" in str(device):
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), os.environ.get("LOCAL_RANK", "0")
+    if world > 1 and ":" in str(device) and str(device) != f"cuda:{local}":
         raise SpecdraftError(f"device {device!r}: under torchrun each process uses cuda:LOCAL_RANK; pass --device cuda "
                              "(or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES")
     try:
