@@ -195,7 +195,7 @@ def final_drafter(work: Path) -> Path | None:
 
 def verdicts(summary: dict) -> dict:
     """The figures the recipe is judged by, where they exist."""
-    native = [r for r in summary["bench"] if r["engine"] == "native"]
+    native = [r for r in summary["bench"] if r["engine"] in ("native", "static")]
     taus = {row["drafter"]: row.get("greedy_tau@4") for row in summary["tau"]}
     drafter = final_drafter(Path(summary["work"]))
     shipped, final = taus.get(SHIPPED), taus.get(str(drafter)) if drafter else None

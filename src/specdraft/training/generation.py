@@ -110,8 +110,10 @@ class DistillDataConfig:
 
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
-        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "device"}
+        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "device",
+                "answers"}
         engine = {"engine": self.engine} if self.engine != "hf" else {}  # runs made before the option stay valid
+        engine |= {"answers": self.answers} if self.answers else {}
         return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self) | engine
 
 
