@@ -110,6 +110,22 @@ def test_corrupt_checkpoint(ckpts, tmp_path, capsys):
     assert code == 2 and "checkpoint" in err and str(bad) in err
 
 
+def test_truncated_weights_under_either_backend_and_a_prompt_of_bytes_that_are_not_utf8(ckpts, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    save_tiny_checkpoint(bad, seed=4)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    capsys.readouterr()
+    for backend in ("native", "hf"):
+        code, _, err = _run(capsys, "generate", "--target", ckpts["target"], "--draft", str(bad), "--backend", backend,
+                            "--prompt-ids", "1")
+        errors = [line for line in err.splitlines() if line.startswith("specdraft: error:")]  # after progress bars
+        assert code == 2 and len(errors) == 1 and str(bad) in errors[0] and "Traceback" not in err, err
+    prompt = b"w1 caf\xe9".decode("utf-8", "surrogateescape")  # what Python makes of such bytes in argv
+    code, _, err = _run(capsys, "generate", "--target", ckpts["target"], "--prompt", prompt)
+    assert code == 2 and "the prompt is not UTF-8 text (character 7" in err, err
+
+
 def test_console_script_error_has_no_traceback(ckpts):
     proc = subprocess.run([sys.executable, "-m", "specdraft.cli", "generate", "--target", ckpts["target"],
                            "--prompt-ids", "1,2", "--top-p", "2"], capture_output=True, text=True, timeout=120)

@@ -39,3 +39,20 @@ def test_why_not_faster_prices_a_step_in_plain_steps():
     line = why_not_faster("x", spec, plain, curve)
     assert "commits 1.25 tokens" in line and "costs 2.50 plain steps" in line and "verifying 4.0 tokens 2.00" in line
     assert "calibrated 3.00x" in line and "AVX2" in line and "drafting 0.50" in line
+
+
+def test_demo_on_quantized_weights_checks_identity_in_the_same_run(tmp_path, monkeypatch):
+    from specdraft.models import rowgemm
+
+    if not rowgemm.available():
+        pytest.skip("no AVX2/F16C CPU or C++ compiler for the int8 kernels")
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    target = str(save_tiny_checkpoint(tmp_path / "target", seed=0))
+    draft = str(save_tiny_checkpoint(tmp_path / "draft", seed=1, layers=1))
+    lines: list[str] = []
+    rows = run_demo(DemoConfig(target=target, draft=draft, num_prompts=2, max_new_tokens=8, drafters=("prompt-lookup",),
+                               quantize="int8"), out=lines.append)
+    assert [r["method"] for r in rows] == ["plain", f"draft:{draft}", "prompt-lookup"]
+    assert all(r["identical"] == "2/2" for r in rows)
+    assert any("identical to plain: int8 blocks, this run" in line for line in lines)
+    assert not any("float32 check" in line for line in lines)

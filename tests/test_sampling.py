@@ -54,11 +54,27 @@ def test_top_k_then_top_p_compose():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": "high"}, "top_p"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(SpecdraftError, match=field):
         SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_a_temperature_below_the_greedy_limit_is_greedy_not_nan(temperature):
+    """fp32 cannot divide by such a temperature (1e-300 is 0 in fp32, so logits / T is inf or NaN): greedy, the
+    T -> 0 limit, instead."""
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9]])
+    sampling = SamplingConfig(temperature=temperature)
+    assert sampling.greedy
+    assert warp(logits, sampling).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert not SamplingConfig(temperature=1e-4).greedy
+    assert torch.isfinite(warp(logits, SamplingConfig(temperature=1e-4))).all()
 
 
 def test_sample_follows_generator():

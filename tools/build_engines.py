@@ -1,8 +1,12 @@
 """Build the engines specdraft measures against, once, into the cache folder (``make engines``).
 
 - llama.cpp: the source in PyPI's ``llama-cpp-python`` sdist (its ``vendor/llama.cpp``), built with cmake (Release,
-  native CPU flags) for the programs the benchmark and the docs use. A build whose programs are all present is
-  reused as it is; an interrupted one is resumed (cmake rebuilds only what is missing).
+  native CPU flags) for the programs the benchmark and the docs use. Where the CPU reports AMX but a process may not
+  run tile instructions (a probe in a child process says so), AMX is compiled out and every other native path
+  stays (:mod:`specdraft.bench.llamacpp_build`). ``specdraft-build.json`` beside the programs records the commit,
+  options, AMX decision and CPU; ``bench`` checks it. A build made for this machine is reused as it is; an
+  interrupted one is resumed (cmake rebuilds only what is missing); one made for another CPU or other options, or
+  before the build info existed, is started over.
 - speculators: the ``speculators`` package (0.4.0, the last release with independent draft models) in a separate
   virtual environment, because it needs transformers 4.x; it reuses this environment's torch and pydantic
   through a .pth file. ``tools/check_speculators.py`` runs there.
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +28,20 @@ import tarfile
 import time
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "0.3.36"
+from specdraft.bench.llamacpp_build import (
+    FORMAT,
+    LLAMA_CPP_PYTHON_VERSION,
+    PROBE,
+    build_problem,
+    compiler,
+    decide_amx,
+    machine,
+    read_build_info,
+    write_build_info,
+)
+
+LLAMA_CPP_PYTHON = LLAMA_CPP_PYTHON_VERSION
+CONFIGURED = "specdraft-configure.json"  # the plan a build folder was configured with
 PROGRAMS = ("llama-server", "llama-speculative-simple", "llama-cli", "llama-bench", "llama-completion")
 SPECULATORS = "0.4.0"
 SPECULATORS_PINS = ("loguru", "pydantic-settings", "typer-slim", "transformers==4.57.6", "tokenizers==0.22.1",
@@ -56,28 +75,76 @@ def _fetch_sdist(root: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _commit(root: Path) -> str:
+    """The llama.cpp commit the sdist vendors, from its changelog ("update llama.cpp to ggml-org/llama.cpp@HASH")."""
+    changelog = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "CHANGELOG.md"
+    section = changelog.read_text(encoding="utf-8").partition(f"## [{LLAMA_CPP_PYTHON}]")[2]
+    found = re.search(r"ggml-org/llama\.cpp@([0-9a-f]{7,40})", section.partition("\n## [")[0])
+    return found.group(1) if found else "unknown"
+
+
+def _plan(root: Path) -> dict:
+    """The build this machine gets: cmake options, the AMX decision (:mod:`specdraft.bench.llamacpp_build`), its CPU."""
+    amx = decide_amx(compiler(), root / PROBE)
+    flags = " ".join(amx["c_flags"])
+    options = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+               f"-DLLAMA_BUILD_COMMIT={_commit(root)}"]
+    options += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if flags else []
+    return {"format": FORMAT, "llama_cpp_python": LLAMA_CPP_PYTHON, "commit": _commit(root), "cmake_options": options,
+            "amx": amx, "machine": machine()}
+
+
+def _configured(build: Path) -> dict | None:
+    try:
+        return json.loads((build / CONFIGURED).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def build_llama_cpp(jobs: int) -> Path:
+    """Build (or resume, or reuse) llama.cpp for this machine; a build made for another plan is started over."""
     root = engines_dir()
     root.mkdir(parents=True, exist_ok=True)
-    bin_dir = llama_cpp_source() / "build" / "bin"
-    if not _missing(bin_dir):
-        print(f"llama.cpp: already built in {bin_dir}")
-        return bin_dir
     _fetch_sdist(root)
     source, build = llama_cpp_source(), llama_cpp_source() / "build"
+    bin_dir = build / "bin"
+    plan = _plan(root)
+    done = read_build_info(bin_dir)
+    if not _missing(bin_dir) and done is not None and {k: done.get(k) for k in plan} == plan:
+        print(f"llama.cpp: already built for this machine in {bin_dir} (AMX {_amx_words(plan['amx'])})")
+        return bin_dir
+    if build.exists() and _configured(build) != plan:
+        print(f"llama.cpp: starting the build over ({build_problem(done) or 'it was configured otherwise'})")
+        shutil.rmtree(build)
     started = time.monotonic()
     with open(root / "build.log", "a") as log:
         if not (build / "CMakeCache.txt").is_file():
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-            subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
-                            "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], check=True, stdout=log, stderr=subprocess.STDOUT)
-        print(f"llama.cpp: building {', '.join(_missing(bin_dir))} with {jobs} jobs (log: {root / 'build.log'})")
+            subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, *plan["cmake_options"]],
+                           check=True, stdout=log, stderr=subprocess.STDOUT)
+            (build / CONFIGURED).write_text(json.dumps(plan, indent=2) + "\n")
+        print(f"llama.cpp: building {', '.join(_missing(bin_dir)) or 'what changed'} with {jobs} jobs, "
+              f"AMX {_amx_words(plan['amx'])} (log: {root / 'build.log'})")
         subprocess.run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *PROGRAMS], check=True,
                        stdout=log, stderr=subprocess.STDOUT)
     if _missing(bin_dir):
         sys.exit(f"llama.cpp: the build finished without {', '.join(_missing(bin_dir))}; see {root / 'build.log'}")
+    _finish(plan, root, bin_dir)
     print(f"llama.cpp: built in {bin_dir} in {time.monotonic() - started:.0f} s")
     return bin_dir
+
+
+def _amx_words(amx: dict) -> str:
+    return "on" if amx["enabled"] else f"off ({amx['probe']})"
+
+
+def _finish(plan: dict, root: Path, bin_dir: Path) -> None:
+    """Keep the AMX probe beside the programs (bench runs it again) and write the build info last."""
+    if (root / PROBE).is_file():
+        shutil.copy2(root / PROBE, bin_dir / PROBE)
+    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
+    info = {**plan, "programs": list(PROGRAMS), "compiler": version, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    print(f"llama.cpp: build info in {write_build_info(bin_dir, info)}")
 
 
 def build_speculators() -> Path:

@@ -61,6 +61,7 @@ class BatchSequence:
     started: float = 0.0
     hidden: torch.Tensor | None = None  # (L - 1, D) the prompt's features, for a drafter that reads them
     tag: object = None  # the caller's handle (a request, an index)
+    error: Exception | None = None  # why this sequence alone failed (finish_reason "error"); the batch went on
 
     def result(self) -> GenerationResult:
         return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats)
@@ -78,6 +79,8 @@ class _Fed:
 
 
 _ROOM = 64  # cache slots beyond ``capacity`` for what one step feeds (tail, draft or tree, auxiliary, padding)
+MAX_NUM_DRAFT_TOKENS = _ROOM // 2 - 1  # the largest num_draft_tokens (γ) batched decoding takes
+MAX_TREE_NODES = _ROOM - 2  # a token tree keeps at most this many nodes in batched decoding (beside its tail)
 
 
 class BatchDecoder:
@@ -122,8 +125,8 @@ class BatchDecoder:
         if prompt.numel() + config.max_new_tokens > self.capacity:
             raise SpecdraftError(f"prompt too long: {prompt.numel()} prompt tokens + max_new_tokens "
                                  f"{config.max_new_tokens} exceed the batch's context of {self.capacity}")
-        if config.num_draft_tokens >= _ROOM // 2:
-            raise SpecdraftError(f"num_draft_tokens must be below {_ROOM // 2} in batched decoding, "
+        if config.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
+            raise SpecdraftError(f"num_draft_tokens must be below {MAX_NUM_DRAFT_TOKENS + 1} in batched decoding, "
                                  f"got {config.num_draft_tokens}")
         if not self.free_rows:
             raise SpecdraftError(f"the batch is full ({self.cache.max_rows} sequences)")
@@ -161,8 +164,7 @@ class BatchDecoder:
         draft = seq.drafter.propose(seq.context, num_draft, config.sampling, seq.generator) if num_draft > 0 \
             else EMPTY_DRAFT
         if draft.is_tree:
-            room = _ROOM - 2  # nodes and auxiliary tokens beside the one-token tail
-            draft = _fit_tree(draft, num_draft, room, self.target.max_context - 1 - seq.context.shape[0])
+            draft = _fit_tree(draft, num_draft, MAX_TREE_NODES, self.target.max_context - 1 - seq.context.shape[0])
         elif len(draft) > num_draft:
             draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
         tail = seq.context[self.cache.lengths[seq.row] :]  # (T0,) uncached; its last token is the root
@@ -207,31 +209,53 @@ class BatchDecoder:
         depend on whether it drafted, so a seeded request would stop being reproducible)."""
         return all(seq.config.sampling.greedy for seq in self.rows)
 
-    def _propose_all(self) -> list[_Fed]:
+    def _propose_or_error(self, seq: BatchSequence, drafting: bool = True) -> _Fed | Exception:
+        """The row's :meth:`_propose`, or the exception it raised: one drafter's failure is its sequence's alone."""
+        try:
+            return self._propose(seq, drafting)
+        except Exception as exc:
+            return exc
+
+    def _propose_all(self) -> list[_Fed | Exception]:
         """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
         if (self.max_draft_batch and len(self.rows) > self.max_draft_batch) or \
                 (self.gate is not None and self._greedy() and not self.gate.drafting(len(self.rows))):
-            return [self._propose(seq, drafting=False) for seq in self.rows]
-        feds: list[_Fed | None] = [None] * len(self.rows)
+            return [self._propose_or_error(seq, drafting=False) for seq in self.rows]
+        feds: list[_Fed | Exception | None] = [None] * len(self.rows)
         groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
         for i, seq in enumerate(self.rows):
             batcher = batcher_of(seq.drafter)
             if batcher is not None:
                 groups.setdefault(id(batcher), (batcher, []))[1].append(i)
         for batcher, rows in groups.values():
-            drafts = batcher.run([functools.partial(self._propose, self.rows[i]) for i in rows])
+            drafts = batcher.run([functools.partial(self._propose_or_error, self.rows[i]) for i in rows])
             for i, fed in zip(rows, drafts, strict=True):
                 feds[i] = fed
-        return [fed if fed is not None else self._propose(seq) for fed, seq in zip(feds, self.rows, strict=True)]
+        return [fed if fed is not None else self._propose_or_error(seq) for fed, seq in zip(feds, self.rows,
+                                                                                              strict=True)]
+
+    def _drop_failed(self, proposals: list[_Fed | Exception]) -> tuple[list[BatchSequence], list[_Fed]]:
+        """Rows whose proposal raised end alone with their error (``error``, finish_reason "error") and leave the
+        batch; returns them and the feds of the rows that stay, in row order."""
+        fed_of = {id(seq): fed for seq, fed in zip(self.rows, proposals, strict=True)}
+        failed = [seq for seq in list(self.rows) if isinstance(fed_of[id(seq)], Exception)]
+        for seq in failed:
+            seq.error, seq.finish_reason = fed_of[id(seq)], "error"
+            self.remove(seq)
+        return failed, [fed_of[id(seq)] for seq in self.rows]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
         """One draft-verify step of every active sequence. Returns (sequence, tokens it committed) for each; the
-        sequences that finished (``finish_reason`` set) have left the batch."""
+        sequences that finished (``finish_reason`` set) have left the batch. A sequence whose own draft, distribution
+        or verification raised (a non-finite distribution, a failing drafter) ends alone: ``error`` set,
+        finish_reason "error", no tokens; the other rows' results are those they would have had without it."""
         if not self.rows:
             return []
         tick = time.perf_counter()
-        feds = self._propose_all()
+        failed, feds = self._drop_failed(self._propose_all())
+        if not self.rows:
+            return [(seq, []) for seq in failed]
         tock = time.perf_counter()
         starts = [self.cache.lengths[seq.row] for seq in self.rows]
         want_hidden = any(getattr(seq.drafter, "needs_hidden", False) for seq in self.rows)
@@ -241,15 +265,21 @@ class BatchDecoder:
                               offsets, mask, return_hidden=want_hidden)
         logits, hidden = (out[0], out[1]) if want_hidden else (out, None)  # (n, T, V), (n, T, D)
         verified = time.perf_counter()
-        committed, done = [], []
+        committed, done = [(seq, []) for seq in failed], []
         for i, (seq, fed) in enumerate(zip(list(self.rows), feds, strict=True)):
             reads = hidden is not None and getattr(seq.drafter, "needs_hidden", False)
-            result, accepted = self._verify_row(seq, fed, logits[i], hidden[i] if reads else None, starts[i])
-            new = accepted + [result.next_token]
-            keep, seq.finish_reason = seq.stopper.scan(seq.generated, new)
-            seq.generated += new[:keep]
-            seq.context = torch.cat([seq.context, torch.tensor(new[:keep], dtype=torch.long)])
-            seq.drafter.observe(result)
+            try:
+                result, accepted = self._verify_row(seq, fed, logits[i], hidden[i] if reads else None, starts[i])
+                new = accepted + [result.next_token]
+                keep, seq.finish_reason = seq.stopper.scan(seq.generated, new)
+                seq.generated += new[:keep]
+                seq.context = torch.cat([seq.context, torch.tensor(new[:keep], dtype=torch.long)])
+                seq.drafter.observe(result)
+            except Exception as exc:  # this row's distribution or verification failed: the others are unaffected
+                seq.error, seq.finish_reason = exc, "error"
+                committed.append((seq, []))
+                done.append(seq)
+                continue
             seq.stats.record_step(result, keep, draft_s=(tock - tick) / len(feds), verify_s=verified - tock)
             committed.append((seq, new[:keep]))
             if seq.finish_reason is not None:
@@ -347,6 +377,8 @@ def generate_batch(
             i = waiting.pop(0)
             decoder.add(prompts[i], drafter_of(i), config, generators[i]).tag = i
         for seq, _ in decoder.step():
+            if seq.error is not None:
+                raise seq.error
             if seq.finish_reason is not None:
                 results[seq.tag] = seq.result()
     return results  # type: ignore[return-value]

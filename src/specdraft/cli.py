@@ -1,11 +1,13 @@
 """``specdraft`` command line: one subcommand per job, each building a config and calling one library function.
 
-Every user error (bad value, unknown model, vocabulary mismatch, ...) ends with one line on stderr and exit code 2.
+Every user error (bad value, unknown model, vocabulary mismatch, a file that cannot be read or written, a folder
+where a file belongs, a full disk, ...) ends with one line on stderr and exit code 2; a traceback means a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -14,8 +16,16 @@ import torch
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, parse_options
 from specdraft.drafters.loading import load_drafter
-from specdraft.errors import SpecdraftError
-from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
+from specdraft.errors import SpecdraftError, os_error, utf8_error
+from specdraft.models.registry import (
+    DTYPE_CHOICES,
+    DTYPES,
+    QUANTIZE,
+    choose_precision,
+    eos_token_ids,
+    load_target,
+    parse_dtype,
+)
 from specdraft.prompts import encode_prompt
 from specdraft.sampling import SamplingConfig
 from specdraft.serve.online_config import ONLINE_LOSSES
@@ -25,6 +35,17 @@ from specdraft.training.commands import add_training_commands
 SPECULATION_HELP = ("adaptive (default): each step proposes the draft that maximises expected tokens/s under this "
                     "machine's measured costs, down to none (sampled text is exact in distribution, but draft lengths "
                     "follow timings, so a seed replays it only with fixed); fixed: always num_draft_tokens")
+
+
+def _add_precision(p, dense_default: str) -> None:
+    """--dtype and --quantize (:func:`specdraft.models.registry.choose_precision`)."""
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help=f"auto (default): a GGUF target decodes from its quantized blocks, other targets in "
+                        f"{dense_default}; float32 or bfloat16: dense weights in that dtype (drafters too)")
+    p.add_argument("--quantize", choices=QUANTIZE, default="auto",
+                   help="target weights: auto (a GGUF target's own blocks unless --dtype is given), none (dense), "
+                        "gguf, "
+                        "or int8 / int4 (a dense checkpoint rounded to Q8_0 / Q4_1 blocks at load: lossy)")
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -61,7 +82,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="independent completions (seeds seed, seed+1, ...)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    _add_precision(p, "float32")
     p.add_argument("--backend", choices=("auto", "native", "hf"), default="auto")
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object per completion")
@@ -93,12 +114,13 @@ def _run_generate(args: argparse.Namespace) -> None:
     if args.n < 1:
         raise SpecdraftError(f"--n must be >= 1, got {args.n}")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    dtype = parse_dtype(args.dtype)
     device = decoding_device(args.device, args.backend, args.drafter)
-    target, tokenizer = load_target(args.target, dtype, args.backend, device=device)
+    quantize = "none" if device != "cpu" and args.quantize == "auto" else args.quantize  # blocks run on the CPU
+    precision = choose_precision(args.target, args.dtype, quantize, torch.float32)
+    target, tokenizer = load_target(args.target, precision.dtype, args.backend, precision.quantize, device=device)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, sampling,
                               eos_token_ids(tokenizer, args.target), tuple(args.stop), args.speculation)
-    drafter = load_drafter(target, tokenizer, args.draft, args.drafter, dtype, args.backend,
+    drafter = load_drafter(target, tokenizer, args.draft, args.drafter, precision.draft_dtype, args.backend,
                            parse_options(args.drafter_option))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     policy = make_policy(target, args.speculation, args.num_draft_tokens, log) if drafter is not None else None
@@ -129,9 +151,12 @@ def _add_demo(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto (default): the dtype fast on this CPU for decoding (bfloat16 with AVX-512 bf16 or the "
-                        "AVX2 row kernel, else float32); "
-                        "identity to plain decoding is checked in float32 beside it")
+                   help="auto (default): the fastest path of this CPU (the built-in GGUF's own blocks through the "
+                        "int8 kernels, else bfloat16 with AVX-512 bf16 or the AVX2 row kernel, else float32); a "
+                        "dense dtype's identity to plain decoding is checked in float32 beside it")
+    p.add_argument("--quantize", choices=QUANTIZE, default="auto",
+                   help="target weights: auto (the built-in GGUF's own blocks where the int8 kernels build, unless "
+                        "--dtype is given), none, gguf, int8 or int4")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.set_defaults(run=_run_demo)
 
@@ -145,7 +170,8 @@ def _run_demo(args: argparse.Namespace) -> None:
     drafters = tuple(name.strip() for name in args.drafters.split(",") if name.strip())
     run_demo(DemoConfig(draft=args.draft, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                         num_draft_tokens=args.num_draft_tokens, dtype=None if args.dtype == "auto" else
-                        parse_dtype(args.dtype), drafters=drafters, speculation=args.speculation))
+                        parse_dtype(args.dtype), drafters=drafters, speculation=args.speculation,
+                        quantize=args.quantize))
 
 
 def _add_bench(sub) -> None:
@@ -171,9 +197,9 @@ def _add_bench(sub) -> None:
                    help="comma-separated policies each speculative method runs with: adaptive (the default; each "
                         "step priced by this machine's costs), fixed (γ always; named NAME+fixed beside adaptive)")
     p.add_argument("--repeats", type=int, default=1, help="timing repeats per question and method")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    _add_precision(p, "bfloat16")
     p.add_argument("--device", default="cpu", help="where the target and draft models run: cpu (default), auto, "
-                                                   "cuda or cuda:N (on CUDA through transformers)")
+                                                   "cuda or cuda:N (on CUDA through transformers, dense weights)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -206,7 +232,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             categories=parse_list(args.categories), per_category=args.per_category,
             max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
             sweep=parse_sweep(args.sweep) if args.sweep else None, repeats=args.repeats, dtype=args.dtype,
-            device=decoding_device(args.device, "auto"),
+            quantize=args.quantize, device=decoding_device(args.device, "auto"),
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             speculation=parse_list(args.speculation) or (),
         )
@@ -218,7 +244,7 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure (or show the cached) forward cost of a model on this machine")
     p.add_argument("--target", default=None, help="model (default: smollm2-135m-instruct)")
     p.add_argument("--draft", help="also a draft model: built-in name, checkpoint folder or cached hub id")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    _add_precision(p, "float32")
     p.add_argument("--refresh", action="store_true", help="measure again even when a cached curve exists")
     p.add_argument("--json", action="store_true", help="print the curves as JSON")
     p.set_defaults(run=_run_calibrate)
@@ -229,9 +255,11 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     from specdraft.costs import cost_curve, describe
     from specdraft.models.registry import SMOLLM2
 
-    dtype = parse_dtype(args.dtype)
-    target, tokenizer = load_target(args.target or SMOLLM2, dtype)
-    models = [target] + ([load_draft_model(target, tokenizer, args.draft, dtype)] if args.draft else [])
+    name = args.target or SMOLLM2
+    precision = choose_precision(name, args.dtype, args.quantize, torch.float32)
+    target, tokenizer = load_target(name, precision.dtype, quantize=precision.quantize)
+    drafts = [load_draft_model(target, tokenizer, args.draft, precision.draft_dtype)] if args.draft else []
+    models = [target, *drafts]
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     curves = [cost_curve(model, refresh=args.refresh, log=log) for model in models]
     if args.json:
@@ -316,7 +344,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    _add_precision(p, "float32")
     p.add_argument("--served-model-name", help="model id clients ask for (default: --target)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
@@ -328,6 +356,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted")
     p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=4, help="most completions per request")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; larger answer 413")
+    p.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="most prompt characters, checked before tokenising (0 = 32 x --max-prompt-tokens)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds in-flight requests get after SIGTERM; the process exits within them")
     online = p.add_argument_group("online distillation (Online Speculative Decoding, Liu et al. 2023)")
     online.add_argument("--online-distill", metavar="DIR",
                         help="keep training the draft model on the served traffic; buffer and drafter saved in DIR")
@@ -351,10 +384,12 @@ def _run_serve(args: argparse.Namespace) -> None:
     options = tuple(parse_options(args.drafter_option).items())
     run_server(ServeConfig(
         target=args.target, draft=args.draft, drafter=args.drafter, drafter_options=options, dtype=args.dtype,
+        quantize=args.quantize,
         served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
         max_draft_batch=args.max_draft_batch, batch_speculation=args.batch_speculation,
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-        max_n=args.max_n, host=args.host, port=args.port, online_distill=_online_config(args),
+        max_n=args.max_n, max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        shutdown_grace=args.shutdown_grace, host=args.host, port=args.port, online_distill=_online_config(args),
     ))
 
 
@@ -384,12 +419,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    message = _run(args)
+    if message is None:
+        return 0
+    gc.collect()  # progress bars the failed command left open are closed (their line ended) before the error line
+    print(f"specdraft: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> str | None:
+    """Run the subcommand; the one line describing the user's error that stopped it, or None."""
     try:
         args.run(args)
     except SpecdraftError as exc:
-        print(f"specdraft: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return str(exc)
+    except OSError as exc:  # unreadable input, unwritable output, a full disk: the environment's, not a bug
+        return os_error(exc)
+    except UnicodeDecodeError as exc:  # a file read where its name was not at hand (named ones are SpecdraftErrors)
+        return f"a file read is {utf8_error(exc)}: {exc.reason}"
+    return None
 
 
 if __name__ == "__main__":

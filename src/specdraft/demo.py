@@ -1,8 +1,10 @@
 """``specdraft demo``: the real target answering built-in chat prompts with plain decoding and each drafter.
 
-It runs in the dtype fast on this CPU for decoding (:func:`fast_dtype`) with adaptive speculation, says what it is
-doing as it goes, and checks that each method's output is identical to plain decoding in float32: in the same run
-when the fast dtype is float32, else in a float32 pass of the same prompts (its first ``check_tokens`` tokens).
+It runs on the fastest path of this CPU with adaptive speculation: the target's own GGUF blocks through the int8
+kernels (:mod:`specdraft.models.quantized`) where they build, else the dense dtype fast here (:func:`fast_dtype`).
+It says what it is doing as it goes and checks that each method's output is identical to plain decoding: in the same
+run on the quantized path (its kernels are row-invariant, so identity holds bit for bit) and in float32, else in a
+float32 pass of the same prompts (their first ``check_tokens`` tokens).
 Below the table, one line per method that is not faster says why, from the measured costs of this machine.
 """
 
@@ -19,7 +21,15 @@ from specdraft.decoding import GenerationConfig, GenerationResult, generate
 from specdraft.drafters import TRAINING_FREE
 from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import DEFAULT_DRAFTERS, SHIPPED, SMOLLM2, eos_token_ids, load_target
+from specdraft.models.registry import (
+    DEFAULT_DRAFTERS,
+    SHIPPED,
+    SMOLLM2,
+    Precision,
+    choose_precision,
+    eos_token_ids,
+    load_target,
+)
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 from specdraft.speculation import make_policy
 
@@ -35,7 +45,8 @@ class DemoConfig:
     num_prompts: int = 4
     max_new_tokens: int = 96
     num_draft_tokens: int = 4
-    dtype: torch.dtype | None = None  # None: the fast dtype of this CPU
+    dtype: torch.dtype | None = None  # None: the fastest path of this CPU (quantized blocks, else the fast dtype)
+    quantize: str = "auto"  # target weights (registry.choose_precision)
     drafters: tuple[str, ...] = DEMO_DRAFTERS  # training-free drafters shown beside the draft model
     speculation: str = "adaptive"
     check_tokens: int = 32  # tokens per prompt of the float32 identity pass (when the fast dtype is not float32)
@@ -51,9 +62,23 @@ def fast_dtype() -> tuple[torch.dtype, str]:
     return (torch.bfloat16 if choice.bf16 else torch.float32), f"{choice.dtype}: {choice.reason}"
 
 
-def _load_methods(config: DemoConfig, dtype: torch.dtype, out) -> tuple[object, object, dict]:
-    out(f"loading {config.target} in {str(dtype).removeprefix('torch.')} ...")
-    target, tokenizer = load_target(config.target, dtype)
+def _precision(config: DemoConfig) -> tuple[Precision, str]:
+    """The run's precision and why: ``quantize`` auto takes a GGUF target's own blocks where the kernels run."""
+    dense, why = (config.dtype, "as asked") if config.dtype is not None else fast_dtype()
+    quantize = config.quantize
+    if quantize == "auto" and config.dtype is None and not rowgemm.available():
+        quantize = "none"  # no int8 kernels here: the fast dense dtype
+    given = "auto" if config.dtype is None else str(config.dtype).removeprefix("torch.")
+    precision = choose_precision(config.target, given, quantize, dense)
+    if precision.quantize is not None:
+        return precision, f"{precision.describe()}: the target's weights as published, int8 dot products"
+    return precision, why
+
+
+def _load_methods(config: DemoConfig, precision: Precision, out) -> tuple[object, object, dict]:
+    out(f"loading {config.target} ({precision.describe()}) ...")
+    target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize)
+    dtype = precision.draft_dtype
     methods = {"plain": None}
     draft = config.draft or DEFAULT_DRAFTERS.get(config.target)
     if draft and (config.draft or (SHIPPED[draft] / "config.json").is_file()):
@@ -87,9 +112,9 @@ def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, specula
 
 def run_demo(config: DemoConfig, out=print) -> list[dict]:
     """Answer the prompts with each method and print the answers and a summary table; return the table rows."""
-    dtype, why = (config.dtype, "as asked") if config.dtype is not None else fast_dtype()
-    out(f"dtype {why}")
-    target, tokenizer, methods = _load_methods(config, dtype, out)
+    precision, why = _precision(config)
+    out(f"precision {why}")
+    target, tokenizer, methods = _load_methods(config, precision, out)
     curve = cost_curve(target, log=out)
     gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, eos_token_ids=eos_token_ids(tokenizer),
                            speculation=config.speculation)
@@ -101,9 +126,9 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
     for prompt, *answers in zip(prompts, *results.values(), strict=True):
         out(f"\n## [{prompt.category}] {prompt.text[:100]}{'...' if len(prompt.text) > 100 else ''}")
         out(tokenizer.decode(answers[0].token_ids, skip_special_tokens=True).strip())
-    identical, how = _identity(config, dtype, ids, results, out)
+    identical, how = _identity(config, precision, ids, results, out)
     rows = [_row(name, rs, results["plain"], identical[name]) for name, rs in results.items()]
-    out(f"\n{config.target}, {str(dtype).removeprefix('torch.')}, greedy, {config.speculation} speculation "
+    out(f"\n{config.target}, {precision.describe()}, greedy, {config.speculation} speculation "
         f"(num_draft_tokens up to {config.num_draft_tokens}), {len(ids)} prompts x {config.max_new_tokens} new "
         f"tokens max; identical to plain: {how}")
     width = max(28, *(len(row["method"]) + 2 for row in rows))
@@ -117,15 +142,19 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
     return rows
 
 
-def _identity(config: DemoConfig, dtype: torch.dtype, ids: list, results: dict, out) -> tuple[dict, str]:
-    """Per method "k/n" prompts whose greedy output equals plain decoding's, checked in float32, and how."""
-    if dtype == torch.float32:
+def _identity(config: DemoConfig, precision: Precision, ids: list, results: dict, out) -> tuple[dict, str]:
+    """Per method "k/n" prompts whose greedy output equals plain decoding's, checked in this run (quantized blocks,
+    float32) or in a float32 pass, and how."""
+    if precision.quantize is not None:
+        checked = results
+        how = f"{precision.quantize} blocks, this run"
+    elif precision.dtype == torch.float32:
         checked = results
         how = "float32, this run"
     else:
         out(f"checking identity in float32 (first {config.check_tokens} tokens of each answer) ...")
-        fp32 = DemoConfig(**{**config.__dict__, "dtype": torch.float32})
-        target, _, methods = _load_methods(fp32, torch.float32, lambda line: None)
+        fp32 = Precision(None, torch.float32, torch.float32)
+        target, _, methods = _load_methods(config, fp32, lambda line: None)
         gen = GenerationConfig(config.check_tokens, config.num_draft_tokens, speculation=config.speculation)
         checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen,
                               config.speculation, out, label="float32 check, ")

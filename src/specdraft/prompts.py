@@ -57,6 +57,11 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Token ids of a prompt; with ``chat`` the text is one user turn in the tokenizer's chat template."""
     if not text or not text.strip():
         raise SpecdraftError("empty prompt")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: bytes that were not UTF-8 on the command line
+        raise SpecdraftError(f"the prompt is not UTF-8 text (character {exc.start + 1} is a lone surrogate, "
+                             f"{text[exc.start]!r})") from None
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise SpecdraftError("--chat needs a tokenizer with a chat template; this one has none")

@@ -12,28 +12,37 @@ import torch
 
 from specdraft.errors import SpecdraftError
 
+# Temperatures below this decode greedily, as vLLM does (its ``_SAMPLING_EPS``): dividing fp32 logits by a smaller
+# positive number can overflow to inf (1e-300 is 0 in fp32), and softmax then gives NaN. The limit T -> 0 of the
+# warped distribution is the argmax (spread over exact ties, where greedy takes the first).
+GREEDY_BELOW = 1e-5
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How to turn logits into a next-token distribution. ``temperature == 0`` means greedy (argmax)."""
+    """How to turn logits into a next-token distribution. ``temperature`` 0 (or below ``GREEDY_BELOW``) means
+    greedy (argmax)."""
 
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 scales logits by 1/temperature"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (so is any value below 1e-5); > 0 scales "
+                                                              "logits by 1/temperature"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens; 0 = off"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus: smallest set with mass >= top_p; 1 = off"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise SpecdraftError(f"temperature must be a number >= 0, got {self.temperature}")
-        if math.isinf(self.temperature):
-            raise SpecdraftError("temperature must be finite, got inf")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        number = (int, float)  # comparisons, unlike math.isnan, take ints of any size; NaN fails every range
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, number) or \
+                not 0 <= self.temperature < _FP32_MAX:
+            raise SpecdraftError(f"temperature must be a number >= 0 and finite in float32 (below {_FP32_MAX:.3g}), "
+                                 f"got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SpecdraftError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, number) or not 0.0 < self.top_p <= 1.0:
             raise SpecdraftError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def warp(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -61,6 +61,13 @@ def test_malformed_question_lines_name_the_line(tmp_path, bad, message):
         load_questions(_write(tmp_path, [GOOD, bad]))
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b'\n{"turns": ["\xe9"]}\n')
+    with pytest.raises(SpecdraftError, match=r"q\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 13\)"):
+        load_questions(path)
+
+
 def test_missing_file_and_reference_and_blank_lines(tmp_path):
     with pytest.raises(SpecdraftError, match="question file not found"):
         load_questions(tmp_path / "nope.jsonl")
@@ -103,7 +110,7 @@ class ScriptedMethod:
     """A fake method answering each turn with fixed words, remembering the prompts it saw."""
 
     name = base = "scripted"
-    num_draft_tokens = param_ratio = None
+    num_draft_tokens = param_ratio = engine = None
 
     def __init__(self, tokenizer, answers):
         self.answers = [tokenizer.convert_tokens_to_ids(a.split()) for a in answers]

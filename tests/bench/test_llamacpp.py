@@ -3,12 +3,12 @@ API) checks the process handling, the request (token ids in, no prompt cache, γ
 counters, and that ``bench`` writes the llama.cpp rows beside specdraft's. tests/engines/ runs the real one."""
 
 import json
-import os
 import sys
 
 import pytest
 
 from specdraft.bench.llamacpp import LlamaServer, completion_payload, find_binary, turn_result
+from specdraft.bench.llamacpp_build import FORMAT, LLAMA_CPP_PYTHON_VERSION, machine, write_build_info
 from specdraft.bench.methods import TurnResult, parse_methods
 from specdraft.cli import main
 from specdraft.decoding import GenerationConfig
@@ -125,7 +125,14 @@ def test_the_server_runs_and_stops(fake_bin, tmp_path):
     assert process.poll() is not None
 
 
+def _build_info(cpu: str) -> dict:
+    return {"format": FORMAT, "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "commit": "0c1e57098",
+            "cmake_options": ["-DGGML_NATIVE=ON"], "machine": {"cpu": cpu, "flags": machine()["flags"]},
+            "amx": {"enabled": False, "probe": "SIGILL: ...", "c_flags": ["-mno-amx-tile"]}}
+
+
 def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path):
+    write_build_info(fake_bin, _build_info(machine()["cpu"]))
     target = save_tiny_checkpoint(tmp_path / "target", seed=0)
     _gguf(target / "model.gguf")
     draft = _gguf(tmp_path / "draft.gguf")
@@ -142,7 +149,22 @@ def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path):
     drafted = methods[f"llama.cpp-draft:{draft}"]["overall"]
     assert drafted["acceptance_rate"] == pytest.approx(3 / 4) and drafted["num_draft_tokens"] == 2
     assert methods["llama.cpp"]["overall"]["greedy_equal"] is False  # reported, not assumed
-    assert os.path.getsize(out / "summary.md") > 0
+    engine = methods["llama.cpp"]["engine"]  # which build answered, in the summary and in every record
+    assert engine["checked"] and engine["commit"] == "0c1e57098" and engine["amx"] is False and engine["repack"]
+    assert "engine" not in methods["ar"]
+    records = [json.loads(line) for line in (out / "answers" / "llama.cpp.jsonl").read_text().splitlines()]
+    assert records and all(r["engine"] == engine for r in records)
+    assert "AMX off (SIGILL: ...), weight repacking on" in (out / "summary.md").read_text()
+
+
+def test_bench_refuses_a_build_made_for_another_cpu(fake_bin, tmp_path, capsys):
+    write_build_info(fake_bin, _build_info("Some Other CPU"))
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    code = main(["bench", "--target", str(target), "--questions", "builtin", "--out", str(tmp_path / "r"),
+                 "--methods", "llama.cpp", "--max-new-tokens", "4", "--dtype", "float32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Some Other CPU" in err[-1] and err[-1].endswith("rerun `make engines`")
 
 
 def test_a_draft_gguf_with_another_tokenizer_is_refused(fake_bin, tmp_path):

@@ -1,7 +1,10 @@
 """The exports in the real engines (``make engines`` first; ``make test-engines`` runs these): llama.cpp loads the
 GGUF export of the shipped drafter and accepts its drafts about as often as specdraft does (within 5 points, greedy,
 γ 4, on held-out ShareGPT prompts), transformers' assisted generation with the hf export equals plain greedy in
-fp32, and the speculators package accepts the speculators export. Skipped when an engine is not built."""
+fp32, and the speculators package accepts the speculators export. The llama.cpp build fits this machine: its build
+info matches this CPU and ``llama-bench`` processes a prompt with weight repacking on (where AMX is reported but
+not usable, a build with AMX dies there with SIGILL). Skipped when an engine is not built; a build made for another
+machine fails."""
 
 import json
 import subprocess
@@ -27,7 +30,23 @@ def llama_server():
     try:
         return find_binary("llama-server")
     except SpecdraftError as exc:
+        if "is not built" not in str(exc):
+            raise
         pytest.skip(str(exc))
+
+
+def test_the_llama_cpp_build_fits_this_machine_and_processes_prompts_with_repacking(llama_server):
+    """Two threads, a 16-token prompt (a batch: ggml's AMX path where AMX is on) and 4 generated tokens."""
+    from specdraft.bench.llamacpp_build import build_summary, check_build
+    from specdraft.models.gguf_files import target_gguf_file
+
+    info = check_build(llama_server.parent)
+    assert info is not None and build_summary(info)["repack"]
+    done = subprocess.run([str(llama_server.parent / "llama-bench"), "-m", str(target_gguf_file(SMOLLM2)), "-t", "2",
+                           "-p", "16", "-n", "4", "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)
+    assert {(r["n_prompt"], r["n_gen"]) for r in rows} == {(16, 0), (0, 4)} and all(r["avg_ts"] > 0 for r in rows)
 
 
 @pytest.fixture(scope="module")

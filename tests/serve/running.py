@@ -34,3 +34,28 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+def start_cli_server(log, *args: str, timeout: float = 180):
+    """``specdraft serve ARGS`` in a process of its own on a free loopback port, its output in the file ``log``
+    (a pipe nobody reads would fill and block it), once /health answers: (process, url). The caller stops it."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "specdraft.cli", "serve", "--port", str(port), *args]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"server did not start: {open(log).read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)

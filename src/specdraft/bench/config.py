@@ -9,7 +9,7 @@ from specdraft.bench.questions import BUILTIN, CATEGORY_TO_SUBTASK, SUBTASKS
 from specdraft.decoding import GenerationConfig
 from specdraft.drafters import TRAINING_FREE
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import SMOLLM2, parse_dtype
+from specdraft.models.registry import DTYPE_CHOICES, QUANTIZE, SMOLLM2
 from specdraft.sampling import SamplingConfig
 from specdraft.speculation import SPECULATION
 
@@ -35,7 +35,9 @@ class BenchConfig:
     num_draft_tokens: int = field(default=4, metadata={"help": "γ for every speculative method (without a sweep)"})
     sweep: tuple[int, ...] | None = field(default=None, metadata={"help": "γ values to sweep (num_draft_tokens=...)"})
     repeats: int = field(default=1, metadata={"help": "timing repeats per (question, method)"})
-    dtype: str = field(default="bfloat16", metadata={"help": "float32 or bfloat16, for every model"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (a GGUF target's own blocks, else bfloat16), float32 or bfloat16 (dense target and drafters)"})
+    quantize: str = field(default="auto", metadata={"help": "target weights: auto, none, gguf, int8 or int4"})
     device: str = field(default="cpu", metadata={"help": "where the target and draft models run (cpu, cuda:N)"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     top_k: int = field(default=0, metadata={"help": "0 = off"})
@@ -46,7 +48,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "methods", tuple(parse_methods(self.methods)))
-        parse_dtype(self.dtype)
+        if self.dtype not in DTYPE_CHOICES or self.quantize not in QUANTIZE:
+            raise SpecdraftError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} and quantize one of "
+                                 f"{', '.join(QUANTIZE)}, got {self.dtype!r} and {self.quantize!r}")
         GenerationConfig(self.max_new_tokens, self.num_draft_tokens, self.sampling)  # validates all three
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise SpecdraftError(f"repeats must be an integer >= 1, got {self.repeats}")

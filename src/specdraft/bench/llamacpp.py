@@ -10,7 +10,9 @@ proposed / accepted). Greedy is llama.cpp's greedy sampler (``temperature`` 0); 
 (``speculative.n_max``, ``speculative.p_min`` 0: no confidence cut-off, like ``hf-assisted``).
 
 The binaries come from ``make engines`` (llama.cpp from the ``llama-cpp-python`` sdist, built once into the cache
-folder); ``$SPECDRAFT_LLAMA_CPP_BIN`` names another folder holding ``llama-server``.
+folder for this machine); ``$SPECDRAFT_LLAMA_CPP_BIN`` names another folder holding ``llama-server``. A build with
+specdraft's build info is checked against this machine before its server starts, and what it is (commit, options,
+AMX, weight repacking) goes into the method's records (:mod:`specdraft.bench.llamacpp_build`).
 """
 
 from __future__ import annotations
@@ -30,28 +32,27 @@ from pathlib import Path
 
 import torch
 
+from specdraft.bench.llamacpp_build import build_summary, check_build, engines_bin_dir
 from specdraft.decoding import GenerationConfig
 from specdraft.errors import SpecdraftError
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 CONTEXT = 8192  # tokens of KV cache per server (prompt and answer of the longest turn)
 START_TIMEOUT = 180.0  # seconds to wait for a server to load its models
 
 
 def llama_cpp_bin_dir() -> Path:
     """Folder of the llama.cpp binaries: ``$SPECDRAFT_LLAMA_CPP_BIN``, else the cache build of ``make engines``."""
-    from specdraft.models.registry import cache_dir
-
     if os.environ.get("SPECDRAFT_LLAMA_CPP_BIN"):
         return Path(os.environ["SPECDRAFT_LLAMA_CPP_BIN"]).expanduser()
-    source = cache_dir() / "engines" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-    return source / "build" / "bin"
+    return engines_bin_dir()
 
 
 def find_binary(name: str) -> Path:
-    """A llama.cpp program (``llama-server``, ...) from the engines build, else from PATH."""
+    """A llama.cpp program (``llama-server``, ...) from the engines build (checked against this machine:
+    :func:`check_build`), else from PATH."""
     path = llama_cpp_bin_dir() / name
     if path.is_file() and os.access(path, os.X_OK):
+        check_build(path.parent)
         return path
     found = shutil.which(name)
     if found:
@@ -78,13 +79,19 @@ def _stop(process: subprocess.Popen, log) -> None:
 
 
 class LlamaServer:
-    """A ``llama-server`` subprocess serving ``model`` (with draft model ``draft`` when given) on localhost."""
+    """A ``llama-server`` subprocess serving ``model`` (with draft model ``draft`` when given) on localhost.
+
+    ``build`` is what the benchmark records of the program's build (:func:`build_summary`, after
+    :func:`check_build`). The server keeps llama.cpp's defaults otherwise, weight repacking included.
+    """
 
     def __init__(self, model: Path, draft: Path | None = None, threads: int | None = None,
                  context: int = CONTEXT) -> None:
         threads = threads or torch.get_num_threads()
+        binary = find_binary("llama-server")
+        self.build = build_summary(check_build(binary.parent)) | {"threads": threads}
         self.port = _free_port()
-        command = [str(find_binary("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+        command = [str(binary), "-m", str(model), "--host", "127.0.0.1",
                    "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(context),
                    "-np", "1", "--temp", "0", "--no-webui"]
         if draft is not None:

@@ -30,6 +30,7 @@ from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_options
 from specdraft.drafters.loading import load_draft_model, load_drafter
 from specdraft.errors import SpecdraftError
+from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import load_model
 from specdraft.speculation import make_policy
 
@@ -57,13 +58,15 @@ class Method(Protocol):
 
     ``num_draft_tokens`` is γ (None when the method drafts nothing); ``param_ratio`` is draft parameters / target
     parameters (0 for a training-free drafter, None when the method drafts nothing); ``base`` is the name before a
-    sweep suffix.
+    sweep suffix; ``engine`` describes the build of another program that answers (llama.cpp), None for specdraft's
+    and transformers' methods.
     """
 
     name: str
     base: str
     num_draft_tokens: int | None
     param_ratio: float | None
+    engine: dict | None
 
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         """Generate after ``prompt_ids`` (batch 1) under ``config`` (its num_draft_tokens is replaced by γ)."""
@@ -72,6 +75,8 @@ class Method(Protocol):
 
 def count_parameters(model) -> int:
     """Unique parameters of a CausalLM (native module or transformers adapter)."""
+    if isinstance(model, NativeLlama):
+        return model.parameter_count
     module = model if hasattr(model, "parameters") else model.model
     return sum(p.numel() for p in module.parameters())
 
@@ -86,6 +91,7 @@ class SpecdraftMethod:
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+    engine: dict | None = None
     speculation: str = "adaptive"  # specdraft.speculation: "adaptive" or "fixed"
     policy: object | None = field(default=None, repr=False)  # made on first use, learns across answers
 
@@ -118,6 +124,7 @@ class HFMethod:
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+    engine: dict | None = None
     calls: int = field(default=0, repr=False)  # target forward calls of the current answer
 
     def __post_init__(self) -> None:
@@ -165,6 +172,11 @@ class LlamaCppMethod:
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+
+    @property
+    def engine(self) -> dict:
+        """The server's llama.cpp build (:func:`specdraft.bench.llamacpp_build.build_summary`)."""
+        return self.server.build
 
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         from specdraft.bench.llamacpp import completion_payload, turn_result

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError, json_error
+from specdraft.files import text_lines
 from specdraft.prompts import BUILTIN_PROMPTS
 
 BUILTIN = "builtin"
@@ -95,15 +96,14 @@ def load_questions(source: str | Path) -> list[Question]:
     if not path.is_file():
         raise SpecdraftError(f"question file not found: {path}")
     questions, seen = [], set()
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            question = _parse_line(line, f"{path}, line {number}")
-            if question.question_id in seen:
-                raise SpecdraftError(f"{path}, line {number}: duplicate question_id {question.question_id!r}")
-            seen.add(question.question_id)
-            questions.append(question)
+    for number, line in text_lines(path):
+        if not line.strip():
+            continue
+        question = _parse_line(line, f"{path}, line {number}")
+        if question.question_id in seen:
+            raise SpecdraftError(f"{path}, line {number}: duplicate question_id {question.question_id!r}")
+        seen.add(question.question_id)
+        questions.append(question)
     if not questions:
         raise SpecdraftError(f"question file has no questions: {path}")
     return questions

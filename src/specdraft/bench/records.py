@@ -3,10 +3,11 @@
 Records follow Spec-Bench's model_answer files (``question_id``, ``category``, ``answer_id``, ``model_id``,
 ``tstamp``, ``choices: [{"index", "turns", "new_tokens", "wall_time", "accept_lengths", "decoding_steps"}]``) plus
 our fields: ``subtask``, ``method`` (the name before a sweep suffix), ``repeat``, ``num_draft_tokens``,
-``param_ratio``, and in the choice, per turn: ``token_ids``, ``finish_reason``, ``draft_seconds``,
-``verify_seconds``, ``prefill_seconds``, ``draft_tokens_proposed``, ``draft_tokens_accepted``,
-``accepted_per_position``, ``reached_per_position``. A per-turn list is null when the method cannot measure that
-quantity.
+``param_ratio``, ``engine`` (the build of another program that answered, e.g. llama.cpp's commit, options, AMX and
+weight repacking; null for specdraft's and transformers' methods), and in the choice, per turn: ``token_ids``,
+``finish_reason``, ``draft_seconds``, ``verify_seconds``, ``prefill_seconds``, ``draft_tokens_proposed``,
+``draft_tokens_accepted``, ``accepted_per_position``, ``reached_per_position``. A per-turn list is null when the
+method cannot measure that quantity.
 
 Each record is appended and flushed on its own, so an interrupted run keeps what it finished; a last line cut by a
 kill is dropped on reading (and cut off the file before appending again).
@@ -63,7 +64,7 @@ def make_record(question: Question, method: Method, repeat: int, turns: Sequence
         "question_id": question.question_id, "category": question.category, "subtask": question.subtask,
         "answer_id": uuid.uuid4().hex, "model_id": method.name, "tstamp": time.time(), "method": method.base,
         "repeat": repeat, "num_draft_tokens": method.num_draft_tokens, "param_ratio": method.param_ratio,
-        "choices": [choice],
+        "engine": method.engine, "choices": [choice],
     }
 
 

@@ -21,6 +21,9 @@ Metrics of a method over a set of answers (``M`` in summary.json), all sums over
 - ``greedy_equal``: under greedy decoding, whether every answer's token ids equal ``ar``'s for the same question;
   null under sampling, or when no answer could be compared. ``greedy_equal_answers`` = {"equal", "compared"}.
 - ``num_draft_tokens`` (γ, null for methods that draft nothing) and ``n`` (questions answered).
+
+A method answered by another program (llama.cpp) also carries ``engine``, its build as its records give it
+(:func:`specdraft.bench.llamacpp_build.build_summary`), beside ``overall`` and ``subtasks``.
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ def make_setup(run_info: dict) -> dict:
     temperature = config.get("temperature", 0.0)
     return {
         "target": config.get("target"),
-        "dtype": config.get("dtype"),
+        "dtype": run_info.get("precision") or config.get("dtype"),
         "sampling": {"greedy": temperature == 0.0, "temperature": temperature, "top_k": config.get("top_k"),
                      "top_p": config.get("top_p"), "seed": config.get("seed")},
         "max_new_tokens": config.get("max_new_tokens"),
@@ -255,7 +258,8 @@ def _best_num_draft_tokens(methods: dict) -> None:
 
 
 def summarize(records: Sequence[dict], run_info: dict) -> dict:
-    """summary.json: ``{"setup": {...}, "methods": {NAME: {"overall": M, "subtasks": {SUBTASK: M}}}}``."""
+    """summary.json: ``{"setup": {...}, "methods": {NAME: {"overall": M, "subtasks": {SUBTASK: M}}}}`` (plus
+    ``"engine"`` for a method another program answered)."""
     setup = make_setup(run_info)
     greedy = setup["sampling"]["greedy"]
     by_method: dict = defaultdict(list)
@@ -271,6 +275,8 @@ def summarize(records: Sequence[dict], run_info: dict) -> dict:
             "subtasks": {s: metrics([r for r in mine if r["subtask"] == s],
                                     [r for r in baseline if r["subtask"] == s], greedy) for s in subtasks},
         }
+        if mine[-1].get("engine"):
+            methods[name]["engine"] = mine[-1]["engine"]
     _best_num_draft_tokens(methods)
     return {"setup": setup, "methods": methods}
 
@@ -311,6 +317,28 @@ def _subtask_table(methods: dict, key: str, digits: int = 2, suffix: str = "") -
     return rows
 
 
+def _engine_lines(methods: dict) -> list[str]:
+    """One line per method another program answered: its build, as recorded."""
+    lines = []
+    for name, m in methods.items():
+        e = m.get("engine")
+        if not e:
+            continue
+        if not e.get("checked"):
+            lines.append(f"`{name}`: {e.get('note', 'build unknown')}, weight repacking {_on(e.get('repack'))}.")
+            continue
+        flags = " ".join(e.get("c_flags") or []) or "none"
+        lines.append(f"`{name}`: llama.cpp {e.get('commit')} (llama-cpp-python {e.get('llama_cpp_python')}), "
+                     f"native flags, extra flags {flags}, AMX {_on(e.get('amx'))} ({e.get('amx_probe')}), "
+                     f"weight repacking {_on(e.get('repack'))}, {e.get('threads', '?')} threads; built for "
+                     f"{e.get('cpu')}.")
+    return [*lines, ""] if lines else []
+
+
+def _on(value) -> str:
+    return "on" if value else "off"
+
+
 def render_markdown(summary: dict) -> str:
     """summary.md: the setup in one line, the overall table, per-subtask tables of speed-up (wall and decode-only),
     τ and tokens/s."""
@@ -324,6 +352,7 @@ def render_markdown(summary: dict) -> str:
         f"Target {s['target']}, {s['dtype']}, {sampling}, max_new_tokens {s['max_new_tokens']}, "
         f"num_draft_tokens (γ) {gammas}, repeats {s['repeats']}; "
         f"{hardware.get('cpu', '?')}, {hardware.get('threads', '?')} threads.", "",
+        *_engine_lines(methods),
         "## Overall", "", *_overall_table(methods), "",
         "## Speed-up over ar by subtask", "", *_subtask_table(methods, "speedup", 2, "x"), "",
         "## Decode-only speed-up over ar by subtask (prefill excluded)", "",

@@ -37,7 +37,7 @@ from specdraft.bench.report import write_report
 from specdraft.costs import cost_curve
 from specdraft.decoding import GenerationConfig
 from specdraft.hardware import cpu_model
-from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
+from specdraft.models.registry import choose_precision, eos_token_ids, load_target
 
 WARMUP_TOKENS = 8
 
@@ -112,9 +112,11 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
     sha = None if config.questions in GENERATED_SOURCES else file_sha256(config.questions)
     run_info = _run_info(config, sha, command)
     check_out(out, run_info, overwrite)
-    dtype = parse_dtype(config.dtype)
-    target, tokenizer = load_target(config.target, dtype, device=config.device)
-    ctx = BuildContext(target, tokenizer, config.target, dtype, speculations=config.speculation,
+    quantize = "none" if config.device != "cpu" and config.quantize == "auto" else config.quantize  # blocks: CPU
+    precision = choose_precision(config.target, config.dtype, quantize, torch.bfloat16)
+    run_info["precision"] = precision.describe()
+    target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize, device=config.device)
+    ctx = BuildContext(target, tokenizer, config.target, precision.draft_dtype, speculations=config.speculation,
                        device=config.device)
     methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)
     run_info["cost_curve"] = cost_curve(target, log=lambda line: print(line, file=sys.stderr, flush=True)).to_dict()

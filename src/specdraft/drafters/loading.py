@@ -26,7 +26,9 @@ def load_drafter(
     """A drafter from a draft model name/path (checked for compatibility; options ``tree_branching``,
     ``tree_nodes`` turn on its tree mode) or a training-free drafter name, with ``options`` (``{KEY: VALUE}``
     strings). A draft model folder may hold ``drafter_options.json``, the options it was measured best with
-    (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them."""
+    (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override them.
+    ``quantize=int8`` or ``int4`` runs a native Llama draft model on block-quantized weights (its draft vocabulary's
+    head rows too): drafting gets cheaper, acceptance may move, the target's output never changes."""
     if draft and drafter:
         raise SpecdraftError("give either a draft model or a training-free drafter, not both")
     if drafter:
@@ -39,9 +41,10 @@ def load_drafter(
         return None
     from specdraft.models.registry import resolve
 
-    model = load_draft_model(target, target_tokenizer, draft, dtype, backend)
     folder = resolve(draft)
     options = folder_options(folder) | dict(options or {})
+    quantize = options.pop("quantize", None)
+    model = load_draft_model(target, target_tokenizer, draft, dtype, backend, quantize)
     keep = None
     if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
         from specdraft.draft_vocab import draft_subset
@@ -50,18 +53,39 @@ def load_drafter(
     return build(DraftModelDrafter, options, model=model, name=f"draft:{draft}", keep=keep)
 
 
+def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
+    """A native Llama draft model on block-quantized weights (``int8``: Q8_0, ``int4``: Q4_1 layers)."""
+    from specdraft.models.native_llama import NativeLlama
+    from specdraft.models.quantized_llama import SCHEMES, QuantizedLlama
+
+    if scheme not in SCHEMES:
+        raise SpecdraftError(f"drafter option quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if not isinstance(model, NativeLlama) or isinstance(model, QuantizedLlama):
+        raise SpecdraftError(f"quantize={scheme} needs a dense Llama-family draft model; {model.name} is not one")
+    quantized = QuantizedLlama.from_dense(model, scheme)
+    quantized.name = model.name
+    return quantized
+
+
 def load_draft_model(
-    target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto"
+    target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
+    quantize: str | None = None,
 ) -> CausalLM:
     """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint), on the
-    target's device; one that shares the target's token embeddings gets them from ``target``."""
+    target's device; one that shares the target's token embeddings gets them from ``target``. ``quantize`` (``int8``,
+    ``int4``) rounds a native Llama draft model's weights to blocks at load
+    (:class:`~specdraft.models.quantized_llama.QuantizedLlama`).
+    """
     from specdraft.models.registry import resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     folder = resolve(draft)
     shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
     device = getattr(target, "device", None) or "cpu"  # an HFCausalLM on CUDA: its drafter decodes there too
-    model = load_model(draft, dtype, backend, embeddings_for(folder, target, draft) if shared else None, device=device)
+    model = load_model(draft, torch.float32 if quantize else dtype, backend,
+                       embeddings_for(folder, target, draft) if shared else None, device=device)
+    if quantize:
+        model = quantize_draft(model, quantize)
     try:
         draft_tokenizer = load_tokenizer(draft)
     except SpecdraftError:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _attention_mask, _rope_table, _Step
+from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _attention_mask, _Step, rope_table
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias")
@@ -100,7 +100,7 @@ class EagleHead(nn.Module):
         nn.init.normal_(self.fc.weight, 0.0, 0.02)
         nn.init.zeros_(self.fc.bias)
         self.layer = _EagleLayer(self.config)
-        cos, sin = _rope_table(self.config, torch.float32)
+        cos, sin = rope_table(self.config, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import _llama_config, step_layout
-from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _rope_table, _rotate, _Step
+from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _rotate, _Step, rope_table
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -139,7 +139,7 @@ class Eagle3Head(nn.Module):
         ids = ids.sort().values
         self.register_buffer("d2t", ids - torch.arange(draft))  # (N,): target id = i + d2t[i]
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True))  # (V,)
-        cos, sin = _rope_table(self.config, torch.float32)
+        cos, sin = rope_table(self.config, torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
 

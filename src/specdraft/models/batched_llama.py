@@ -101,12 +101,12 @@ def new_batched_cache(model, max_rows: int, capacity: int) -> BatchedKVCache:
         raise SpecdraftError(f"batch size must be at least 1, got {max_rows}")
     config = model.config
     return BatchedKVCache(config.num_hidden_layers, max_rows, config.num_key_value_heads, capacity, config.head_dim,
-                          model.dtype, model.embed_weight.device)
+                          model.dtype, model.rope_cos.device)
 
 
 def supports_batching(model) -> bool:
     """Whether ``model`` runs ragged batched forwards (the native Llama does; other models decode one at a time)."""
-    return all(hasattr(model, name) for name in ("layers", "embed_weight", "lm_head_weight", "rope_cos"))
+    return all(hasattr(model, name) for name in ("layers", "embed_tokens", "lm_head", "rope_cos"))
 
 
 def _rope(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +120,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _project(layer, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Projection ``name`` of a decoder layer: ``F.linear`` on dense weights, the block kernel on quantized ones."""
+    if layer.quantized:
+        return layer.linear(name, x)
+    return F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
+
+
 def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope, mask: torch.Tensor) -> torch.Tensor:
     """One pre-norm Llama block over (n, T, D) with grouped-query attention of the folded queries (as the batch-1
     path does) under the per-row mask (n, 1, G*T, S)."""
@@ -127,7 +134,7 @@ def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope,
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     groups = heads // kv_heads
     normed = F.rms_norm(hidden, layer.attn_norm.shape, layer.attn_norm, layer.eps)  # (n, T, D)
-    qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias).view(batch, steps, -1, head_dim)  # (n, T, H+2K, hd)
+    qkv = _project(layer, "qkv", normed).view(batch, steps, -1, head_dim)  # (n, T, H+2K, hd)
     rotated = _rotate(qkv[:, :, : heads + kv_heads], *rope)  # (n, T, H+K, hd)
     queries, new_keys = rotated.split((heads, kv_heads), dim=2)  # (n, T, H, hd), (n, T, K, hd)
     keys, values = cache.write(index, new_keys, qkv[:, :, heads + kv_heads :])  # (n, K, S, hd)
@@ -135,10 +142,10 @@ def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope,
     folded = folded.reshape(batch, kv_heads, groups * steps, head_dim)  # (n, K, G*T, hd)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # (n, K, G*T, hd)
     out = out.reshape(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, steps, -1)
-    hidden = hidden + F.linear(out, layer.o_weight, layer.o_bias)  # (n, T, D)
+    hidden = hidden + _project(layer, "o", out)  # (n, T, D)
     normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
-    gate, up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)  # (n, T, F) each
-    return hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)  # (n, T, D)
+    gate, up = _project(layer, "gate_up", normed).chunk(2, dim=-1)  # (n, T, F) each
+    return hidden + _project(layer, "down", F.silu(gate) * up)  # (n, T, D)
 
 
 def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int, groups: int) -> torch.Tensor:
@@ -192,14 +199,13 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
     if local_mask is None:
         local_mask = torch.ones(steps, steps, dtype=torch.bool).tril().expand(batch, steps, steps)
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = _full_mask(lengths, local_mask, cache._end, groups).to(model.embed_weight.device)
+    mask = _full_mask(lengths, local_mask, cache._end, groups).to(model.rope_cos.device)
     rope = _rope(model, positions.to(model.rope_cos.device))
-    hidden = F.embedding(input_ids, model.embed_weight)  # (n, T, D)
+    hidden = model.embed_tokens(input_ids)  # (n, T, D)
     for index, layer in enumerate(model.layers):
         hidden = _layer(layer, hidden, cache, index, rope, mask)
     cache.end_forward(num_new)
     hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
-    weight = model.lm_head_weight if logits_weight is None else logits_weight
     head_in = hidden[torch.arange(batch), torch.tensor(num_new) - 1][:, None] if last_only else hidden  # (n, 1|T, D)
-    logits = F.linear(head_in, weight).float() if want_logits else None  # (n, 1 or T, V)
+    logits = model.lm_head(head_in, logits_weight, prepacked=False) if want_logits else None  # (n, 1 or T, V)
     return (logits, hidden) if return_hidden else logits

@@ -12,19 +12,16 @@ TOKENIZER_PREFIX = "tokenizer."
 
 def target_gguf_file(target: str, explicit: str | Path | None = None) -> Path:
     """The GGUF of ``target``: ``explicit`` when given, the built-in model's file, or the one .gguf in its folder."""
-    from specdraft.models.registry import BUILTINS, _package_dir, resolve
+    from specdraft.models.registry import BUILTINS, gguf_file, resolve
 
     if explicit:
         path = Path(explicit).expanduser()
-    elif target in BUILTINS:
-        path = _package_dir(BUILTINS[target].package) / BUILTINS[target].gguf_file
     else:
-        folder = resolve(target)
-        found = sorted(Path(folder).glob("*.gguf")) if isinstance(folder, Path) else []
-        if len(found) != 1:
+        folder = target if target in BUILTINS else resolve(target)
+        path = gguf_file(str(folder)) if isinstance(folder, Path | str) else None
+        if path is None:
             raise SpecdraftError(f"no GGUF file for target {target!r}: a built-in target, or a folder holding "
                                  "exactly one .gguf, or pass its GGUF file (--target-gguf)")
-        path = found[0]
     if not path.is_file():
         raise SpecdraftError(f"target GGUF not found: {path}")
     return path

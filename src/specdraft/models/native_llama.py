@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specdraft.models.packed as packing
+import specdraft.models.quantized as quantization
 import specdraft.models.rowgemm as rowgemm
 from specdraft.errors import SpecdraftError
 
@@ -67,7 +68,7 @@ def supports(config) -> bool:
     return _unsupported_reason(config) is None
 
 
-def _check_supported(config, source: str) -> None:
+def check_supported(config, source: str) -> None:
     reason = _unsupported_reason(config)
     if reason is not None:
         raise SpecdraftError(f"unsupported model {source}: {reason}")
@@ -85,7 +86,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def _rope_table(config, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(config, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's rotary angles, each (max_context, hd/2), computed in fp32."""
     rope = _rope_parameters(config)
     dim = config.head_dim
@@ -251,33 +252,39 @@ def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     """One pre-norm Llama block with fused q/k/v and gate/up projections."""
 
-    def __init__(self, config, dtype: torch.dtype) -> None:
+    def __init__(self, config, dtype: torch.dtype, dense: bool = True) -> None:
+        """``dense`` False leaves the four weight matrices out: :attr:`quantized` holds them instead
+        (:class:`specdraft.models.quantized_llama.QuantizedLlama`)."""
         super().__init__()
         hidden, head_dim, ffn = config.hidden_size, config.head_dim, config.intermediate_size
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim
         self.eps = config.rms_norm_eps
         qkv = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        sizes = {"qkv": (qkv, hidden), "o": (hidden, self.num_heads * head_dim), "gate_up": (2 * ffn, hidden),
+                 "down": (hidden, ffn)}
+        biased = {"qkv": config.attention_bias, "o": config.attention_bias, "gate_up": config.mlp_bias,
+                  "down": config.mlp_bias}
         self.attn_norm = _weight(hidden, dtype=dtype)
-        self.qkv_weight = _weight(qkv, hidden, dtype=dtype)
-        self.qkv_bias = _weight(qkv, dtype=dtype) if config.attention_bias else None
-        self.o_weight = _weight(hidden, self.num_heads * head_dim, dtype=dtype)
-        self.o_bias = _weight(hidden, dtype=dtype) if config.attention_bias else None
         self.mlp_norm = _weight(hidden, dtype=dtype)
-        self.gate_up_weight = _weight(2 * ffn, hidden, dtype=dtype)
-        self.gate_up_bias = _weight(2 * ffn, dtype=dtype) if config.mlp_bias else None
-        self.down_weight = _weight(hidden, ffn, dtype=dtype)
-        self.down_bias = _weight(hidden, dtype=dtype) if config.mlp_bias else None
+        for name, (rows, cols) in sizes.items():
+            setattr(self, f"{name}_weight", _weight(rows, cols, dtype=dtype) if dense else None)
+            setattr(self, f"{name}_bias", _weight(rows, dtype=dtype) if biased[name] else None)
         self.packed: dict[str, packing.PackedWeight] = {}  # name -> weight prepared once (NativeLlama.prepack)
+        self.quantized: dict[str, quantization.QuantizedWeight] = {}  # name -> block-quantized weight (not dense)
 
     def prepack(self, kind: str | None = None) -> None:
         """Pack this layer's four weight matrices for this CPU's kernels (:mod:`specdraft.models.packed`)."""
         packed = {name: packing.pack(getattr(self, f"{name}_weight"), kind) for name in ("qkv", "o", "gate_up", "down")}
         self.packed = {name: weight for name, weight in packed.items() if weight is not None}
 
-    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
-        return packing.linear(x, weight, bias, self.packed.get(name))
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Projection ``name`` (qkv, o, gate_up or down) of x (..., in) -> (..., out), with its bias."""
+        bias = getattr(self, f"{name}_bias")
+        if self.quantized:
+            out = quantization.linear(x, self.quantized[name])  # (..., out) fp32
+            return out if bias is None else out + bias
+        return packing.linear(x, getattr(self, f"{name}_weight"), bias, self.packed.get(name))
 
     def forward(self, hidden: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); writes this layer's keys and values for the new positions into ``cache``."""
@@ -289,15 +296,15 @@ class DecoderLayer(nn.Module):
     def _attention(self, x: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
         batch, steps, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self._linear("qkv", x).view(batch, steps, -1, self.head_dim)  # (B, T, H+2K, hd)
+        qkv = self.linear("qkv", x).view(batch, steps, -1, self.head_dim)  # (B, T, H+2K, hd)
         rotated = _rotate(qkv[:, :, : heads + kv_heads], step.cos, step.sin)  # (B, T, H+K, hd)
         queries, new_keys = rotated.split((heads, kv_heads), dim=2)  # (B, T, H, hd), (B, T, K, hd)
         keys, values = cache.write(index, step.start, new_keys, qkv[:, :, heads + kv_heads :])  # (B, K, S, hd)
-        return self._linear("o", _attend(queries, keys, values, step))  # (B, T, D)
+        return self.linear("o", _attend(queries, keys, values, step))  # (B, T, D)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear("gate_up", x).chunk(2, dim=-1)  # (B, T, F) each
-        return self._linear("down", F.silu(gate) * up)  # (B, T, D)
+        gate, up = self.linear("gate_up", x).chunk(2, dim=-1)  # (B, T, F) each
+        return self.linear("down", F.silu(gate) * up)  # (B, T, D)
 
 
 def _layer_layout(config, index: int) -> Layout:
@@ -357,7 +364,7 @@ class NativeLlama(nn.Module):
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, name: str = "llama") -> None:
         super().__init__()
-        _check_supported(config, name)
+        check_supported(config, name)
         self.config = config
         self.name = name
         self.dtype = dtype
@@ -369,7 +376,7 @@ class NativeLlama(nn.Module):
         self.norm_weight = _weight(config.hidden_size, dtype=dtype)
         tied = config.tie_word_embeddings
         self.lm_head_weight = self.embed_weight if tied else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
-        cos, sin = _rope_table(config, dtype)
+        cos, sin = rope_table(config, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)  # (P, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (P, hd/2)
         self.packed_head: packing.PackedWeight | None = None  # the LM head prepared once (prepack)
@@ -391,6 +398,11 @@ class NativeLlama(nn.Module):
         head = self.packed_head or next((p for layer in self.layers for p in layer.packed.values()), None)
         return "none" if head is None else head.kind
 
+    @property
+    def parameter_count(self) -> int:
+        """Weights of the model (a tied table counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
     @classmethod
     def from_hf(cls, model, dtype: torch.dtype | None = None) -> NativeLlama:
         """Copy the weights of an in-memory transformers ``LlamaForCausalLM`` (in its dtype unless given)."""
@@ -410,8 +422,8 @@ class NativeLlama(nn.Module):
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise SpecdraftError(f"checkpoint folder not found: {folder}")
-        config = _read_config(folder)
-        _check_supported(config, str(folder))
+        config = read_config(folder)
+        check_supported(config, str(folder))
         native = cls(config, dtype=dtype, name=name or folder.name)
         native.load_checkpoint_tensors(_read_weights(folder) | (extra_tensors or {}), source=str(folder))
         return native
@@ -489,7 +501,7 @@ class NativeLlama(nn.Module):
             step = self._step(cache.length, steps)
         else:
             step = self._tree_step(cache.length, steps, positions, attention_mask)
-        hidden = F.embedding(input_ids, self.embed_weight)  # (B, T, D)
+        hidden = self.embed_tokens(input_ids)  # (B, T, D)
         aux: list[torch.Tensor] = []
         if hidden_layers is not None:
             if layers is not None:
@@ -501,13 +513,23 @@ class NativeLlama(nn.Module):
             hidden = self._run_layer_subset(hidden, cache, step, self._check_layers(layers))
         cache.advance(steps)
         hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
-        weight = self.lm_head_weight if logits_weight is None else logits_weight
         rows = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden  # (B, k, D) or (B, T, D)
-        head = self.packed_head if logits_weight is None else None
-        logits = packing.linear(rows, weight, None, head).float()  # (B, T or k, V) or (B, T or k, N)
+        logits = self.lm_head(rows, logits_weight)  # (B, T or k, V) or (B, T or k, N)
         if aux:
             hidden = torch.cat(aux, dim=-1)  # (B, T, k*D)
         return (logits, hidden) if return_hidden else logits
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ids (...) -> (..., D) in the model's dtype."""
+        return F.embedding(input_ids, self.embed_weight)
+
+    def lm_head(self, rows: torch.Tensor, logits_weight: torch.Tensor | None = None, prepacked: bool = True
+                ) -> torch.Tensor:
+        """Logits (..., V) float32 of final-normed hidden states (..., D); ``logits_weight`` (N, D) replaces the head
+        (then (..., N)). ``prepacked`` False multiplies with ``F.linear`` (the batched forward's products)."""
+        weight = self.lm_head_weight if logits_weight is None else logits_weight
+        head = self.packed_head if logits_weight is None and prepacked else None
+        return packing.linear(rows, weight, None, head).float()
 
     def _step(self, start: int, steps: int) -> _Step:
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
@@ -581,7 +603,7 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _read_config(folder: Path):
+def read_config(folder: Path):
     """The folder's transformers config (any architecture: the caller checks it is Llama)."""
     from transformers import AutoConfig
 

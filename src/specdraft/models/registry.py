@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from specdraft.errors import SpecdraftError
 from specdraft.files import cache_dir
@@ -25,6 +26,8 @@ from specdraft.models.base import CausalLM
 
 SMOLLM2 = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# what transformers' from_pretrained raises for a missing, truncated or foreign checkpoint
+CHECKPOINT_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -153,18 +156,95 @@ def _hub_kwargs() -> dict:
     return {} if os.environ.get("SPECDRAFT_ALLOW_DOWNLOAD") == "1" else {"local_files_only": True}
 
 
+QUANTIZE = ("auto", "none", "gguf", "int8", "int4")
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a command runs its models: the target's weights (``quantize``: ``gguf`` its GGUF's own blocks, ``int8`` /
+    ``int4`` its dense weights rounded to blocks at load (lossy), None dense), the target's dtype (float32
+    activations when quantized) and the dtype of dense drafters."""
+
+    quantize: str | None
+    dtype: torch.dtype
+    draft_dtype: torch.dtype
+
+    def __eq__(self, other: object) -> bool:  # comparable with a (quantize, dtype, draft_dtype) tuple too
+        if isinstance(other, tuple):
+            return (self.quantize, self.dtype, self.draft_dtype) == other
+        return isinstance(other, Precision) and (self.quantize, self.dtype, self.draft_dtype) == (
+            other.quantize, other.dtype, other.draft_dtype)
+
+    __hash__ = None
+
+    def describe(self) -> str:
+        """e.g. ``gguf blocks (float32 activations), drafters bfloat16`` or ``bfloat16``."""
+        if self.quantize is None:
+            return str(self.dtype).removeprefix("torch.")
+        return f"{self.quantize} blocks (float32 activations), drafters {str(self.draft_dtype).removeprefix('torch.')}"
+
+
+def gguf_file(name_or_path: str) -> Path | None:
+    """The GGUF a target's weights ship as: a built-in's packaged file, or the one ``.gguf`` in its folder; None
+    when there is none (a checkpoint folder without one, a hub id)."""
+    if name_or_path in BUILTINS:
+        builtin = BUILTINS[name_or_path]
+        return _package_dir(builtin.package) / builtin.gguf_file
+    path = Path(name_or_path).expanduser()
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def has_gguf(name_or_path: str) -> bool:
+    """Whether the target's weights ship as a GGUF specdraft reads: a built-in, or a folder with one ``.gguf``."""
+    return name_or_path in BUILTINS or gguf_file(name_or_path) is not None
+
+
+def choose_precision(target: str, dtype: str = "auto", quantize: str = "auto",
+                     dense_default: torch.dtype = torch.float32) -> Precision:
+    """The precision of a command's run from its ``--dtype`` and ``--quantize``.
+
+    ``quantize`` auto decodes a GGUF target from its own blocks unless ``dtype`` is given (then dense in that dtype);
+    other targets stay dense in ``dtype`` (``dense_default`` for auto). Dense drafters run in the given ``dtype``, or
+    beside a quantized target in the dtype fast on this CPU (bf16 where it is native, else float32).
+    """
+    from specdraft.hardware import fast_dtype
+
+    if dtype not in DTYPE_CHOICES:
+        raise SpecdraftError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if quantize not in QUANTIZE:
+        raise SpecdraftError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    given = None if dtype == "auto" else DTYPES[dtype]
+    if quantize == "auto":
+        quantize = "gguf" if given is None and has_gguf(target) else "none"
+    if quantize == "none":
+        dense = given or dense_default
+        return Precision(None, dense, dense)
+    if quantize == "gguf" and not has_gguf(target):
+        raise SpecdraftError(f"--quantize gguf needs a GGUF target (a built-in, or a folder holding one .gguf); "
+                             f"{target!r} has none: use --quantize int8 or int4 to quantize its weights at load")
+    return Precision(quantize, torch.float32, given or DTYPES[fast_dtype().dtype])
+
+
 def load_model(
     name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
-    embeddings: torch.Tensor | None = None, device: str | torch.device = "cpu",
+    embeddings: torch.Tensor | None = None, quantize: str | None = None, device: str | torch.device = "cpu",
 ) -> CausalLM:
     """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers.
 
     A checkpoint that shares its target's token embeddings (:mod:`specdraft.models.shared_embeddings`) needs that
     table as ``embeddings`` (V, D); :func:`specdraft.drafters.loading.load_draft_model` passes the target's.
-    ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``) is where the weights go; on CUDA ``auto`` loads the
-    transformers model (the native Llama decodes one sequence on the CPU; on CUDA it serves the batched data engine,
-    :mod:`specdraft.models.static_batch`).
+    ``quantize`` (``gguf``, ``int8``, ``int4``; see :class:`Precision`) loads block-quantized weights
+    (:mod:`specdraft.models.quantized_llama`) for the native Llama, on the CPU. ``device`` (``cpu``, ``cuda``,
+    ``cuda:N`` or ``auto``) is where the weights go; on CUDA ``auto`` loads the transformers model (the native Llama
+    decodes one sequence on the CPU; on CUDA it serves the batched data engine, :mod:`specdraft.models.static_batch`).
     """
+    device = _device(device)
+    if quantize not in (None, "none"):
+        if device.type != "cpu":
+            raise SpecdraftError(f"quantized weights ({quantize}) run on the CPU; on {device} use --quantize none")
+        return _load_quantized(name_or_path, quantize, backend, embeddings)
     from transformers import AutoConfig
 
     from specdraft.models.hf import HFCausalLM
@@ -183,7 +263,6 @@ def load_model(
         raise SpecdraftError(f"{name_or_path} shares its target's token embeddings ({SHARED_EMBEDDINGS_FILE}): "
                              "load it as a drafter of that target (--draft), not on its own")
     extra = {EMBEDDING_KEY: embeddings} if shared else None
-    device = _device(device)
     native_ok = isinstance(where, Path) and supports(config) and device.type == "cpu"
     if backend == "native" or (backend == "auto" and native_ok):
         model = NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
@@ -211,12 +290,37 @@ def _device(device: str | torch.device) -> torch.device:
         raise SpecdraftError(str(exc)) from None
 
 
+def _load_quantized(name_or_path: str, quantize: str, backend: str, embeddings: torch.Tensor | None) -> CausalLM:
+    from specdraft.models.native_llama import NativeLlama, read_config, supports
+    from specdraft.models.quantized_llama import QuantizedLlama
+
+    if backend == "hf":
+        raise SpecdraftError("quantized weights run on the native backend: use --backend auto or native")
+    if embeddings is not None:
+        raise SpecdraftError(f"{name_or_path} shares its target's embeddings: load it dense (drafters are dense)")
+    where = resolve(name_or_path)
+    if not isinstance(where, Path):
+        raise SpecdraftError(f"--quantize needs a local checkpoint folder, got hub id {name_or_path!r}")
+    config = read_config(where)
+    if not supports(config):
+        raise SpecdraftError(f"--quantize needs a Llama-family model; {name_or_path} is not one "
+                             f"(model_type {getattr(config, 'model_type', None)!r})")
+    if quantize == "gguf":
+        path = gguf_file(name_or_path)
+        if path is None or not path.is_file():
+            raise SpecdraftError(f"no GGUF file for {name_or_path!r}: --quantize gguf needs a built-in target or a "
+                                 "folder holding one .gguf")
+        return QuantizedLlama.from_gguf(path, config, name_or_path, cache_folder=where)
+    dense = NativeLlama.from_pretrained(where, dtype=torch.float32, name=name_or_path)
+    return QuantizedLlama.from_dense(dense, quantize)
+
+
 def _load_hf(where: Path | str, name: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     try:
         return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **_hub_kwargs())
-    except (OSError, ValueError, RuntimeError) as exc:
+    except CHECKPOINT_ERRORS as exc:
         raise SpecdraftError(f"corrupt or missing checkpoint {name!r}: {str(exc).splitlines()[0]}") from None
 
 
@@ -239,9 +343,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
-                device: str | torch.device = "cpu"):
-    """The target model (on ``device``) and its tokenizer."""
-    return load_model(name_or_path, dtype, backend, device=device), load_tokenizer(name_or_path)
+                quantize: str | None = None, device: str | torch.device = "cpu"):
+    """The target model (on ``device``) and its tokenizer (``quantize``: see :class:`Precision`)."""
+    return load_model(name_or_path, dtype, backend, quantize=quantize, device=device), load_tokenizer(name_or_path)
 
 
 def eos_token_ids(tokenizer, model_name: str | None = None) -> tuple[int, ...]:

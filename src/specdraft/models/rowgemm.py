@@ -34,12 +34,13 @@ from specdraft.hardware import cpu_capability, cpu_flags
 
 _ENV = "SPECDRAFT_ROWGEMM"  # "0" turns the kernel off (for comparisons)
 _WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" keeps the 256-bit attention on AVX-512 CPUs (for comparisons)
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowgemm.cpp", "rowattention.cpp"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("rowkernels.h", "rowattention_fixed.h"))
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("rowgemm.cpp", "rowattention.cpp", "quantgemm.cpp", "quantlayer.cpp"))
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("rowkernels.h", "rowattention_fixed.h", "quantkernels.h"))
 _STALE_LOCK_SECONDS = 300  # a build takes about 10 s
 # explicit FMAs only (the summation order is the source's); OpenMP so that at::parallel_for splits the work (without
 # it the pragma inside ATen's header is ignored and every product runs on one thread)
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 
 
 def _build_folder() -> Path:
@@ -64,7 +65,7 @@ def build_id() -> str:
 @functools.cache
 def _load() -> bool:
     """Build (first time on this machine) and load the kernel; False, with one warning, where that fails."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= cpu_flags():
+    if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
         return False
     try:
         from torch.utils import cpp_extension

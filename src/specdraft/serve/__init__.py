@@ -3,6 +3,9 @@ speculatively, with continuous batching (:mod:`specdraft.batching`). Needs the `
 
 from __future__ import annotations
 
+import socket
+
+from specdraft.errors import SpecdraftError
 from specdraft.serve.config import ServeConfig
 from specdraft.serve.online_config import OnlineDistillConfig
 
@@ -12,13 +15,13 @@ def build_server_app(config: ServeConfig):
     from specdraft.batch_drafting import lockstep_factory
     from specdraft.batching import DraftGate, drafter_factory
     from specdraft.drafters.loading import load_drafter
-    from specdraft.models.registry import eos_token_ids, load_target, parse_dtype
+    from specdraft.models.registry import choose_precision, eos_token_ids, load_target
     from specdraft.serve.app import build_app
     from specdraft.serve.engine import Engine
 
-    dtype = parse_dtype(config.dtype)
-    target, tokenizer = load_target(config.target, dtype)
-    prototype = load_drafter(target, tokenizer, config.draft, config.drafter, dtype,
+    precision = choose_precision(config.target, config.dtype, config.quantize)
+    target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize)
+    prototype = load_drafter(target, tokenizer, config.draft, config.drafter, precision.draft_dtype,
                              options=dict(config.drafter_options))
     capacity = config.max_prompt_tokens + config.max_tokens
 
@@ -39,11 +42,43 @@ def build_server_app(config: ServeConfig):
 
 
 def run_server(config: ServeConfig) -> None:
-    """Serve until SIGTERM or SIGINT; in-flight requests get a few seconds to finish, then the engine stops."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (:mod:`specdraft.serve.shutdown`): in-flight
+    requests get ``config.shutdown_grace`` seconds, the process exits within them.
+
+    Settings are checked before any model loads: the port is bound first (a port in use is a clear error), and an
+    ``--online-distill`` folder must be usable, its files intact."""
     import uvicorn
 
-    app = build_server_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    from specdraft.serve.shutdown import GracefulServer
+
+    listener = bind(config.host, config.port)
+    try:
+        if config.online_distill is not None:
+            from specdraft.serve.online import check_folder
+
+            check_folder(config.online_distill, config.draft)
+        app = build_server_app(config)
+        settings = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=1)
+        GracefulServer(settings, app.state.drain).run(sockets=[listener])
+    finally:
+        listener.close()
 
 
-__all__ = ["OnlineDistillConfig", "ServeConfig", "build_server_app", "run_server"]
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening (uvicorn listens once the app is ready)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise SpecdraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        raise SpecdraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return listener
+
+
+__all__ = ["OnlineDistillConfig", "ServeConfig", "bind", "build_server_app", "run_server"]

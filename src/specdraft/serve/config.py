@@ -1,11 +1,15 @@
-"""Settings of ``specdraft serve``, validated on construction."""
+"""Settings of ``specdraft serve``, validated on construction (before any model loads)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from specdraft.batching import MAX_NUM_DRAFT_TOKENS, MAX_TREE_NODES
 from specdraft.errors import SpecdraftError
 from specdraft.serve.online_config import OnlineDistillConfig
+
+TREE_SIZE_OPTIONS = ("tree_nodes", "max_nodes")  # drafter options that size a token tree
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,8 @@ class ServeConfig:
     draft: str | None = field(default=None, metadata={"help": "draft model, or None"})
     drafter: str | None = field(default=None, metadata={"help": "training-free drafter name, or None"})
     drafter_options: tuple[tuple[str, str], ...] = field(default=(), metadata={"help": "drafter KEY=VALUE options"})
-    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32 or bfloat16 (registry.choose_precision)"})
+    quantize: str = field(default="auto", metadata={"help": "target weights: auto, none, gguf, int8 or int4"})
     served_model_name: str | None = field(default=None, metadata={"help": "model id clients ask for (default target)"})
     num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens per target forward"})
     max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
@@ -28,6 +33,11 @@ class ServeConfig:
     max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted"})
     max_tokens: int = field(default=512, metadata={"help": "largest max_tokens accepted"})
     max_n: int = field(default=4, metadata={"help": "most completions per request (n)"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest request body; larger ones answer 413"})
+    max_prompt_chars: int = field(default=0, metadata={"help": "most characters of prompt text, checked before "
+                                                                 "tokenising; 0 = 32 x max_prompt_tokens"})
+    shutdown_grace: float = field(default=5.0, metadata={"help": "seconds in-flight requests get after SIGTERM; "
+                                                                 "the process exits within them"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     online_distill: OnlineDistillConfig | None = field(default=None, metadata={"help": "online distillation, or None"})
@@ -35,12 +45,19 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.draft and self.drafter:
             raise SpecdraftError("give either a draft model or a training-free drafter, not both")
-        for name in ("num_draft_tokens", "max_batch", "max_prompt_tokens", "max_tokens", "max_n"):
+        for name in ("num_draft_tokens", "max_batch", "max_prompt_tokens", "max_tokens", "max_n", "max_body_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
-        if self.max_queue < 0 or self.max_draft_batch < 0:
-            raise SpecdraftError(f"max_queue and max_draft_batch must be >= 0, got {self.max_queue}, "
-                                 f"{self.max_draft_batch}")
+        if self.max_queue < 0 or self.max_draft_batch < 0 or self.max_prompt_chars < 0:
+            raise SpecdraftError(f"max_queue, max_draft_batch and max_prompt_chars must be >= 0, got {self.max_queue}, "
+                                 f"{self.max_draft_batch}, {self.max_prompt_chars}")
+        if self.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
+            raise SpecdraftError(f"num_draft_tokens must be at most {MAX_NUM_DRAFT_TOKENS} in batched decoding (the "
+                                 f"server), got {self.num_draft_tokens}")
+        self._check_tree_sizes()
+        if not (isinstance(self.shutdown_grace, (int, float)) and math.isfinite(self.shutdown_grace)
+                and 0 < self.shutdown_grace <= 3600):
+            raise SpecdraftError(f"shutdown_grace must be in (0, 3600] seconds, got {self.shutdown_grace}")
         if self.batch_speculation not in ("adaptive", "always"):
             raise SpecdraftError(f"batch_speculation must be adaptive or always, got {self.batch_speculation!r}")
         if self.online_distill is not None and not self.draft:
@@ -49,6 +66,24 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise SpecdraftError(f"port must be in 0 .. 65535, got {self.port}")
 
+    def _check_tree_sizes(self) -> None:
+        """Tree sizes a batched step can hold: a larger tree would be cut silently at every step."""
+        for key, value in self.drafter_options:
+            if key not in TREE_SIZE_OPTIONS:
+                continue
+            try:
+                size = int(value)
+            except ValueError:
+                raise SpecdraftError(f"drafter option {key} must be an integer, got {value!r}") from None
+            if not 0 <= size <= MAX_TREE_NODES:
+                raise SpecdraftError(f"drafter option {key} must be in 0 .. {MAX_TREE_NODES} in batched decoding (the "
+                                     f"server), got {size}")
+
     @property
     def model_id(self) -> str:
         return self.served_model_name or self.target
+
+    @property
+    def prompt_char_limit(self) -> int:
+        """Most characters of prompt text a request may carry (checked before tokenising)."""
+        return self.max_prompt_chars or 32 * self.max_prompt_tokens

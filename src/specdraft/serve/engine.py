@@ -5,7 +5,13 @@ A request asks for ``n`` completions of one prompt; each is a sequence of its ow
 generator seeded ``seed + i``). Sequences wait in a bounded queue until a row of the batch is free; a request that
 would overflow the queue is refused (:class:`QueueFull`, HTTP 429). Tokens go back to the request's asyncio queue
 after every step; a request whose client went away is marked cancelled and its sequences leave the batch before
-the next step.
+the next step. A sequence that fails on its own (:attr:`~specdraft.batching.BatchSequence.error`) ends its request
+with an error event; the other sequences of the batch go on unaffected.
+
+Log-probabilities (``Request.logprobs``): for each emitted token, its log-probability under the distribution the
+target drew it from, the request's warped p (temperature, top-k, top-p) at that position, from the logits of the
+verify forward that chose it (no extra forward); greedy requests, whose warped p is a point mass, get the raw
+log-softmax (temperature 1, no top-k or top-p) instead.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from specdraft.batching import BatchDecoder, BatchSequence, DraftGate
 from specdraft.decoding import GenerationConfig
 from specdraft.drafters.base import Drafter
 from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig, warp
 from specdraft.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+LOGPROB_FLOOR = -9999.0  # reported for a token the warping excluded (log 0), as OpenAI does; JSON has no -inf
 
 
 class QueueFull(Exception):
@@ -35,18 +44,20 @@ class QueueFull(Exception):
 
 @dataclass
 class Event:
-    """What the engine tells a request: tokens of one choice (finish_reason set on its last event), or an error."""
+    """What the engine tells a request: tokens of one choice (finish_reason set on its last event), or an error.
+    ``logprobs``: per token, (its log-probability, [(alternative id, log-probability)] most likely first)."""
 
     index: int = 0
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """``n`` completions of one prompt, with the asyncio queue their events go to."""
+    """``n`` completions of one prompt, with the asyncio queue their events go to (compared by identity)."""
 
     prompt_ids: list[int]
     config: GenerationConfig
@@ -56,13 +67,15 @@ class Request:
     events: asyncio.Queue | None = None
     cancelled: bool = False
     completion_tokens: int = 0
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
 
     def generator(self, index: int) -> torch.Generator:
+        """Choice ``index``'s generator: seeded ``(seed + index) mod 2**64`` (torch's seed range), else at random."""
         generator = torch.Generator()
         if self.seed is None:
             generator.seed()
         else:
-            generator.manual_seed(self.seed + index)
+            generator.manual_seed((self.seed + index) % 2**64)
         return generator
 
     def emit(self, event: Event) -> None:
@@ -85,8 +98,9 @@ class Engine:
         self.make_drafter, self.max_queue, self.online = make_drafter, max_queue, online
         self.metrics = Metrics()
         if online is not None:
-            self.make_drafter, self.decoder.on_verify = online.make_drafter, online.on_verify
+            self.make_drafter = online.make_drafter
             self.metrics.extra = online.metric_lines
+        self._logp: dict[int, torch.Tensor] = {}  # id(sequence) -> (m + 1, V) log p of its last step's positions
         self._pending: collections.deque[tuple[Request, int]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -98,14 +112,24 @@ class Engine:
             self.online.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the decoding thread; every waiting or running request ends with an error event."""
+        """Stop the decoding thread (waiting at most ``timeout`` s for its step to end, as long again for the online
+        trainer); every waiting or running request ends with an error event."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self.online is not None:
-            self.online.stop()
+            self.online.stop(timeout)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.target.vocab_size
+
+    @property
+    def context(self) -> int:
+        """Most positions of one sequence: prompt and generated tokens."""
+        return self.decoder.capacity
 
     @property
     def queue_length(self) -> int:
@@ -172,6 +196,8 @@ class Engine:
                 self.metrics.cancelled += 1
 
     def _step(self) -> None:
+        wants = self.online is not None or any(seq.tag[0].logprobs is not None for seq in self.decoder.rows)
+        self.decoder.on_verify = self._on_verify if wants else None  # the hook costs a copy of p: only when used
         try:
             committed = self.decoder.step()
         except Exception as exc:  # a failing step must not take the server down: its requests get the error
@@ -183,14 +209,52 @@ class Engine:
         now = time.monotonic()
         for seq, tokens in committed:
             request, index = seq.tag
+            if seq.error is not None:
+                self._failed(seq)
+                continue
             request.completion_tokens += len(tokens)
-            request.emit(Event(index, tokens, seq.finish_reason))
+            request.emit(Event(index, tokens, seq.finish_reason, logprobs=self._token_logprobs(seq, tokens)))
             if seq.finish_reason is not None:
                 self._finished(seq)
         self.metrics.record_step(now, sum(len(tokens) for _, tokens in committed), len(committed))
 
+    def _on_verify(self, seq: BatchSequence, p_logits: torch.Tensor, missed: bool, proposed: int) -> None:
+        """The decoder's hook after each row's verification: online distillation's recorder, and the log p of the
+        positions that chose the row's tokens when its request asked for log-probabilities."""
+        if self.online is not None:
+            self.online.on_verify(seq, p_logits, missed, proposed)
+        if seq.tag[0].logprobs is not None:
+            self._logp[id(seq)] = log_probs(p_logits, seq.config.sampling)  # (m + 1, V)
+
+    def _token_logprobs(self, seq: BatchSequence, tokens: list[int]):
+        logp = self._logp.pop(id(seq), None)
+        if logp is None or not tokens:
+            return None
+        top = seq.tag[0].logprobs
+        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()  # (k,)
+        best = logp[: len(tokens)].topk(top) if top else None  # (k, top)
+        return [(max(value, LOGPROB_FLOOR),
+                 [] if best is None else [(int(i), max(float(v), LOGPROB_FLOOR))
+                                          for i, v in zip(best.indices[row], best.values[row], strict=True)])
+                for row, value in enumerate(chosen)]
+
+    def _failed(self, seq: BatchSequence) -> None:
+        """A sequence that failed alone (the decoder already took it out of the batch): its request gets the error,
+        400 when the error names bad input, else 500 (logged: a server-side failure)."""
+        request, index = seq.tag
+        bad_input = isinstance(seq.error, SpecdraftError)
+        if not bad_input:
+            log.error("a sequence failed alone", exc_info=seq.error)
+        request.emit(Event(index, error=f"decoding failed: {seq.error}", status=400 if bad_input else 500))
+        request.cancelled = True
+        self.metrics.sequences_failed += 1
+        self._logp.pop(id(seq), None)
+        if self.online is not None:
+            self.online.discard(seq)
+
     def _remove(self, seq: BatchSequence) -> None:
         self.decoder.remove(seq)
+        self._logp.pop(id(seq), None)
         if self.online is not None:
             self.online.discard(seq)
 
@@ -216,3 +280,12 @@ class Engine:
         for seq in list(self.decoder.rows):
             seq.tag[0].emit(Event(seq.tag[1], error=message, status=status))
             self._remove(seq)
+
+
+def log_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Log-probabilities (..., V) of the distribution each token is drawn from: log of the warped p
+    (:func:`~specdraft.sampling.warp`: temperature, top-k, top-p; -inf where warping excluded a token); for greedy
+    decoding, whose warped p is a point mass, the raw log-softmax (temperature 1, no top-k or top-p)."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log(warp(logits, sampling))

@@ -17,12 +17,14 @@ class Metrics:
     """Counters written by the engine thread and the request handlers; read by ``/metrics``."""
 
     requests: collections.Counter = field(default_factory=collections.Counter)  # (endpoint, status) -> count
+    stream_errors: collections.Counter = field(default_factory=collections.Counter)  # (endpoint, status) -> count
     prompt_tokens: int = 0
     completion_tokens: int = 0
     steps: int = 0
     step_rows: int = 0
     sequences_finished: int = 0
     cancelled: int = 0
+    sequences_failed: int = 0
     target_forward_calls: int = 0
     finished_tokens: int = 0
     draft_tokens_proposed: int = 0
@@ -36,6 +38,11 @@ class Metrics:
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
+
+    def count_stream_error(self, endpoint: str, status: int) -> None:
+        """An error event sent in a stream (its response had already started with status 200)."""
+        with self._lock:
+            self.stream_errors[(endpoint, status)] += 1
 
     def record_step(self, now: float, tokens: int, rows: int) -> None:
         with self._lock:
@@ -61,12 +68,19 @@ class Metrics:
         with self._lock:
             requests = sorted(self.requests.items())
         lines += [f'specdraft_requests_total{{endpoint="{e}",status="{s}"}} {c}' for (e, s), c in requests]
+        lines += ["# HELP specdraft_stream_errors_total Error events sent in streams (after status 200), by status.",
+                  "# TYPE specdraft_stream_errors_total counter"]
+        with self._lock:
+            stream_errors = sorted(self.stream_errors.items())
+        lines += [f'specdraft_stream_errors_total{{endpoint="{e}",status="{s}"}} {c}' for (e, s), c in stream_errors]
         metrics = [
             ("prompt_tokens_total", "counter", "prompt tokens of admitted sequences", self.prompt_tokens),
             ("completion_tokens_total", "counter", "tokens generated", self.completion_tokens),
             ("decode_steps_total", "counter", "batched target forwards (draft-verify steps)", self.steps),
             ("sequences_finished_total", "counter", "sequences that finished", self.sequences_finished),
             ("sequences_cancelled_total", "counter", "sequences dropped after their client left", self.cancelled),
+            ("sequences_failed_total", "counter", "sequences that failed alone (their batch went on)",
+             self.sequences_failed),
             ("draft_tokens_proposed_total", "counter", "draft tokens proposed (finished sequences)",
              self.draft_tokens_proposed),
             ("draft_tokens_accepted_total", "counter", "draft tokens accepted (finished sequences)",

@@ -23,6 +23,7 @@ import copy
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from specdraft.serve.replay import ReplayBuffer, VerifiedRecorder
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+_WEIGHTS = re.compile(r"^drafter-v\d+\.safetensors$")
+_STALE = (".drafter-v*.safetensors.*.tmp", f".{STATE_FILE}.*.tmp")  # writes a crash cut short (beside, renamed)
 
 
 def check_supported(prototype: Drafter | None) -> None:
@@ -70,6 +73,10 @@ class OnlineDistiller:
         check_supported(prototype)
         self.config, self.base, self.pad_id = config, base, pad_id
         self.folder = Path(config.folder)
+        check_folder(config, base)
+        for pattern in _STALE:
+            for stale in self.folder.glob(pattern):
+                stale.unlink(missing_ok=True)
         self.buffer = ReplayBuffer(self.folder / "buffer", config.max_records, config.heldout_every)
         self.recorder = VerifiedRecorder(config.top_k)
         self._make_factory, self._base_proto = make_factory, prototype
@@ -216,24 +223,18 @@ class OnlineDistiller:
 
     def _resume(self) -> None:
         """Load the last accepted drafter and the history saved in the folder, if any."""
-        path = self.folder / STATE_FILE
-        if not path.is_file():
+        state = read_state(self.folder, self.base)
+        if state is None:
             return
-        try:
-            state = json.loads(path.read_text())
-        except ValueError as exc:
-            raise SpecdraftError(f"{path} is not valid JSON ({exc})") from None
-        if state.get("base") != self.base:
-            raise SpecdraftError(f"{self.folder} continues drafter {state.get('base')!r}, not {self.base!r}: "
-                                 "give that --draft or another --online-distill folder")
         self.history = list(state.get("history", []))
         if state.get("weights"):
             from safetensors.torch import load_file
 
             weights = self.folder / state["weights"]
-            if not weights.is_file():
-                raise SpecdraftError(f"{path} names {weights.name}, which is missing")
-            self._current.load_state_dict(load_file(weights), strict=False)
+            try:
+                self._current.load_state_dict(load_file(weights), strict=False)
+            except Exception as exc:  # damaged since the check, or weights of another model
+                raise SpecdraftError(f"{weights} cannot be loaded into the drafter ({exc})") from None
             self.version = int(state["version"])
 
     def metric_lines(self) -> list[str]:
@@ -254,10 +255,56 @@ class OnlineDistiller:
         return lines + _gauge("online_records", "records in the replay buffer", [("", len(self.buffer))])
 
 
+def check_folder(config: OnlineDistillConfig, base: str | None) -> None:
+    """Before any model loads: the folder (or the one it will be made in) is one this process can write, and what
+    an earlier run left there is intact (:func:`read_state`). Raises :class:`SpecdraftError` naming the file."""
+    folder = Path(config.folder)
+    if folder.exists() and not folder.is_dir():
+        raise SpecdraftError(f"--online-distill {folder} is not a folder")
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.R_OK | os.W_OK | os.X_OK):
+        raise SpecdraftError(f"--online-distill {folder}: cannot read and write in {existing}")
+    buffer = folder / "buffer"
+    if buffer.exists() and (not buffer.is_dir() or not os.access(buffer, os.R_OK | os.W_OK | os.X_OK)):
+        raise SpecdraftError(f"--online-distill {folder}: {buffer} is not a folder this process can read and write")
+    read_state(folder, base)
+
+
+def read_state(folder: Path, base: str | None) -> dict | None:
+    """``folder/state.json`` (None if absent), checked: valid JSON for the same draft model ``base``, naming a
+    weights file that is present and a whole safetensors file (its header and sizes are read, not its tensors)."""
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpecdraftError(f"{path} is unreadable or not valid JSON ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("version", 0), int):
+        raise SpecdraftError(f"{path} is not a state file of online distillation")
+    if state.get("base") != base:
+        raise SpecdraftError(f"{folder} continues drafter {state.get('base')!r}, not {base!r}: "
+                             "give that --draft or another --online-distill folder")
+    if state.get("weights"):
+        from safetensors import safe_open
+
+        name = str(state["weights"])
+        weights = folder / name
+        if not _WEIGHTS.match(name) or not weights.is_file():
+            raise SpecdraftError(f"{path} names {name}, which is missing")
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except Exception as exc:  # SafetensorError: truncated, not a safetensors file; OSError
+            raise SpecdraftError(f"{weights} is damaged ({exc}): restore it, or move the folder aside to start "
+                                 "over") from None
+    return state
+
+
 def _gauge(name: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:
     lines = [f"# HELP specdraft_{name} {help_text}", f"# TYPE specdraft_{name} gauge"]
     return lines + [f"specdraft_{name}{{{labels}}} {value:g}" if labels else f"specdraft_{name} {value:g}"
                     for labels, value in values]
 
 
-__all__ = ["OnlineDistillConfig", "OnlineDistiller", "check_supported"]
+__all__ = ["OnlineDistillConfig", "OnlineDistiller", "check_folder", "check_supported", "read_state"]

@@ -1,24 +1,44 @@
 """OpenAI-compatible request checking and response bodies (``/v1/chat/completions``, ``/v1/completions``).
 
-Every bad field raises :class:`BadRequest`, which the app answers with HTTP 400 and OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``. Extensions beyond OpenAI's fields: ``top_k``.
+Every bad field raises :class:`BadRequest`, which the app answers with HTTP 400 (413 for a body over the size
+limit) and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``. Checking has two stages:
+:func:`check` reads every field and applies every limit that needs no tokenizer (numbers in range, prompt
+characters), cheaply, on the event loop; :func:`tokenize` then encodes the prompt, off the event loop.
+
+Fields: those OpenAI defines that this server implements, plus the extension ``top_k``. A field it does not
+implement is refused by name, unless it carries the value that changes nothing (``frequency_penalty: 0``,
+``tools: []``, ``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdraft.decoding import GenerationConfig
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.serve.config import ServeConfig
 
+MAX_TOP_LOGPROBS = 20  # most alternatives per token (top_logprobs; logprobs of /v1/completions)
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 .. 2
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
+
+_BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
+                   "stream_options", "logprobs", "user"})
+_FIELDS = {True: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"}, False: _BOTH | {"prompt"}}
+_NEUTRAL = {  # fields this server does not implement, accepted only at the value that changes nothing
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,), "echo": (False,),
+    "best_of": (1,), "suffix": ("",),
+}
+_ROLES = ("system", "user", "assistant", "developer")
+
 
 class BadRequest(Exception):
-    """A request the server refuses; ``status`` 400 (bad input) or 429 (queue full)."""
+    """A request the server refuses; ``status`` 400 (bad input), 413 (body too large) or 429 (queue full)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
@@ -26,17 +46,18 @@ class BadRequest(Exception):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
-             503: "service_unavailable"}
+    kinds = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+             429: "rate_limit_exceeded", 503: "service_unavailable"}
+    codes = {413: "request_too_large", 429: "rate_limit_exceeded"}
     return {"error": {"message": message, "type": kinds.get(status, "server_error"), "param": param,
-                      "code": kinds.get(status, "server_error") if status == 429 else None}}
+                      "code": codes.get(status)}}
 
 
 @dataclass
 class ParsedRequest:
-    """A checked completion request: the prompt's token ids and how to decode them."""
+    """A checked completion request: what to tokenise (``source``), then the prompt's token ids and how to decode."""
 
-    prompt_ids: list[int]
+    source: list[dict] | str | list[int]  # chat messages, prompt text, or prompt token ids
     config: GenerationConfig
     n: int
     seed: int | None
@@ -44,24 +65,65 @@ class ParsedRequest:
     include_usage: bool
     stop: tuple[str, ...]
     chat: bool
+    logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely alternatives
+    max_tokens_given: bool = True  # False: the default max_tokens, shortened to fit the context
+    prompt_ids: list[int] | None = None  # set by :func:`tokenize`
 
 
-def _number(body: dict, name: str, default: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
-        raise BadRequest(f"{name} must be a number, got {value!r}", name)
-    return float(value)
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _integer(body: dict, name: str, default: int | None) -> int | None:
-    value = body.get(name, default)
+def _integer(body: dict, name: str, default: int | None, low: int, high: int | None) -> int | None:
+    """An integer in [low, high] (``high`` None: no upper limit), range-checked before it reaches torch."""
+    value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name} must be an integer, got {value!r}", name)
+        raise BadRequest(f"{name} must be an integer, got {_show(value)}", name)
+    if value < low or (high is not None and value > high):
+        interval = f"{low} .. {high}" if high is not None else f">= {low}"
+        raise BadRequest(f"{name} must be {'in ' if high is not None else ''}{interval}, got {_show(value)}", name)
     return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    """A number in [low, high] (``(low, high]`` when ``low_open``); ints of any size compare exactly, NaN and
+    infinities fail the range."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {_show(value)}", name)
+    if not ((low < value) if low_open else (low <= value)) or not value <= high:
+        interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise BadRequest(f"{name} must be in {interval}, got {_show(value)}", name)
+    return float(value)
+
+
+def _text(value: str, where: str, param: str) -> str:
+    """A string the tokenizer can encode: no lone surrogate (JSON's ``"\\ud800"`` escapes decode to one)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{where} holds a lone surrogate ({value[exc.start]!r} at character {exc.start}), which is "
+                         "not valid Unicode text", param) from None
+    return value
+
+
+def _fields(body: dict, chat: bool) -> None:
+    for name, value in body.items():
+        if name in _FIELDS[chat]:
+            continue
+        if name in _NEUTRAL:
+            if value is None or value in _NEUTRAL[name]:
+                continue
+            allowed = " or ".join(repr(v) for v in _NEUTRAL[name])
+            raise BadRequest(f"{name} is not supported by this server (only {allowed} or null)", name)
+        raise BadRequest(f"{name} is not supported by this server", name)
+    if not isinstance(body.get("user", ""), str):
+        raise BadRequest("user must be a string", "user")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -71,81 +133,155 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
         raise BadRequest("stop must be a non-empty string or a list of at most 4 of them", "stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop", "stop") for s in stops)
 
 
-def _messages(body: dict, tokenizer) -> list[int]:
+def _content(message, i: int) -> str:
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise BadRequest(f"messages[{i}] needs a role of system, user, assistant or developer", "messages")
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+        raise BadRequest(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   and set(p) == {"type", "text"} for p in content):
+            raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise BadRequest(f"messages[{i}].content must be a string", "messages")
+    return _text(content, f"messages[{i}].content", "messages")
+
+
+def _messages(body: dict, serve: ServeConfig) -> list[dict]:
+    """The messages as ``{role, content}`` strings, within the character limit (nothing tokenised yet)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    clean = []
+    if len(messages) > serve.max_prompt_tokens:  # every message costs at least one token of the prompt
+        raise BadRequest(f"{len(messages)} messages: more than this server's prompt limit of "
+                         f"{serve.max_prompt_tokens} tokens", "messages")
+    clean, chars = [], 0
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
-            raise BadRequest(f"messages[{i}] needs a role of system, user, assistant or developer", "messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        clean.append({"role": role, "content": content})
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model's tokenizer has no chat template: use /v1/completions", "messages")
-    encoded = tokenizer.apply_chat_template(clean, add_generation_prompt=True, return_dict=True)
-    return list(encoded["input_ids"])
+        content = _content(message, i)
+        chars += len(content)
+        if chars > serve.prompt_char_limit:
+            raise BadRequest(f"the messages exceed this server's limit of {serve.prompt_char_limit} characters",
+                             "messages")
+        clean.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+    return clean
 
 
-def _prompt(body: dict, tokenizer) -> list[int]:
+def _prompt(body: dict, serve: ServeConfig, vocab_size: int) -> str | list[int]:
+    """The prompt text (within the character limit) or its token ids (each checked against the vocabulary)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt is empty", "prompt")
-        return list(tokenizer(prompt)["input_ids"])
+        if len(prompt) > serve.prompt_char_limit:
+            raise BadRequest(f"the prompt has {len(prompt)} characters, more than this server's limit of "
+                             f"{serve.prompt_char_limit}", "prompt")
+        return _text(prompt, "prompt", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if len(prompt) > serve.max_prompt_tokens:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens, more than this server's limit of "
+                             f"{serve.max_prompt_tokens}", "prompt")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"prompt token id {_show(bad)} is outside the vocabulary (0 .. {vocab_size - 1})",
+                             "prompt")
         return list(prompt)
     raise BadRequest("prompt must be a non-empty string, a list of one string, or a list of token ids", "prompt")
 
 
-def parse(body, chat: bool, tokenizer, serve: ServeConfig, eos: tuple[int, ...]) -> ParsedRequest:
-    """Check a request body against the OpenAI schema and the server's limits."""
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: ``logprobs: true`` with ``top_logprobs`` alternatives; completions: ``logprobs: k`` alternatives."""
+    if not chat:
+        return _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest(f"logprobs must be true or false, got {_show(wanted)}", "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _sampling(body: dict, vocab_size: int) -> SamplingConfig:
+    """temperature 0 .. 2 (below 1e-5 decodes greedily), top_p in (0, 1], top_k >= 0: a top_k at or above the
+    vocabulary size keeps every token, as 0 does, and is clamped to it."""
+    temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    top_k = _integer(body, "top_k", 0, 0, None)
+    return SamplingConfig(temperature, min(top_k, vocab_size), top_p)
+
+
+def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int) -> ParsedRequest:
+    """Check every field of a request body against the OpenAI schema and the server's limits; nothing tokenised."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _fields(body, chat)
     model = body.get("model")
     if model != serve.model_id:
-        raise BadRequest(f"unknown model {model!r}: this server serves {serve.model_id!r}", "model")
-    prompt_ids = _messages(body, tokenizer) if chat else _prompt(body, tokenizer)
-    if len(prompt_ids) > serve.max_prompt_tokens:
-        raise BadRequest(f"the prompt has {len(prompt_ids)} tokens, more than this server's limit of "
-                         f"{serve.max_prompt_tokens}", "messages" if chat else "prompt")
+        raise BadRequest(f"unknown model {_show(model)}: this server serves {serve.model_id!r}", "model")
+    source = _messages(body, serve) if chat else _prompt(body, serve, vocab_size)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, name, serve.max_tokens if chat else min(16, serve.max_tokens))
-    if max_tokens < 1 or max_tokens > serve.max_tokens:
-        raise BadRequest(f"{name} must be in 1 .. {serve.max_tokens}, got {max_tokens}", name)
-    n = _integer(body, "n", 1)
-    if not 1 <= n <= serve.max_n:
-        raise BadRequest(f"n must be in 1 .. {serve.max_n}, got {n}", "n")
-    temperature, top_p = _number(body, "temperature", 1.0), _number(body, "top_p", 1.0)
-    top_k = _integer(body, "top_k", 0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    max_tokens = _integer(body, name, serve.max_tokens if chat else min(16, serve.max_tokens), 1, serve.max_tokens)
+    n = _integer(body, "n", 1, 1, serve.max_n)
+    seed = _integer(body, "seed", None, *SEED_RANGE)
     stream, options = body.get("stream", False), body.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise BadRequest("stream must be true or false and stream_options an object", "stream")
-    stop = _stop(body)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", "stream")
+    if not isinstance(options, dict) or not set(options) <= {"include_usage"} or \
+            not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest("stream_options must be an object with at most include_usage (true or false)",
+                         "stream_options")
+    stop, logprobs = _stop(body), _logprobs(body, chat)
     try:
-        sampling = SamplingConfig(temperature, top_k, top_p)
-        config = GenerationConfig(max_tokens, serve.num_draft_tokens, sampling, eos, stop)
+        config = GenerationConfig(max_tokens, serve.num_draft_tokens, _sampling(body, vocab_size), eos, stop)
     except SpecdraftError as exc:
         raise BadRequest(str(exc)) from None
-    return ParsedRequest(prompt_ids, config, n, _integer(body, "seed", None), stream,
-                         bool(options.get("include_usage", False)), stop, chat)
+    return ParsedRequest(source, config, n, seed, stream, bool(options.get("include_usage", False)), stop, chat,
+                         logprobs, body.get(name) is not None)
+
+
+def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int) -> ParsedRequest:
+    """Encode the prompt (chat template for messages) and apply the token limits: the prompt's, and prompt plus
+    max_tokens within the model's ``context`` (a default max_tokens is shortened to fit). A prompt the tokenizer
+    cannot encode is bad input. Slow for long prompts: run it off the event loop."""
+    param = "messages" if request.chat else "prompt"
+    if isinstance(request.source, list) and not request.chat:
+        ids = request.source
+    else:
+        if request.chat and not getattr(tokenizer, "chat_template", None):
+            raise BadRequest("this model's tokenizer has no chat template: use /v1/completions", "messages")
+        try:
+            if request.chat:
+                ids = tokenizer.apply_chat_template(request.source, add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"]
+            else:
+                ids = tokenizer(request.source)["input_ids"]
+        except Exception as exc:  # the tokenizer refused this text: the request's fault, not the server's
+            raise BadRequest(f"the tokenizer cannot encode the {param}: {exc}", param) from None
+    if len(ids) > serve.max_prompt_tokens:
+        raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's limit of "
+                         f"{serve.max_prompt_tokens}", param)
+    request.prompt_ids, room = list(ids), context - len(ids)
+    wanted = request.config.max_new_tokens
+    if room < 1 or (wanted > room and request.max_tokens_given):
+        raise BadRequest(f"the prompt's {len(ids)} tokens and {wanted} tokens to generate exceed the model's context "
+                         f"of {context} tokens", param if room < 1 else "max_tokens")
+    if wanted > room:
+        request.config = replace(request.config, max_new_tokens=room)
+    return request
+
+
+def parse(body, chat: bool, tokenizer, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int,
+          context: int) -> ParsedRequest:
+    """:func:`check`, then :func:`tokenize` (in the calling thread)."""
+    return tokenize(check(body, chat, serve, eos, vocab_size), tokenizer, serve, context)
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -163,50 +299,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(request_id: str, model: str, chat: bool, texts: list[str], reasons: list[str | None],
-                    usage_: dict) -> dict:
+                    usage_: dict, logprobs: list[dict | None] | None = None) -> dict:
     """The whole (non-streaming) response."""
     choices = []
     for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
         content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        choices.append({"index": i, **content, "logprobs": None, "finish_reason": finish_reason(reason)})
+        choices.append({"index": i, **content, "logprobs": logprobs[i] if logprobs else None,
+                        "finish_reason": finish_reason(reason)})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage_}
 
 
 def chunk_body(request_id: str, model: str, chat: bool, index: int, text: str | None, reason: str | None,
-               first: bool = False) -> dict:
+               first: bool = False, logprobs: dict | None = None) -> dict:
     """One streamed chunk of choice ``index``."""
     if chat:
         delta = ({"role": "assistant", "content": text or ""} if first else {} if text is None
                  else {"content": text})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-class TextStream:
-    """Incremental detokenisation of one choice: text is released once it cannot change (no trailing partial
-    UTF-8 character) and cannot turn out to be the start of a stop string; a stop string and what follows it are
-    cut from the final text, as OpenAI does."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.sent = 0
-        self._hold = max((len(s) for s in stop), default=1) - 1
-
-    def push(self, tokens: list[int], finished: bool) -> str:
-        """Add tokens; return the newly releasable text."""
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if finished:
-            cuts = [text.find(s) for s in self.stop if s in text]
-            ready = text[: min(cuts)] if cuts else text
-        else:
-            ready = text[: max(0, len(text) - self._hold)] if self.stop else text
-            ready = ready.rstrip("\ufffd")
-        piece = ready[self.sent :] if len(ready) > self.sent else ""
-        self.sent = max(self.sent, len(ready))
-        return piece

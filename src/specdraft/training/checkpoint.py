@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, naming
 from specdraft.files import build_folder
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -37,16 +37,19 @@ def save_training_state(path: str | Path, state: dict) -> Path:
         raise SpecdraftError(f"training state lacks {', '.join(missing)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as file:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # an unwritable run folder or a full disk: name the checkpoint, not its temp file
+        raise naming(exc, path) from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)  # a kill -9 skips this: the next start of the run removes it (files.remove_leftovers)
     return path
 
 

@@ -13,7 +13,6 @@ Everything here reads local files; nothing is downloaded.
 from __future__ import annotations
 
 import array
-import gzip
 import hashlib
 import importlib.util
 import json
@@ -26,6 +25,7 @@ from typing import TypeVar
 import torch
 
 from specdraft.errors import SpecdraftError, json_error
+from specdraft.files import read_text, text_lines
 
 T = TypeVar("T")
 
@@ -258,7 +258,7 @@ def read_text_documents(path: str | Path) -> Iterator[str]:
 
 def _text_pieces(files: list[Path]) -> Iterator[str]:
     for file in files:
-        for piece in _BLANK_LINE.split(file.read_text(encoding="utf-8")):
+        for piece in _BLANK_LINE.split(read_text(file)):
             if piece.strip():
                 yield piece.strip()
 
@@ -268,19 +268,17 @@ def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     with the file and line number."""
     path = _existing(path)
     count = 0
-    opener = gzip.open if Path(path).suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise SpecdraftError(f"{path}:{number}: invalid JSON ({json_error(err)})") from None
-            if not isinstance(record, dict):
-                raise SpecdraftError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            count += 1
-            yield number, record
+    for number, line in text_lines(path):  # a folder, or bytes that are not UTF-8, named with the line
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SpecdraftError(f"{path}:{number}: invalid JSON ({json_error(err)})") from None
+        if not isinstance(record, dict):
+            raise SpecdraftError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        count += 1
+        yield number, record
     if count == 0:
         raise SpecdraftError(f"{path}: no records")
 

@@ -264,13 +264,13 @@ def load_trained_drafter(name: str, target):
     transformers model), checked to be the table it was trained with."""
     from transformers import AutoModelForCausalLM
 
-    from specdraft.models.registry import resolve
+    from specdraft.models.registry import CHECKPOINT_ERRORS, resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     where = resolve(name)
     try:
         drafter = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except CHECKPOINT_ERRORS as exc:
         raise SpecdraftError(f"cannot load drafter {name!r}: {str(exc).splitlines()[0]}") from None
     if shared_embeddings(where) is not None:
         with torch.no_grad():

@@ -41,6 +41,7 @@ from specdraft.training import onpolicy, regenerate
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS, distillation_loss, forward_kl, tvd
 from specdraft.training.pretrain import EXPORT_DTYPES, export_path
+from specdraft.training.runs import owns_out
 from specdraft.training.stages import begin_stage, data_inputs, end_stage
 from specdraft.training.trainer import (
     TrainerConfig,
@@ -495,6 +496,7 @@ def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
                              "was it made with another target?")
 
 
+@owns_out
 def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
     from dataclasses import replace

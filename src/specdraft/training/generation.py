@@ -272,6 +272,7 @@ def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.jsonl"
 
 
+@runs.owns_out
 def generate_distillation_data(config: DistillDataConfig, overwrite: bool = False, progress: bool = True,
                                prompts: list | None = None, models: tuple | None = None) -> dict:
     """Generate (or finish) the distillation set; returns the manifest. Rank/world from torchrun's environment.
@@ -288,8 +289,7 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
     entries: dict[str, tuple[int, str]] = {}
     if rank == 0:
         work = _prepare_folder(config, out, prompts, choices, overwrite)
-        for stale in work.glob(".*.tmp"):  # left by a killed run: never part of the data
-            stale.unlink()
+        runs.clear_leftovers(work)  # temp files of a killed run: never part of the data
         entries = _check_present_shards(work, shards, config)
     _barrier(world, config.device)
     if rank != 0:

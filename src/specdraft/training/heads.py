@@ -33,6 +33,7 @@ from specdraft.training.checkpoint import hardware, model_card
 from specdraft.training.eagle3 import EAGLE3
 from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
 from specdraft.training.pretrain import EXPORT_DTYPES
+from specdraft.training.runs import owns_out
 from specdraft.training.stages import begin_stage, data_inputs, end_stage
 from specdraft.training.trainer import (
     TrainerConfig,
@@ -161,6 +162,7 @@ def load_target(config: HeadsConfig):
     return target_model, load_model(config.target, torch.float32), load_tokenizer(config.target)
 
 
+@owns_out
 def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     """Train heads of ``config.kind`` on the frozen target and export them; returns ``<out>/heads``."""
     from specdraft.training.finetune import (

@@ -23,7 +23,7 @@ from specdraft.models.registry import DTYPES
 from specdraft.training.checkpoint import export_hf, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
-from specdraft.training.runs import text_source_fingerprint
+from specdraft.training.runs import owns_out, text_source_fingerprint
 from specdraft.training.stages import begin_stage, end_stage
 from specdraft.training.trainer import (
     TrainerConfig,
@@ -168,6 +168,7 @@ def source_inputs(config: PretrainConfig) -> dict[str, tuple[str, str]]:
     return {"source": (config.source, fingerprint)}
 
 
+@owns_out
 def pretrain(config: PretrainConfig, command: str | None = None) -> Path:
     """Run stage 1 and export the drafter; returns the exported folder ``<out>/model``."""
     from specdraft.models.registry import load_tokenizer

@@ -8,6 +8,10 @@ run by building the new one beside it.
   checksum. :func:`verify_shards` checks both before a stage reads or reuses the folder, so a shard truncated or
   edited from outside is found. Manifests written before checksums existed are "legacy, unverified": their record
   counts are still checked, with a note.
+- **One writer.** A stage holds its run folder's lock while it runs (:func:`owns_out`,
+  :func:`specdraft.files.owning`): a second writer of the same folder is refused with one line. On the next start of
+  a run, what killed writes left in its folder (``.NAME.*.tmp``) is removed (:func:`clear_leftovers`), and a resumed
+  training run's logs are cut back to its checkpoint's step (:func:`rewind_log`).
 - **Atomic replacement.** ``--overwrite`` builds the new run in ``.<name>.staging`` beside the folder and swaps it
   in at the end (:func:`swap_in`): the old folder is renamed to ``.<name>.old``, the staging folder to the name,
   then the old one is deleted. Killed at any moment, either the old complete run or a resumable new one is left;
@@ -16,17 +20,18 @@ run by building the new one beside it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.errors import SpecdraftError
-from specdraft.files import write_text_atomic
+from specdraft.errors import SpecdraftError, utf8_error
+from specdraft.files import owning, remove_leftovers, write_text_atomic
 from specdraft.training.data import MANIFEST_FILE
 
 RUN_FILE = "run.json"
@@ -247,6 +252,61 @@ def atomic_write(path: Path, text: str) -> None:
     write_text_atomic(path, text)
 
 
+# --- one writer per run folder -------------------------------------------------------------------------------------
+
+
+def owns_out(stage: Callable) -> Callable:
+    """Decorate a stage ``stage(config, ...)`` that writes the run folder ``config.out``: it runs holding the folder's
+    lock (:func:`specdraft.files.owning`; under torchrun rank 0 holds it for the run), so a second writer is refused
+    with one line before it loads anything."""
+
+    @functools.wraps(stage)
+    def run(config, *args, **kwargs):
+        if int(os.environ.get("RANK", 0)) != 0:
+            return stage(config, *args, **kwargs)
+        with owning(config.out, on_stale=note):
+            return stage(config, *args, **kwargs)
+
+    return run
+
+
+def clear_leftovers(folder: str | Path) -> None:
+    """Remove what killed writes left in a run folder this process owns (:func:`specdraft.files.remove_leftovers`),
+    with a note naming it."""
+    removed = remove_leftovers(folder) if Path(folder).is_dir() else []
+    if removed:
+        note(f"{folder}: removed {len(removed)} temp file(s) left by a killed write ({', '.join(removed[:3])}"
+             f"{', ...' if len(removed) > 3 else ''})")
+
+
+def rewind_log(path: Path, step: int) -> None:
+    """Keep the header and the rows of steps up to ``step`` of a run's CSV log (a torn last line is dropped too);
+    at step 0, or with no whole header, the log is deleted. Rewritten beside, then renamed."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, newline="", encoding="utf-8") as file:  # the rows as written (csv ends them with \r\n)
+            text = "" if step == 0 else file.read()
+    except UnicodeDecodeError as exc:
+        raise SpecdraftError(f"{path} is damaged ({utf8_error(exc)}); move it aside to resume") from None
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill
+        lines.pop()
+    if not lines:
+        path.unlink()
+        return
+    header = lines[0].rstrip("\r\n").split(",")
+    column = header.index("step") if "step" in header else 0
+
+    def logged(line: str) -> int:  # the row's step (numbers only: no quoting in these logs); -1 if unreadable
+        cells = line.split(",")
+        return int(cells[column]) if len(cells) > column and cells[column].isdigit() else -1
+
+    kept = lines[:1] + [line for line in lines[1:] if 0 <= logged(line) <= step]
+    if "".join(kept) != text:
+        write_text_atomic(path, "".join(kept))
+
+
 # --- training runs ---------------------------------------------------------------------------------------------------
 
 # Settings that never change a training run's weights: how it is watched, saved, evaluated and exported, and the
@@ -367,11 +427,13 @@ def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defau
 
 
 def start_run(plan: RunPlan, precision: dict, device: dict | None = None) -> None:
-    """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, and ``run.json`` written (with
-    the precision and the device of this session of the run: a resumed run records where it continued)."""
+    """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, what killed writes left is
+    removed, and ``run.json`` written (with the precision and the device of this session of the run: a resumed run
+    records where it continued)."""
     if plan.record["fresh"] and plan.work != plan.out and plan.work.exists():
         shutil.rmtree(plan.work)
     plan.work.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(plan.work)
     record = {k: v for k, v in plan.record.items() if k != "fresh"} | {"precision": precision, "finished": False}
     record |= {"device": device} if device is not None else {}
     atomic_write(plan.work / RUN_FILE, json.dumps(record, indent=1))

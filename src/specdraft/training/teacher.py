@@ -22,6 +22,7 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name
 from specdraft.training.data import MANIFEST_FILE
+from specdraft.training.runs import owns_out
 from specdraft.training.scoring import score_records
 
 
@@ -62,6 +63,7 @@ def annotate_shard(model, records: list[dict], config: TeacherTopkConfig, pad_id
     return out
 
 
+@owns_out
 def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     """Annotate every shard of ``config.data`` into ``config.out``; returns the output manifest."""
     from tqdm import tqdm
@@ -87,8 +89,7 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     settings = {k: v for k, v in asdict(config).items() if k in ("target", "k", "dtype")}
     entries = _check_out_folder(work, settings, source_sums, Path(config.data), replace_ok=work != out)
     work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob(".*.tmp"):
-        stale.unlink()
+    runs.clear_leftovers(work)
     todo = [name for name in sorted(source["shards"]) if name not in entries]
     model = tokenizer = None
     bar = tqdm(total=len(source["shards"]), initial=len(entries), unit="shard", desc="distill-topk",

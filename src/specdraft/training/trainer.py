@@ -4,17 +4,15 @@ on text and fine-tuning by distillation differ only in their dataset, loss funct
 The loop: AdamW; linear warm-up then cosine decay to ``min_lr_ratio * lr``; gradient accumulation; gradient-norm
 clipping; optional bf16 autocast; a held-out evaluation callback (run under ``no_grad``; it picks its own
 precision) every ``eval_every`` steps and at the end; tqdm progress (tokens/s, ETA); ``train_log.csv`` and
-``eval_log.csv`` (and tensorboard when it is installed); a training checkpoint every ``checkpoint_every`` steps
-and at the end.
+``eval_log.csv`` (and tensorboard when it is installed; a resumed run first drops the rows a killed run logged after
+its checkpoint); a training checkpoint every ``checkpoint_every`` steps and at the end.
 
 Resuming continues to exactly the weights of an uninterrupted run: the data order is a seeded permutation per
 epoch (seed and position are in the checkpoint), and the torch RNG, the loss's generator, the optimizer and the
 schedule are restored. Evaluation runs under a forked RNG so it never changes what training draws.
 
-Device: ``device`` (``auto``: CUDA when visible, else the CPU; ``cpu``; ``cuda``; ``cuda:N``) is where the model
-trains; it is not a setting of the weights (:data:`specdraft.training.runs.OPERATIONAL`), so a run checkpointed on one
-device resumes on another. The loss's generator stays on the CPU (its state resumes anywhere); the CUDA generator's
-state is checkpointed beside the CPU's when training on CUDA.
+``device`` (auto: CUDA when visible) is not a setting of the weights: a run checkpointed on one device resumes on
+another. The loss's generator stays on the CPU; the CUDA generator's state is checkpointed when training on CUDA.
 
 Distributed: under ``torchrun`` (``WORLD_SIZE > 1``) the process group is initialised (gloo on CPU, nccl on CUDA),
 the model is wrapped in ``DistributedDataParallel``, each global micro-batch of ``batch_size * world`` indices is
@@ -47,7 +45,9 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import check_device_name, resolve_device
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
+from specdraft.training.runs import rewind_log
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
@@ -97,7 +97,7 @@ class TrainerConfig:
         check_field(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
         check_field(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
         check_field(self, "bf16", lambda v: v is None or isinstance(v, bool), "True, False or unset (auto)")
-        check_device(self)
+        check_field(self, "device", lambda v: check_device_name(v) is None, "auto, cpu, cuda or cuda:N")  # exists?
         if self.resume and self.overwrite:
             raise SpecdraftError("resume and overwrite exclude each other: continue the run or replace it")
         check_field(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps,
@@ -115,13 +115,6 @@ def check_field(config, name: str, ok: Callable[[object], bool], what: str) -> N
         good = False
     if not good:
         raise SpecdraftError(f"{name} must be {what}, got {value!r}")
-
-
-def check_device(config) -> None:
-    """``config.device`` is auto, cpu, cuda or cuda:N (whether it exists is checked when the stage starts)."""
-    from specdraft.hardware import check_device_name
-
-    check_field(config, "device", lambda v: check_device_name(v) is None, "auto, cpu, cuda or cuda:N")
 
 
 def check_ints(config, names: tuple[str, ...], minimum: int) -> None:
@@ -200,8 +193,6 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     process group: nccl when the processes run on CUDA (each on cuda:LOCAL_RANK), gloo on the CPU."""
     import torch.distributed as dist
 
-    from specdraft.hardware import resolve_device
-
     world, local = int(os.environ.get("WORLD_SIZE", 1)), os.environ.get("LOCAL_RANK", "0")
     if world > 1 and ":" in str(device) and str(device) != f"cuda:{local}":
         raise SpecdraftError(f"device {device!r}: under torchrun each process uses cuda:LOCAL_RANK; pass --device cuda "
@@ -228,17 +219,21 @@ def barrier(world: int) -> None:
 
 
 class RunLog:
-    """``train_log.csv`` and ``eval_log.csv`` in the run folder (appended on resume), plus tensorboard if importable;
-    a no-op on ranks other than 0."""
+    """``train_log.csv`` and ``eval_log.csv`` in the run folder, plus tensorboard if importable; a no-op on ranks
+    other than 0. They start at ``step``, the step the run starts from: a fresh run (0) starts fresh logs, a resumed
+    one keeps the rows up to its checkpoint's step and drops those a killed run wrote after it, so each step is logged
+    once."""
 
-    def __init__(self, out: Path, enabled: bool) -> None:
+    def __init__(self, out: Path, enabled: bool, step: int = 0) -> None:
         self.out, self.enabled, self.writer = out, enabled, None
         if enabled:
             out.mkdir(parents=True, exist_ok=True)
+            for name in ("train", "eval"):
+                rewind_log(out / f"{name}_log.csv", step)
             with contextlib.suppress(ImportError):  # tensorboard is optional
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(out / "tensorboard"))
+                self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
 
     def write(self, name: str, row: dict) -> None:
         if not self.enabled:
@@ -283,7 +278,8 @@ class _Run:
             **self._weights_state(), "scheduler": self.scheduler.state_dict(), "step": self.step,
             "tokens": self.tokens, "wall_seconds": self.wall_seconds, "data": self.stream.state_dict(),
             "config": _plain(asdict(config)),
-            "rng": {"torch": torch.get_rng_state(), "loss": self.generator.get_state()} | _cuda_rng(self.device),
+            "rng": {"torch": torch.get_rng_state(), "loss": self.generator.get_state()}
+            | ({"cuda": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
         }
 
     def _weights_state(self) -> dict:
@@ -317,11 +313,6 @@ class _Run:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.generator.set_state(state["rng"]["loss"])
         self.step, self.tokens, self.wall_seconds = state["step"], state["tokens"], state["wall_seconds"]
-
-
-def _cuda_rng(device: torch.device) -> dict:
-    """The CUDA generator's state of ``device`` (dropout, noise) when training there, for an exact resume."""
-    return {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {}
 
 
 def _plain(value):
@@ -459,15 +450,12 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
         run = _new_run(model, len(dataset), config, rank, world, device=device)
     if config.resume:  # a missing or damaged checkpoint is a SpecdraftError
         run.load_state_dict(load_training_state(out / CHECKPOINT_FILE))
-    elif rank == 0:  # a fresh run starts fresh logs
-        for name in ("train_log.csv", "eval_log.csv"):
-            (out / name).unlink(missing_ok=True)
     wrapped = run.model
     if world > 1 and not sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    log = RunLog(out, rank == 0)
+    log = RunLog(out, rank == 0, run.step)  # the logs as of the checkpoint resumed from (fresh at step 0)
     try:
         result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world, after_step)
     finally:

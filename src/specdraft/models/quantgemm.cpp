@@ -1,0 +1,364 @@
+// Products of a few rows with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), read as they ship: out (M, N) =
+// x (M, K) @ w (N, K)^T for the 1 to ~64 rows of a batch-1 decode step, verify or token tree, and (more slowly
+// per row) a prompt's prefill.
+//
+// As in llama.cpp (ggml's vec_dot_q4_1_q8_1 and friends), each row of x is quantized to int8 per block of 32, with
+// one fp32 scale dx per block (dx = max|x| / 127, q = round(x / dx)) and the block's integer sum s = sum(q); a weight
+// block of 32 is (dw, mw, 4-bit q) for Q4_1 (w = dw q + mw), (dw, 4-bit q) for Q4_0 (w = dw (q - 8)) and (dw, int8 q)
+// for Q8_0 (w = dw q). A block's dot product is an exact integer, sumi = sum(qw qx), and the output element is
+// accumulated in fp32 block by block in order from zero:
+//   Q4_1: acc = fma(float(sumi) * dx, dw, acc); acc = fma(mw, dx * float(s), acc)
+//   Q4_0: acc = fma(float(sumi - 8 s) * dx, dw, acc)
+//   Q8_0: acc = fma(float(sumi) * dx, dw, acc)
+// The integer part is exact in any order, and the float part is the same instruction sequence for every element
+// whatever the number of rows, the tile they are grouped in, the thread that computes them or the CPU's vector width:
+// a k-token forward reproduces k 1-token forwards bit for bit, and the AVX-512 VNNI kernel (vpdpbusd, u8 x s8 into
+// int32) and the AVX2 one (vpmaddubsw + vpmaddwd) give identical results.
+//
+// Packed layout (pack_blocks in quantized.py): groups of 16 output columns; for each group and block of 32, the 16
+// scales dw as fp16, (Q4_1) the 16 minima mw as fp16, then the quants, one 32-bit lane per column: lane j of the
+// 64-byte chunk t holds column j's weights k = 4t .. 4t + 3 (Q8_0: 8 chunks, bytes biased by +128 to u8) or (Q4: 4
+// chunks) k = 4t .. 4t + 3 in the low nibbles and k = 16 + 4t .. 16 + 4t + 3 in the high ones. A broadcast of 4
+// bytes of x then multiplies 16 columns at once. A group's blocks are one sequential stream.
+#include "quantkernels.h"
+
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 16;  // output columns per group
+constexpr int64_t kBlock = 32;  // weights per block
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml's type ids
+
+constexpr int64_t block_bytes(int64_t kind) {  // one group's block: scales (and minima), then quants
+  return kind == kQ4_1 ? 64 + 256 : kind == kQ4_0 ? 32 + 256 : 32 + 512;
+}
+constexpr int64_t quant_offset(int64_t kind) { return kind == kQ4_1 ? 64 : 32; }
+
+// x quantized per block of 32 (row-major, nb = K / 32 blocks a row).
+struct Rows {
+  const int8_t* q;    // (M, K)
+  const float* d;     // (M, nb) scale dx
+  const float* ds;    // (M, nb) dx * float(s), Q4_1's minimum term
+  const int32_t* s;   // (M, nb) integer sum of the block's quants
+  int64_t K, nb;
+};
+
+// Each row's blocks: dx = max|x| / 127, q = round-to-nearest-even(x / dx) (as x * (1 / dx)), the same for any
+// grouping of rows. 8 lanes at a time: a maximum and an integer sum are exact in any order, and each quant is one
+// product and one conversion under the default rounding mode, as std::nearbyint would give.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds, int32_t* s) {
+  const int64_t nb = K / kBlock;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      __m256 v[4], top = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top);
+      const float amax = *std::max_element(lanes, lanes + 8);
+      const float dx = amax / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;
+      const __m256 scale = _mm256_set1_ps(inv);
+      const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+      __m256i sum = _mm256_setzero_si256();
+      alignas(32) int32_t ints[kBlock];
+      for (int i = 0; i < 4; ++i) {
+        __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+        n = _mm256_min_epi32(_mm256_max_epi32(n, lo), hi);
+        sum = _mm256_add_epi32(sum, n);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * i), n);
+      }
+      int8_t* qb = q + r * K + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(ints[i]);
+      alignas(32) int32_t parts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
+      int32_t total = 0;
+      for (int i = 0; i < 8; ++i) total += parts[i];
+      d[r * nb + b] = dx;
+      s[r * nb + b] = total;
+      ds[r * nb + b] = dx * static_cast<float>(total);
+    }
+  }
+}
+
+inline int32_t four(const int8_t* p) {  // 4 bytes of x as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- AVX2: two halves of 8 columns, u8 x s8 pairs with vpmaddubsw (no saturation: |pair| <= 2 * 127 * 127), then
+// vpmaddwd by ones into 32-bit lanes.
+template <int R, int64_t KIND>
+void tile_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t N, int64_t n0) {
+  constexpr int64_t BB = block_bytes(KIND), QO = quant_offset(KIND);
+  const int64_t nb = a.nb, K = a.K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bias8 = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * BB;
+      __m256i isum[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      if constexpr (KIND == kQ8_0) {
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const __m256i wu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32 * h));
+          const __m256i ws = _mm256_xor_si256(wu, bias8), wa = _mm256_abs_epi8(ws);  // signed w, |w|
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256i xb = _mm256_set1_epi32(four(a.q + (r0 + r) * K + b * kBlock + 4 * t));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, ws)), ones));
+          }
+        }
+      } else {
+        // 4-bit weights (<= 15) times int8 (|x| <= 127): a pair is at most 3810, so the 8 pair sums of a block add up
+        // in 16 bits (<= 30480) before one widening to 32 bits per row
+        __m256i pairs[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32 * h));
+          const __m256i lo = _mm256_and_si256(wq, low4), hi = _mm256_and_si256(_mm256_srli_epi16(wq, 4), low4);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = a.q + (r0 + r) * K + b * kBlock;
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(xr + 4 * t))));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(xr + 16 + 4 * t))));
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(pairs[r], ones);
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      __m256 mw = _mm256_setzero_ps();
+      if constexpr (KIND == kQ4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * nb + b;
+        __m256i total = isum[r];
+        if constexpr (KIND == kQ4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * a.s[at]));
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(a.d[at]));
+        acc[r] = _mm256_fmadd_ps(f, dw, acc[r]);
+        if constexpr (KIND == kQ4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[at]), acc[r]);
+      }
+    }
+    const int64_t c0 = n0 + 8 * h, live = std::min<int64_t>(8, N - c0);
+    if (live <= 0) continue;
+    alignas(32) float lanes[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(lanes, acc[r]);
+      std::memcpy(out + (r0 + r) * N + c0, lanes, live * sizeof(float));
+    }
+  }
+}
+
+// ---- AVX-512 VNNI: 16 columns a vector, vpdpbusd (u8 weights x s8 x, 4 products a lane into int32).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")
+template <int R, int64_t KIND>
+void tile_vnni(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t N, int64_t n0) {
+  constexpr int64_t BB = block_bytes(KIND), QO = quant_offset(KIND);
+  const int64_t nb = a.nb, K = a.K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB), _MM_HINT_T0);  // past the group's end: harmless
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BB + 256), _MM_HINT_T0);
+    __m512i isum[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if constexpr (KIND == kQ8_0) {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512i wu = _mm512_loadu_si512(blk + QO + 64 * t);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm512_dpbusd_epi32(isum[r], wu, _mm512_set1_epi32(four(a.q + (r0 + r) * K + b * kBlock + 4 * t)));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512i wq = _mm512_loadu_si512(blk + QO + 64 * t);
+        const __m512i lo = _mm512_and_si512(wq, low4), hi = _mm512_and_si512(_mm512_srli_epi16(wq, 4), low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = a.q + (r0 + r) * K + b * kBlock;
+          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(four(xr + 4 * t)));
+          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(four(xr + 16 + 4 * t)));
+        }
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (KIND == kQ4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * nb + b;
+      __m512i total = isum[r];
+      if constexpr (KIND == kQ4_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a.s[at]));
+      if constexpr (KIND == kQ8_0) total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * a.s[at]));  // the +128 bias
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(a.d[at]));
+      acc[r] = _mm512_fmadd_ps(f, dw, acc[r]);
+      if constexpr (KIND == kQ4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.ds[at]), acc[r]);
+    }
+  }
+  const int64_t live = std::min<int64_t>(kGroup, N - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1u);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * N + n0, keep, acc[r]);
+}
+#pragma GCC pop_options
+
+// Every row against one group, in tiles of at most 6 rows (a later tile reads the group from cache).
+template <int64_t KIND>
+void group_rows(const uint8_t* w, const Rows& a, int64_t M, float* out, int64_t N, int64_t n0, bool vnni) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m, mb = left <= 6 ? left : (left <= 8 ? 4 : 6);
+#define SPECDRAFT_TILE(R)                                  \
+  if (vnni)                                                \
+    tile_vnni<R, KIND>(w, a, m, out, N, n0);               \
+  else                                                     \
+    tile_avx2<R, KIND>(w, a, m, out, N, n0);               \
+  break;
+    switch (mb) {
+      case 1: SPECDRAFT_TILE(1)
+      case 2: SPECDRAFT_TILE(2)
+      case 3: SPECDRAFT_TILE(3)
+      case 4: SPECDRAFT_TILE(4)
+      case 5: SPECDRAFT_TILE(5)
+      default: SPECDRAFT_TILE(6)
+    }
+#undef SPECDRAFT_TILE
+    m += mb;
+  }
+}
+
+template <int64_t KIND>
+void product(const uint8_t* w, const Rows& a, int64_t M, int64_t N, float* out, bool vnni) {
+  const int64_t groups = (N + kGroup - 1) / kGroup, stride = a.nb * block_bytes(KIND);
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {  // each thread one contiguous run of groups
+    for (int64_t g = begin; g < end; ++g) group_rows<KIND>(w + g * stride, a, M, out, N, g * kGroup, vnni);
+  });
+}
+
+void check_packed(const at::Tensor& packed, int64_t kind, int64_t K, int64_t N) {
+  TORCH_CHECK(kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0, "quantgemm: kind must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == block_bytes(kind),
+              "quantgemm: weight must come from quantized.pack_blocks");
+  TORCH_CHECK(K % kBlock == 0 && packed.size(1) * kBlock == K && N >= 1 && N <= packed.size(0) * kGroup,
+              "quantgemm: input does not match the weight");
+}
+
+}  // namespace
+
+namespace specdraft_quant {
+
+void multiply(const float* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t kind, int64_t N, float* out,
+              bool vnni) {
+  check_packed(packed, kind, K, N);
+  const int64_t nb = K / kBlock;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * nb), ds(M * nb);
+  std::vector<int32_t> s(M * nb);
+  quantize_rows(x, M, K, q.data(), d.data(), ds.data(), s.data());
+  const Rows a{q.data(), d.data(), ds.data(), s.data(), K, nb};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (kind == kQ4_1)
+    product<kQ4_1>(w, a, M, N, out, vnni);
+  else if (kind == kQ4_0)
+    product<kQ4_0>(w, a, M, N, out, vnni);
+  else
+    product<kQ8_0>(w, a, M, N, out, vnni);
+}
+
+}  // namespace specdraft_quant
+
+namespace {
+
+// x (..., K) -> (..., N) fp32.
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind, int64_t N, int64_t mode) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
+              "quantgemm: input must be float32 or bfloat16");
+  const int64_t K = input.size(-1);
+  check_packed(packed, kind, K, N);
+  const at::Tensor x = input.reshape({-1, K}).to(at::kFloat).contiguous();  // (M, K)
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, input.options().dtype(at::kFloat));
+  if (M == 0) return out.view(shape);
+  specdraft_quant::multiply(x.data_ptr<float>(), M, K, packed, kind, N, out.data_ptr<float>(), mode >= 1);
+  return out.view(shape);
+}
+
+// Rows `ids` of the weight, dequantized to fp32 exactly (w = dw q + mw, dw (q - 8) or dw q, each one rounding):
+// (T,) -> (T, K). An embedding lookup in a quantized table, and the dense copy tests compare with.
+at::Tensor rows(const at::Tensor& packed, int64_t kind, int64_t K, int64_t N, const at::Tensor& ids) {
+  check_packed(packed, kind, K, N);
+  const at::Tensor index = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t T = index.size(0), nb = K / kBlock, BB = block_bytes(kind), QO = quant_offset(kind);
+  at::Tensor out = at::empty({T, K}, packed.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t* idp = index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "quantgemm: row index out of range");
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = idp[t], j = n % kGroup;
+      const uint8_t* g = w + (n / kGroup) * nb * BB;
+      float* o = out.data_ptr<float>() + t * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = g + b * BB;
+        uint16_t half;
+        std::memcpy(&half, blk + 2 * j, 2);
+        const float dw = c10::detail::fp16_ieee_to_fp32_value(half);
+        float mw = 0.0f;
+        if (kind == kQ4_1) {
+          std::memcpy(&half, blk + 32 + 2 * j, 2);
+          mw = c10::detail::fp16_ieee_to_fp32_value(half);
+        }
+        for (int64_t k = 0; k < kBlock; ++k) {
+          float v;
+          if (kind == kQ8_0) {
+            v = dw * static_cast<float>(static_cast<int>(blk[QO + 64 * (k / 4) + 4 * j + k % 4]) - 128);
+          } else {
+            const int64_t kk = k % 16;
+            const uint8_t byte = blk[QO + 64 * (kk / 4) + 4 * j + kk % 4];
+            const int qv = k < 16 ? (byte & 0x0F) : (byte >> 4);
+            v = kind == kQ4_1 ? dw * static_cast<float>(qv) + mw : dw * static_cast<float>(qv - 8);  // as ggml: two roundings
+          }
+          o[b * kBlock + k] = v;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
+  m.def("qlinear(Tensor input, Tensor packed, int kind, int n, int mode) -> Tensor");
+  m.def("qrows(Tensor packed, int kind, int k, int n, Tensor ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
+  m.impl("qlinear", &linear);
+  m.impl("qrows", &rows);
+}

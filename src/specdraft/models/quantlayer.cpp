@@ -1,0 +1,143 @@
+// One pre-norm Llama decoder layer on block-quantized weights for the T <= 64 new tokens of a batch-1 step, verify or
+// tree, in one call: the ~15 eager ops of a layer cost more dispatch than arithmetic at these sizes (a 1-token step of
+// SmolLM2 runs 30 layers). Every piece computes each token on its own with a fixed instruction sequence (RMSNorm with
+// one left-to-right sum per token, rotary embedding per element, quantgemm's products, rowattention's attention,
+// SiLU per element), so a k-token call reproduces k 1-token calls bit for bit, as the layer-by-layer path does.
+//
+//   x = x + o(attention(rope(q), cache <- (rope(k), v)))      with q, k, v = qkv(rmsnorm(x, attn_norm))
+//   x = x + down(silu(gate) * up)                              with gate, up = gate_up(rmsnorm(x, mlp_norm))
+#include "quantkernels.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstring>
+
+namespace {
+
+// e^x, 8 lanes, x clamped to [-87, 88] (cephes expf: Cody-Waite reduction, degree-6 polynomial, about 1 ulp); the same
+// instructions for every lane, so a token's activations never depend on its neighbours.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// silu(gate) * up = gate / (1 + e^-gate) * up for each token's F pairs (F a multiple of 8).
+void silu_mul(const float* gate_up, int64_t T, int64_t F, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < F; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate_up + t * 2 * F + i), u = _mm256_loadu_ps(gate_up + t * 2 * F + F + i);
+      const __m256 e = exp8(_mm256_sub_ps(zero, g));
+      _mm256_storeu_ps(out + t * F + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+    }
+}
+
+// y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of D; the sum of squares in one order (left to right).
+void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, float* y) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * D;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < D; ++i) sum += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) y[t * D + i] = (xr[i] * inv) * w[i];
+  }
+}
+
+// transformers' half-split rotary embedding, in place on `heads` heads of hd starting at row offset `first` (in
+// units of hd) of each token's qkv row: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+void rotate(float* qkv, int64_t T, int64_t width, int64_t first, int64_t heads, int64_t hd, const float* cos,
+            const float* sin) {
+  const int64_t half = hd / 2;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = qkv + t * width + (first + h) * hd;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                     double scale, int64_t mode) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdraft_rowgemm::attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const c10::optional<at::Tensor>&, double, int64_t)>();
+  return op.call(q, k, v, mask, scale, mode);
+}
+
+// hidden (1, T, D) fp32 -> (1, T, D); writes this layer's keys and values of the T new positions into slots
+// start .. start + T - 1 of keys / values (1, KV, S, hd) fp32. weights: the packed qkv, o, gate_up, down blocks,
+// kinds their ggml types; cos, sin (T, hd/2); mask (T, start + T) bool or None (then every slot is visible).
+at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& attn_norm,
+                 const at::Tensor& mlp_norm, double eps, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                 const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask, int64_t heads,
+                 int64_t kv_heads, int64_t qmode, int64_t amode) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.scalar_type() == at::kFloat,
+              "quantlayer: hidden must be (1, T, D) float32");
+  TORCH_CHECK(weights.size() == 4 && kinds.size() == 4, "quantlayer: four weights (qkv, o, gate_up, down)");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.dim() == 4 &&
+                  keys.size(0) == 1 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes(),
+              "quantlayer: the cache must be (1, KV, S, hd) float32");
+  const int64_t T = hidden.size(1), D = hidden.size(2), hd = keys.size(3), S = keys.size(2);
+  const int64_t width = (heads + 2 * kv_heads) * hd, ffn = weights[3].size(1) * 32;
+  TORCH_CHECK(keys.size(1) == kv_heads && start + T <= S && cos.numel() == T * (hd / 2) && sin.numel() == cos.numel(),
+              "quantlayer: cache, positions and angles do not match");
+  at::Tensor x = hidden.contiguous().clone();  // (1, T, D): the residual stream, updated in place
+  float* xp = x.data_ptr<float>();
+  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+  const at::Tensor an = attn_norm.to(at::kFloat).contiguous(), mn = mlp_norm.to(at::kFloat).contiguous();
+  const bool vnni = qmode >= 1;
+  std::vector<float> normed(T * D), qkv(T * width), delta(T * D), gate_up(T * 2 * ffn), act(T * ffn);
+
+  rms_norm(xp, T, D, an.data_ptr<float>(), static_cast<float>(eps), normed.data());
+  specdraft_quant::multiply(normed.data(), T, D, weights[0], kinds[0], width, qkv.data(), vnni);
+  rotate(qkv.data(), T, width, 0, heads + kv_heads, hd, c.data_ptr<float>(), s.data_ptr<float>());
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* row = qkv.data() + t * width;
+      std::memcpy(kp + (h * S + start + t) * hd, row + (heads + h) * hd, hd * sizeof(float));
+      std::memcpy(vp + (h * S + start + t) * hd, row + (heads + kv_heads + h) * hd, hd * sizeof(float));
+    }
+  const at::Tensor queries = at::from_blob(qkv.data(), {1, T, heads, hd}, {T * width, width, hd, 1},
+                                           at::TensorOptions().dtype(at::kFloat));  // a strided view of the q rows
+  const at::Tensor seen = keys.narrow(2, 0, start + T), vals = values.narrow(2, 0, start + T);
+  const at::Tensor attended = attention(queries.contiguous(), seen, vals, mask, std::pow(hd, -0.5), amode);
+  specdraft_quant::multiply(attended.data_ptr<float>(), T, heads * hd, weights[1], kinds[1], D, delta.data(), vnni);
+  for (int64_t i = 0; i < T * D; ++i) xp[i] += delta[i];
+
+  rms_norm(xp, T, D, mn.data_ptr<float>(), static_cast<float>(eps), normed.data());
+  specdraft_quant::multiply(normed.data(), T, D, weights[2], kinds[2], 2 * ffn, gate_up.data(), vnni);
+  silu_mul(gate_up.data(), T, ffn, act.data());
+  specdraft_quant::multiply(act.data(), T, ffn, weights[3], kinds[3], D, delta.data(), vnni);
+  for (int64_t i = 0; i < T * D; ++i) xp[i] += delta[i];
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
+  m.def("qlayer(Tensor hidden, Tensor[] weights, int[] kinds, Tensor attn_norm, Tensor mlp_norm, float eps, "
+        "Tensor keys, Tensor values, int start, Tensor cos, Tensor sin, Tensor? mask, int heads, int kv_heads, "
+        "int qmode, int amode) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) { m.impl("qlayer", &layer); }

@@ -1,0 +1,282 @@
+"""Block-quantized weights (Q4_0, Q4_1, Q8_0): packing, the int8 kernels, the quantized Llama, GGUF loading, and the
+decoding guarantees on the quantized path (greedy speculative == plain, sampled output follows the target)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.models import quantized as Q
+from specdraft.models import rowgemm
+from specdraft.models.native_llama import NativeLlama
+from specdraft.models.quantized_llama import QuantizedLlama
+from specdraft.sampling import SamplingConfig, warp
+from toys import PatternDrafter, assert_follows, tiny_llama
+
+pytestmark = pytest.mark.skipif(not rowgemm.available(), reason="no AVX2/F16C CPU or C++ compiler for the kernels")
+KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+PROMPT = list(range(3, 30))
+
+
+def _reference(x: torch.Tensor, weight: Q.QuantizedWeight) -> torch.Tensor:
+    """x (M, K) quantized per block of 32 as the kernel does, times the dequantized weight, in float64."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    quants = torch.round(blocks / torch.where(scale == 0, 1, scale)).clamp(-127, 127)
+    return (quants * scale).view_as(x) @ Q.dequantize(weight).double().T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_packed_blocks_dequantize_as_gguf_py_does(kind, rows):
+    weight = torch.randn(rows, 96)
+    blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType(kind))
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(kind))
+    packed = Q.pack_blocks(torch.from_numpy(blocks), kind, rows, 96)
+    assert packed.packed.shape == (-(-rows // 16), 3, {2: 288, 3: 320, 8: 544}[kind])
+    assert torch.equal(Q.dequantize(packed), torch.from_numpy(expected.copy()))
+    ids = torch.tensor([[rows - 1, 0]])
+    assert torch.equal(Q.rows(packed, ids)[0], torch.from_numpy(expected[[rows - 1, 0]].copy()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_products_match_the_block_arithmetic_and_are_row_and_thread_invariant(kind):
+    torch.manual_seed(0)
+    weight = Q.quantize(torch.randn(40, 160), kind)
+    x = torch.randn(21, 160)
+    x[3] = 0.0  # an all-zero row quantizes with scale 0
+    out = Q.linear(x, weight)
+    assert out.shape == (21, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(x, weight), rtol=1e-5, atol=1e-4)
+    alone = torch.cat([Q.linear(x[i : i + 1], weight) for i in range(21)])
+    assert torch.equal(out, alone)  # k rows reproduce k 1-row products bit for bit
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(Q.linear(x, weight), out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(Q.linear(x.bfloat16(), weight), Q.linear(x.bfloat16().float(), weight))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_avx2_and_vnni_kernels_agree_bit_for_bit(kind):
+    if Q.mode() == 0:
+        pytest.skip("this CPU (or torch's dispatch) has no AVX-512 VNNI")
+    weight = Q.quantize(torch.randn(50, 128), kind)
+    x = torch.randn(9, 128)
+    op = torch.ops.specdraft_rowgemm.qlinear
+    assert torch.equal(op(x, weight.packed, kind, 50, 0), op(x, weight.packed, kind, 50, 1))
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(SpecdraftError, match="multiple of 32"):
+        Q.quantize(torch.randn(4, 40), Q.Q8_0)
+    with pytest.raises(SpecdraftError, match="unsupported quantization type"):
+        Q.pack_blocks(torch.zeros(4, 10, dtype=torch.uint8), 12, 4, 32)
+    weight = Q.quantize(torch.randn(4, 64), Q.Q8_0)
+    with pytest.raises(RuntimeError, match="does not match"):
+        Q.linear(torch.randn(2, 32), weight)
+
+
+def _dense(seed: int = 0) -> NativeLlama:
+    return NativeLlama.from_hf(tiny_llama(seed, std=0.1))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_llama_is_close_to_its_dense_model_and_row_invariant(scheme):
+    dense = _dense()
+    model = QuantizedLlama.from_dense(dense, scheme)
+    assert model.dtype == torch.float32 and model.packing == {"int8": "q8_0+q8_0", "int4": "q4_1+q8_0"}[scheme]
+    assert model.parameter_count == dense.parameter_count
+    ids = torch.tensor([PROMPT])
+    want = dense(ids, dense.new_cache(64))
+    got = model(ids, cache := model.new_cache(64))
+    assert (got - want).abs().max() < (0.05 if scheme == "int8" else 0.3) * want.abs().max()
+    step = torch.tensor([[5, 9, 11, 4, 7]])
+    together = model(step, cache)
+    cache.crop(len(PROMPT))
+    alone = torch.cat([model(step[:, i : i + 1], cache) for i in range(5)], dim=1)
+    assert torch.equal(together, alone)
+
+
+def test_the_fused_layer_call_equals_the_layer_by_layer_path_closely():
+    model = QuantizedLlama.from_dense(_dense(), "int8")
+    ids = torch.tensor([PROMPT])
+    cache = model.new_cache(64)
+    model(ids, cache)
+    step = torch.tensor([[5, 9, 11]])
+    fused = model(step, cache)
+    cache.crop(len(PROMPT))
+    kept, model._fused = model._fused, [None] * len(model.layers)
+    try:
+        layered = model(step, cache)
+    finally:
+        model._fused = kept
+    torch.testing.assert_close(fused, layered, rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_tables_serve_drafters_and_exports():
+    dense = _dense()
+    model = QuantizedLlama.from_dense(dense, "int8")
+    assert model.embed_weight.shape == dense.embed_weight.shape and model.embed_weight.dtype == torch.float32
+    assert model.embed_weight is model.embed_weight  # made once
+    tensors = model.checkpoint_tensors()
+    assert set(tensors) == set(dense.checkpoint_tensors())
+    ids = torch.tensor([[3, 4, 5]])
+    torch.testing.assert_close(model.embed_tokens(ids)[0], model.embed_weight[ids[0]])
+    with pytest.raises(SpecdraftError, match="quantized weights"):
+        model.load_checkpoint_tensors(tensors, "x")
+
+
+@pytest.mark.parametrize("speculation", ["adaptive", "fixed"])
+def test_greedy_speculative_equals_plain_on_the_quantized_path(speculation):
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    plain = generate(target, PROMPT, None, GenerationConfig(48)).token_ids
+    draft = NativeLlama.from_hf(tiny_llama(1, std=0.1))
+    for drafter in (DraftModelDrafter(draft), DraftModelDrafter(draft, siblings=1), PromptLookupDrafter(),
+                    DraftModelDrafter(QuantizedLlama.from_dense(draft, "int8")),
+                    PatternDrafter(target, lambda step, i: (step * 7 + i * 3) % 5 == 0)):
+        config = GenerationConfig(48, 4, speculation=speculation)
+        assert generate(target, PROMPT, drafter, config).token_ids == plain
+
+
+def test_a_one_token_prompt_decodes_the_same_speculatively():
+    """A one-token prompt is not prefilled: its first forward is a plain step or a whole verify from an empty cache,
+    both on the row-wise path."""
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    for prompt in ([7], [7, 9]):
+        plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+        drafter = PatternDrafter(target, lambda step, i: (step * 7 + i * 3) % 5 == 0)
+        assert generate(target, prompt, drafter, GenerationConfig(24, 4, speculation="fixed")).token_ids == plain
+
+
+def test_sampled_output_follows_the_quantized_targets_distribution():
+    """Speculative sampling on the quantized target: the second token's marginal is the target's own (chi-square)."""
+    target = QuantizedLlama.from_dense(NativeLlama.from_hf(tiny_llama(0, std=0.05)), "int4")
+    sampling = SamplingConfig(1.0, top_k=12)
+    prompt = PROMPT[:8]
+    p1 = warp(target(torch.tensor([prompt]), target.new_cache(16))[0, -1], sampling)  # (V,)
+    p2 = torch.stack([warp(target(torch.tensor([prompt + [t]]), target.new_cache(16))[0, -1], sampling)
+                      for t in range(target.vocab_size)])  # (V, V)
+    marginal = p1 @ p2
+    drafter = DraftModelDrafter(NativeLlama.from_hf(tiny_llama(1, std=0.05)))
+    counts, trials = {}, 600
+    for seed in range(trials):
+        generator = torch.Generator().manual_seed(seed)
+        result = generate(target, prompt, drafter, GenerationConfig(2, 3, sampling), generator)
+        counts[result.token_ids[1]] = counts.get(result.token_ids[1], 0) + 1
+    assert_follows(_Counts(counts), marginal, trials)
+
+
+class _Counts(dict):
+    def __missing__(self, key):
+        return 0
+
+
+def _write_gguf(path, dense: NativeLlama, layer_kind: int, table_kind: int) -> None:
+    """A llama GGUF of ``dense``'s weights as llama.cpp's converter writes it (q and k rows permuted)."""
+    config = dense.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+
+    def put(name, tensor, kind, heads=None):
+        array = tensor.detach().float().numpy()
+        if heads is not None:  # llama.cpp's rotary permutation
+            array = array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
+        if kind is None:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType(kind))
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType(kind))
+
+    tensors = dense.checkpoint_tensors()
+    put("token_embd.weight", tensors["model.embed_tokens.weight"], table_kind)
+    put("output.weight", tensors["lm_head.weight"], table_kind)
+    put("output_norm.weight", tensors["model.norm.weight"], None)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf, ours in names.items():
+            heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(hf)
+            put(f"blk.{i}.{ours}.weight", tensors[prefix + f"self_attn.{hf}.weight"], layer_kind, heads)
+        for hf in ("gate", "up", "down"):
+            put(f"blk.{i}.ffn_{hf}.weight", tensors[prefix + f"mlp.{hf}_proj.weight"], layer_kind)
+        put(f"blk.{i}.attn_norm.weight", tensors[prefix + "input_layernorm.weight"], None)
+        put(f"blk.{i}.ffn_norm.weight", tensors[prefix + "post_attention_layernorm.weight"], None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_loads_its_own_blocks_in_transformers_row_order_and_caches_the_pack(tmp_path):
+    dense = _dense()
+    _write_gguf(tmp_path / "model.gguf", dense, Q.Q4_1, Q.Q8_0)
+    cache_folder = tmp_path / "cache"
+    model = QuantizedLlama.from_gguf(tmp_path / "model.gguf", dense.config, "tiny", cache_folder)
+    expected = QuantizedLlama.from_dense(dense, "int4")  # the same blocks, made without the permutation
+    got, want = model.checkpoint_tensors(), expected.checkpoint_tensors()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    cached = list(cache_folder.glob("quantized-*.safetensors"))
+    assert len(cached) == 1 and not list(cache_folder.glob("*.tmp"))
+    again = QuantizedLlama.from_gguf(tmp_path / "model.gguf", dense.config, "tiny", cache_folder)
+    ids = torch.tensor([PROMPT])
+    assert torch.equal(again(ids, again.new_cache(64)), model(ids, model.new_cache(64)))
+
+
+def test_unsupported_gguf_tensors_are_refused_by_name(tmp_path):
+    dense = _dense()
+    _write_gguf(tmp_path / "model.gguf", dense, gguf.GGMLQuantizationType.F16, Q.Q8_0)
+    with pytest.raises(SpecdraftError, match=r"blk\.0\.attn_q\.weight is F16"):
+        QuantizedLlama.from_gguf(tmp_path / "model.gguf", dense.config, "tiny")
+
+
+def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path):
+    """``quantize=int8`` on a draft model: its draft-vocabulary rows are multiplied as blocks (rounded once), and the
+    target's greedy output is unchanged."""
+    from specdraft.drafters.loading import quantize_draft
+
+    target = QuantizedLlama.from_dense(_dense(), "int4")
+    plain = generate(target, PROMPT, None, GenerationConfig(32)).token_ids
+    draft = quantize_draft(NativeLlama.from_hf(tiny_llama(1, std=0.1)), "int8")
+    keep = torch.arange(0, 64, 2)
+    rows = draft.lm_head_weight[keep].contiguous()
+    hidden = torch.randn(3, 32)
+    first = draft.lm_head(hidden, rows)
+    assert first.shape == (3, 32) and draft.lm_head(hidden, rows).equal(first)  # the same blocks, made once
+    torch.testing.assert_close(first, hidden @ rows.T, rtol=0.05, atol=0.05)
+    drafter = DraftModelDrafter(draft, keep=keep)
+    assert generate(target, PROMPT, drafter, GenerationConfig(32, 4)).token_ids == plain
+    with pytest.raises(SpecdraftError, match="quantize must be one of"):
+        quantize_draft(NativeLlama.from_hf(tiny_llama(1)), "int3")
+    with pytest.raises(SpecdraftError, match="dense Llama-family"):
+        quantize_draft(draft, "int8")
+
+
+def test_precision_rules(tmp_path):
+    """auto takes a GGUF target's own blocks unless --dtype is given; other targets stay dense; drafters follow
+    --dtype, or the CPU's fast dtype beside quantized weights."""
+    from specdraft.hardware import fast_dtype
+    from specdraft.models.registry import SMOLLM2, choose_precision
+
+    fast = torch.bfloat16 if fast_dtype().bf16 else torch.float32
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    assert choose_precision(SMOLLM2) == ("gguf", torch.float32, fast)
+    assert choose_precision(SMOLLM2, "bfloat16") == (None, torch.bfloat16, torch.bfloat16)
+    assert choose_precision(SMOLLM2, "bfloat16", "gguf") == ("gguf", torch.float32, torch.bfloat16)
+    assert choose_precision(str(folder), dense_default=torch.bfloat16) == (None, torch.bfloat16, torch.bfloat16)
+    assert choose_precision(str(folder), quantize="int4") == ("int4", torch.float32, fast)
+    (folder / "model.gguf").write_bytes(b"")
+    assert choose_precision(str(folder)).quantize == "gguf"
+    with pytest.raises(SpecdraftError, match="needs a GGUF target"):
+        choose_precision(str(tmp_path), quantize="gguf")
+    with pytest.raises(SpecdraftError, match="quantize must be one of"):
+        choose_precision(SMOLLM2, quantize="int3")
