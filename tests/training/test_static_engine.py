@@ -76,3 +76,26 @@ def test_an_engine_keeps_its_batch_until_a_call_needs_more(target):
 def test_cuda_graphs_replay_the_eager_step(target):
     assert _static(target, "cuda", PROMPTS, eos=5, top=3) == _static(target, "cuda", PROMPTS, eos=5, top=3,
                                                                      graphs=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_smollm2_static_engine_answers_as_transformers_in_float32(device):
+    """The real target: the static batch (eager on the CPU, CUDA graphs on CUDA) gives transformers' greedy answers
+    to chat prompts of different lengths, in one batch."""
+    from specdraft.models.registry import SMOLLM2, load_tokenizer
+
+    tokenizer = load_tokenizer(SMOLLM2)
+    texts = ["What is the capital of France?", "Give me two tips for sleeping well, and say why each one works.",
+             "Translate German to English: Das Wetter ist heute schön.", "2+2?"]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]) for t in texts]
+    engine = StaticEngine(load_model(SMOLLM2, torch.float32, backend="native", device=device))
+    static = engine.generate(prompts, 24, SamplingConfig(), tokenizer.eos_token_id, 0, None)
+    hf = load_model(SMOLLM2, torch.float32, backend="hf", device=device).model
+    for prompt, response in zip(prompts, static, strict=True):
+        ids = torch.tensor([prompt], device=hf.device)
+        out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+        assert response["ids"] == out[: out.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in out
+                                      else len(out)]
