@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET = "smollm2-135m-instruct"  # the built-in name: its shipped drafter resolves against it
 SHIPPED = "smollm2-135m-instruct-drafter"
 # Each phase's share of the budget (about seconds at --budget 560); unspent time passes to the later phases.
-PLAN = {"check": 20, "bench-native": 40, "bench-hf": 30, "data": 125, "drafter": 195, "heads": 95, "tau": 40}
+PLAN = {"check": 30, "bench-native": 40, "bench-hf": 30, "data": 120, "drafter": 190, "heads": 95, "tau": 40}
 TINY = {  # --tiny: the same path with a few prompts and steps, no budgets (a CPU test)
     "heldout_data": {"limit": 6, "max_new_tokens": 12, "batch_size": 6, "shard_size": 6, "dtype": "float32"},
     "distill_data": {"limit": 24, "max_new_tokens": 12, "batch_size": 8, "shard_size": 8, "dtype": "float32"},
@@ -256,10 +256,10 @@ def run_all(args, clock: Clock, out: Path, work: Path, env: dict, summary: dict)
              "--max-new-tokens", "8" if tiny else "256", "--device", args.device,
              "--json-out", str(out / "bench.jsonl")]
     batch = "4" if tiny else str(args.bench_batch)  # --tiny: the static batch of the CUDA path, eager on the CPU
-    few = "4" if tiny else "64"
+    few = "2" if tiny else "32"
     check = [python, "benchmarks/bench_distill_data.py", "--target", TARGET, "--prompts", args.prompts, "--dtype",
              "float32", "--device", args.device, "--limit", few, "--batch-sizes", few, "--max-new-tokens",
-             "8" if tiny else "64", "--engines", "static,hf" if tiny else "native,hf", "--compare",
+             "4" if tiny else "48", "--engines", "static,hf" if tiny else "native,hf", "--compare",
              "--json-out", str(out / "check.jsonl")]
     run_phase("check", check, clock.box("check"), out, env, summary)  # float32: the engines' answers must agree
     run_phase("bench-native", bench + ["--engines", "static" if tiny else "native", "--batch-sizes", batch, "--limit",
