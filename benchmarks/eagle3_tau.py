@@ -18,7 +18,7 @@ import torch
 
 from specdraft.bench.questions import BUILTIN, load_questions, select_questions
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE, parse_options
+from specdraft.drafters import NAMED_DRAFTERS, parse_options
 from specdraft.hardware import cpu_bf16, cpu_capability, cpu_model
 from specdraft.models.registry import SMOLLM2, eos_token_ids, load_model, load_tokenizer
 from specdraft.prompts import encode_prompt
@@ -41,7 +41,7 @@ for spec in args.methods:
     label, rest = spec.split("=", 1)
     head, _, options = rest.partition(":")
     name, gamma = head.split("@")
-    methods.append((label, name, options, TRAINING_FREE[name](target, tokenizer, parse_options(options)), int(gamma)))
+    methods.append((label, name, options, NAMED_DRAFTERS[name](target, tokenizer, parse_options(options)), int(gamma)))
 sums = {m[0]: {"new": 0, "forwards": 0, "first": [0, 0], "accepted": 0, "drafted": 0, "seconds": 0.0, "equal": 0}
         for m in methods}
 questions = select_questions(load_questions(args.questions), per_category=args.per_category)[:: args.every]

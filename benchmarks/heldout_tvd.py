@@ -48,7 +48,7 @@ from specdraft.training.finetune import (
 def copy_hits(records: list[dict], smallest: int) -> list[list[int]]:
     """Per response and position: -1 where no n-gram (n from max(``smallest``, 4) down to ``smallest``) ending there
     was seen earlier in the prompt and response so far, else 1 if the continuation of its most recent occurrence is
-    the response token, 0 if not (what ``chain_copy`` drafts, :class:`~specdraft.drafters.DraftModelDrafter`)."""
+    the response token, 0 if not (what ``chain_copy`` drafts, :class:`~specdraft.drafters.WithChainCopies`)."""
     from specdraft.drafters import PromptLookupDrafter
 
     lookup, out = PromptLookupDrafter(max(smallest, 4), smallest), []

@@ -9,7 +9,7 @@ import torch
 
 from specdraft.batching import BatchDecoder, DraftGate, generate_batch
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithPromptLookup
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
@@ -147,7 +147,7 @@ def test_lockstep_drafting_equals_one_drafter_at_a_time(target, drafter_model, s
     from specdraft.batch_drafting import lockstep_factory
     from specdraft.batching import drafter_factory
 
-    prototype = DraftModelDrafter(drafter_model, confidence_threshold=0.2, prompt_lookup=2)
+    prototype = WithPromptLookup(DraftModelDrafter(drafter_model, confidence_threshold=0.2), PromptLookupDrafter(2))
     config = GenerationConfig(25, 3, sampling)
     prompts = PROMPTS * 2
 

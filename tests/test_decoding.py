@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithChainCopies, WithSiblings
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, warp
 from toys import PatternDrafter, hf_target, random_bigram
@@ -121,7 +121,7 @@ def test_sampling_distribution_chi_square(sampling, drafter_kind):
     target, draft = random_bigram(5, seed=0), random_bigram(5, seed=1)
     prompt = [0, 1, 2, 0, 1, 2, 0]  # repeats give prompt lookup something to copy
     drafter = {"draft-model": lambda: DraftModelDrafter(draft), "prompt-lookup": PromptLookupDrafter,
-               "chain-copy": lambda: DraftModelDrafter(draft, chain_copy=2)}[drafter_kind]()  # copies: point masses
+               "chain-copy": lambda: WithChainCopies(DraftModelDrafter(draft), 2)}[drafter_kind]()  # copied: point mass
     generator = torch.Generator().manual_seed(1234)
     config = GenerationConfig(3, 3, sampling)
     counts = Counter(tuple(generate(target, prompt, drafter, config, generator).token_ids) for _ in range(6000))
@@ -206,7 +206,7 @@ def test_the_prompt_is_prefilled_on_the_causal_path_before_the_first_step():
 
     target.forward = recorded
     try:
-        drafter = DraftModelDrafter(NativeLlama.from_hf(tiny_llama(1)), siblings=1)
+        drafter = WithSiblings(DraftModelDrafter(NativeLlama.from_hf(tiny_llama(1))), 1)
         result = generate(target, prompt, drafter, GenerationConfig(24, 3))
         assert result.token_ids == plain
     finally:
@@ -234,7 +234,7 @@ def test_bf16_greedy_speculative_equals_plain_on_the_row_kernels(speculation: st
     prompt = list(range(3, 30))
     plain = generate(target, prompt, None, GenerationConfig(48)).token_ids
     draft = NativeLlama.from_hf(tiny_llama(1, std=0.1), dtype=torch.bfloat16)
-    for drafter in (DraftModelDrafter(draft), DraftModelDrafter(draft, siblings=1), PromptLookupDrafter(),
+    for drafter in (DraftModelDrafter(draft), WithSiblings(DraftModelDrafter(draft), 1), PromptLookupDrafter(),
                     PatternDrafter(target, PATTERNS["sometimes"])):
         config = GenerationConfig(48, 4, speculation=speculation)
         assert generate(target, prompt, drafter, config).token_ids == plain

@@ -2,7 +2,7 @@
 
 models, head architectures and the shared core (sampling, trees, verification, ...) at the bottom; drafters; the
 decoding loop; then training, bench and the demo; then the fronts (``cli``, ``api``, the package itself and any
-other front-end package), which nothing below imports.
+other front-end package), which nothing below imports. No module uses another module's private names (``_x``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ SRC = Path(specdraft.__file__).resolve().parent
 LAYERS = {
     "errors": 0, "files": 0, "hardware": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0, "costs": 0,
+    "engines": 0,
     "drafters": 1,
-    "decoding": 2, "batching": 2, "batch_drafting": 2, "speculation": 2,
+    "decoding": 2, "batching": 2, "batch_drafting": 2, "speculation": 2, "step": 2,
     "training": 3, "bench": 3, "demo": 3, "datastore": 3, "serve": 3,
 }
 FRONT = 4
@@ -111,6 +112,43 @@ def layer(name: str) -> int:
     return FRONT
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _base(node: ast.ImportFrom, name: str, package: bool) -> str:
+    """The module a ``from ... import`` statement in module ``name`` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    anchor = name.split(".")[: len(name.split(".")) - (0 if package else 1) - (node.level - 1)]
+    return ".".join([*anchor, *([node.module] if node.module else [])])
+
+
+def private_uses(source: str, name: str, package: bool = False) -> list[str]:
+    """Where module ``name`` uses a private name of another package module: ``from specdraft.x import _y``, or
+    ``x._y`` / ``specdraft.x._y`` where ``x`` was imported from the package."""
+    tree = ast.parse(source)
+    found, imported = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _base(node, name, package)
+            if base.split(".")[0] == PACKAGE:
+                imported.update(alias.asname or alias.name for alias in node.names)
+                found += [f"{name}:{node.lineno}: from {base} import {alias.name}" for alias in node.names
+                          if _is_private(alias.name)]
+        elif isinstance(node, ast.Import):
+            imported.update(alias.asname or alias.name.split(".")[0] for alias in node.names
+                            if alias.name.split(".")[0] == PACKAGE)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in imported:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
     """Every module ``start`` imports, directly or not -> the module that imports it (for the error message)."""
     seen, todo = {}, [start]
@@ -138,6 +176,22 @@ def test_the_graph_sees_imports_inside_functions_and_relative_imports():
     assert sorted(found) == ["specdraft.api", "specdraft.drafters", "specdraft.drafters.options", "specdraft.heads"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_private_name_check_sees_every_form():
+    source = ("from specdraft.decoding import _verify, check_inputs\nfrom . import _helpers\nimport specdraft.trees\n"
+              "def f():\n    from specdraft.training import data\n    return data._opening(), specdraft.trees._x\n"
+              "class A:\n    def g(self):\n        return self._mine, torch._dynamo, _local()\n")
+    found = private_uses(source, "specdraft.batching")
+    assert sorted(use.split(": ", 1)[1] for use in found) == [
+        "data._opening", "from specdraft import _helpers", "from specdraft.decoding import _verify",
+        "specdraft.trees._x"]
+
+
+def test_no_module_uses_another_modules_private_names():
+    uses = [use for name, (path, package) in sorted(modules().items())
+            for use in private_uses(path.read_text(), name, package)]
+    assert uses == [], "make the name public where it is defined, or keep its use inside its module"
 
 
 def test_no_import_circle_among_the_package_modules(graph):

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import Draft, TargetFeatures
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
@@ -330,7 +330,8 @@ def test_sampled_draft_model_tree_matches_target_marginal():
 class FeatureRecorder(OracleTreeDrafter):
     """Records the target features the loop hands over; proposes the oracle tree or, every other step, a chain."""
 
-    needs_hidden = True
+    def target_features(self) -> TargetFeatures:
+        return TargetFeatures()
 
     def __init__(self, target, wrong_at=None) -> None:
         super().__init__(target, wrong_at)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.drafters.base import Draft, Drafter
+from specdraft.drafters.combined import draft_model_of
 from specdraft.errors import SpecdraftError
 from specdraft.models.batched_llama import batched_forward, new_batched_cache, supports_batching
 
@@ -180,15 +181,18 @@ class DraftBatcher:
 def lockstep_factory(prototype: Drafter | None, max_rows: int, capacity: int,
                      fallback: Callable[[], Drafter | None]) -> Callable[[], Drafter | None]:
     """Fresh drafters for new sequences whose native draft model runs in lockstep (a shared batcher), when the
-    prototype drafts with a batchable ``model`` in chain mode; else ``fallback`` (plain copies)."""
-    model = getattr(prototype, "model", None)
-    if prototype is None or model is None or not supports_batching(model) or getattr(prototype, "tree_branching", 0):
+    prototype drafts (alone or combined, :func:`~specdraft.drafters.combined.draft_model_of`) with a batchable draft
+    model in chain mode; else ``fallback`` (plain copies)."""
+    base = draft_model_of(prototype)
+    if base is None or not supports_batching(base.model) or base.tree_branching:
         return fallback
+    model = base.model
     batcher = DraftBatcher(model, max_rows, capacity)
 
     def make() -> Drafter:
         drafter = fallback()
-        drafter.model = DraftModelProxy(model, batcher)  # its cache, made on first use, is a row of the batcher's
+        # its cache, made on first use, is a row of the batcher's
+        draft_model_of(drafter).model = DraftModelProxy(model, batcher)
         return drafter
 
     return make
@@ -196,7 +200,8 @@ def lockstep_factory(prototype: Drafter | None, max_rows: int, capacity: int,
 
 def batcher_of(drafter: Drafter) -> DraftBatcher | None:
     """The lockstep batcher a drafter's forwards go through, if any."""
-    return getattr(getattr(drafter, "model", None), "batcher", None)
+    base = draft_model_of(drafter)
+    return base.model.batcher if base is not None and isinstance(base.model, DraftModelProxy) else None
 
 
 __all__ = ["DraftBatcher", "DraftModelProxy", "batcher_of", "lockstep_factory"]

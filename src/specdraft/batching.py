@@ -2,12 +2,13 @@
 draft tokens (ragged), each with its own cache row, positions, drafter, sampling settings and generator.
 
 One step of :class:`BatchDecoder` is :func:`specdraft.decoding.generate`'s step for every active sequence at once:
-each drafter proposes (a chain, a token tree, or nothing: plain decoding is the same loop with empty drafts), the
-uncached tail and the draft of every row are fed in one ragged forward
-(:func:`specdraft.models.batched_llama.batched_forward`), and each row is verified on its own logits with
-:mod:`specdraft.verification`, so every row is lossless exactly as batch-1 decoding is (Leviathan et al. 2023,
-Alg. 1; SpecInfer, Miao et al. 2024, for trees). Sequences join (:meth:`BatchDecoder.add`, which prefills the
-prompt) and leave (:meth:`BatchDecoder.remove`) between steps: continuous batching as in Orca (Yu et al. 2022).
+each sequence's speculation policy decides its draft (:func:`specdraft.speculation.propose`: a chain, a token tree,
+or nothing: plain decoding is the same loop with empty drafts), and :func:`specdraft.step.speculative_step` feeds the
+uncached tail and the draft of every row in one ragged forward (:class:`BatchRows`,
+:func:`specdraft.models.batched_llama.batched_forward`) and verifies each row on its own logits, so every row is
+lossless exactly as batch-1 decoding is (Leviathan et al. 2023, Alg. 1; SpecInfer, Miao et al. 2024, for trees).
+Sequences join (:meth:`BatchDecoder.add`, which prefills the prompt) and leave (:meth:`BatchDecoder.remove`) between
+steps: continuous batching as in Orca (Yu et al. 2022).
 
 Drafters keep per-generation state, so every sequence has its own drafter instance. A drafter that drafts through
 the target's own KV cache (layer-skip) cannot share the batched cache and fails with a clear error.
@@ -24,16 +25,16 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdraft.batch_drafting import DraftBatcher, batcher_of
-from specdraft.decoding import GenerationConfig, GenerationResult, _check_inputs, _fit_tree, _verify
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
+from specdraft.decoding import GenerationConfig, GenerationResult, check_inputs
+from specdraft.drafters.base import Draft, Drafter, NoDrafter, target_features
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
-from specdraft.models.batched_llama import batched_forward, new_batched_cache, supports_batching
-from specdraft.sampling import check_finite, warp
+from specdraft.models.batched_llama import BatchedKVCache, batched_forward, new_batched_cache, supports_batching
+from specdraft.speculation import FixedPolicy, SpeculationPolicy, StepBounds, propose
 from specdraft.stats import GenerationStats
+from specdraft.step import STEP_ROOM, Layout, StepInput, StepResult, speculative_step
 from specdraft.stopping import Stopper
-from specdraft.trees import chain_parents, verify_layout
-from specdraft.verification import VerifyResult, verify_tree_greedy, verify_tree_sampling
+from specdraft.trees import chain_parents
 
 
 class _UnsharedCache:
@@ -54,12 +55,14 @@ class BatchSequence:
     generator: torch.Generator | None
     stopper: Stopper
     context: torch.Tensor  # (N,) prompt and committed tokens
+    policy: SpeculationPolicy  # how much it drafts each step
     generated: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str | None = None
     row: int = -1
     started: float = 0.0
     hidden: torch.Tensor | None = None  # (L - 1, D) the prompt's features, for a drafter that reads them
+    reads_features: bool = False  # whether its drafter reads the target's features
     tag: object = None  # the caller's handle (a request, an index)
     error: Exception | None = None  # why this sequence alone failed (finish_reason "error"); the batch went on
 
@@ -67,25 +70,58 @@ class BatchSequence:
         return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats)
 
 
-@dataclass
-class _Fed:
-    """What one row feeds this step: its draft (fitted), tail length, layout and tokens."""
+class CacheRow:
+    """One row of a :class:`~specdraft.models.batched_llama.BatchedKVCache`, seen as a batch-1 KV cache."""
 
-    draft: Draft
-    tail: int
-    offsets: torch.Tensor  # (T_i,)
-    mask: torch.Tensor  # (T_i, T_i) bool
-    tokens: torch.Tensor  # (T_i,)
+    def __init__(self, cache: BatchedKVCache, row: int) -> None:
+        self.cache, self.row = cache, row
+
+    @property
+    def length(self) -> int:
+        return self.cache.lengths[self.row]
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(self.row, length)
+
+    def compact(self, start: int, slots: list[int]) -> None:
+        self.cache.compact(self.row, start, slots)
 
 
-_ROOM = 64  # cache slots beyond ``capacity`` for what one step feeds (tail, draft or tree, auxiliary, padding)
-MAX_NUM_DRAFT_TOKENS = _ROOM // 2 - 1  # the largest num_draft_tokens (γ) batched decoding takes
-MAX_TREE_NODES = _ROOM - 2  # a token tree keeps at most this many nodes in batched decoding (beside its tail)
+class BatchRows:
+    """A step's target over rows 0 .. n-1 of a batched cache (:class:`specdraft.step.StepTarget`): one ragged forward
+    returns every row's logits, and the features of the rows whose drafter reads them (``reads``)."""
+
+    def __init__(self, target: CausalLM, cache: BatchedKVCache, reads: Sequence[bool]) -> None:
+        self.target, self.cache, self.reads = target, cache, list(reads)
+
+    def cached(self, row: int) -> int:
+        return self.cache.lengths[row]
+
+    def row_cache(self, row: int) -> CacheRow:
+        return CacheRow(self.cache, row)
+
+    def forward(self, layouts: Sequence[Layout]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        sizes = [layout.tokens.shape[0] for layout in layouts]
+        input_ids, offsets, mask = _pad(layouts)
+        want = any(self.reads)
+        out = batched_forward(self.target, self.cache, input_ids, sizes, 0, offsets, mask, return_hidden=want)
+        logits, hidden = (out[0], out[1]) if want else (out, None)  # (n, T, V), (n, T, D)
+        return [(logits[i, :size], hidden[i, :size] if want and self.reads[i] else None)
+                for i, size in enumerate(sizes)]
+
+
+MAX_NUM_DRAFT_TOKENS = STEP_ROOM // 2 - 1  # the largest num_draft_tokens (γ) batched decoding takes
+MAX_TREE_NODES = STEP_ROOM - 2  # a token tree keeps at most this many nodes in batched decoding (beside its tail)
 
 
 class BatchDecoder:
     """Continuous batching over one target: up to ``max_batch`` sequences of up to ``capacity`` positions each
-    (prompt and generated tokens; a step's draft lives in ``_ROOM`` extra slots).
+    (prompt and generated tokens; a step's draft lives in :data:`~specdraft.step.STEP_ROOM` extra slots). Each
+    sequence drafts ``num_draft_tokens`` tokens a step (a :class:`~specdraft.speculation.FixedPolicy`).
 
     ``max_draft_batch`` = k > 0 drafts only in steps with at most k sequences, and decodes plainly in fuller steps
     (as vLLM's ``speculative_disable_by_batch_size``): a full batch already keeps the CPU busy, and every draft
@@ -104,7 +140,7 @@ class BatchDecoder:
                                  "(load it with backend auto or native)")
         self.target, self.tokenizer = target, tokenizer
         self.capacity = min(capacity, target.max_context)
-        self.cache = new_batched_cache(target, max_batch, self.capacity + _ROOM)
+        self.cache = new_batched_cache(target, max_batch, self.capacity + STEP_ROOM)
         self.rows: list[BatchSequence] = []  # row i of the cache holds rows[i]
         # Called after each row's verification with (sequence, the target's logits (m + 1, V) that chose the m
         # accepted tokens and the next one, whether the draft had a token at the first rejected position, draft
@@ -121,7 +157,7 @@ class BatchDecoder:
         """Check a new sequence, give it a free row and prefill its prompt (all but the last token)."""
         config = config or GenerationConfig()
         drafter = drafter or NoDrafter()
-        prompt = _check_inputs(prompt_ids, self.target, drafter, config.max_new_tokens)
+        prompt = check_inputs(prompt_ids, self.target, drafter, config.max_new_tokens)
         if prompt.numel() + config.max_new_tokens > self.capacity:
             raise SpecdraftError(f"prompt too long: {prompt.numel()} prompt tokens + max_new_tokens "
                                  f"{config.max_new_tokens} exceed the batch's context of {self.capacity}")
@@ -131,16 +167,16 @@ class BatchDecoder:
         if not self.free_rows:
             raise SpecdraftError(f"the batch is full ({self.cache.max_rows} sequences)")
         stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, self.tokenizer)
-        seq = BatchSequence(prompt, config, drafter, generator, stopper, prompt, row=len(self.rows),
-                            started=time.perf_counter())
+        seq = BatchSequence(prompt, config, drafter, generator, stopper, prompt, FixedPolicy(config.num_draft_tokens),
+                            row=len(self.rows), started=time.perf_counter())
         drafter.begin(self.target, _UnsharedCache())
+        seq.reads_features = target_features(drafter) is not None
         self.cache.lengths[seq.row] = 0
         self.rows.append(seq)
         if prompt.shape[0] > 1:
-            want_hidden = bool(getattr(drafter, "needs_hidden", False))
             out = batched_forward(self.target, self.cache, prompt[None, :-1], [prompt.shape[0] - 1], seq.row,
-                                  return_hidden=want_hidden, want_logits=False)
-            seq.hidden = out[1][0] if want_hidden else None  # (L - 1, D)
+                                  return_hidden=seq.reads_features, want_logits=False)
+            seq.hidden = out[1][0] if seq.reads_features else None  # (L - 1, D)
         seq.stats.prefill_seconds = time.perf_counter() - seq.started
         return seq
 
@@ -156,93 +192,73 @@ class BatchDecoder:
             self.cache.lengths[seq.row] = 0
         seq.row = -1
 
-    def _propose(self, seq: BatchSequence, drafting: bool = True) -> _Fed:
-        """The row's draft (none unless ``drafting``), fitted as batch-1 decoding fits it, and the layout of what it
-        feeds."""
+    def _propose(self, seq: BatchSequence, drafting: bool = True) -> Draft:
+        """The row's draft (none unless ``drafting``), decided by its policy as batch-1 decoding decides it; the
+        room beside the one-token tail is the same for every row (what the batch's padding leaves)."""
         config = seq.config
-        num_draft = min(config.num_draft_tokens, config.max_new_tokens - len(seq.generated) - 1) if drafting else 0
-        draft = seq.drafter.propose(seq.context, num_draft, config.sampling, seq.generator) if num_draft > 0 \
-            else EMPTY_DRAFT
-        if draft.is_tree:
-            draft = _fit_tree(draft, num_draft, MAX_TREE_NODES, self.target.max_context - 1 - seq.context.shape[0])
-        elif len(draft) > num_draft:
-            draft = Draft(draft.tokens[:num_draft], None if draft.q is None else draft.q[:num_draft])
-        tail = seq.context[self.cache.lengths[seq.row] :]  # (T0,) uncached; its last token is the root
-        parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
-        offsets, mask = verify_layout(tail.shape[0], parents, draft.aux)
-        fed = [tail, draft.tokens] + ([draft.aux.tokens] if draft.aux is not None else [])
-        return _Fed(draft, tail.shape[0], offsets, mask, torch.cat(fed))
+        limit = config.max_new_tokens - len(seq.generated) - 1 if drafting else 0
+        bounds = StepBounds(limit, MAX_TREE_NODES, self.target.max_context - 1 - seq.context.shape[0])
+        return propose(seq.policy, seq.drafter, seq.context, self.cache.lengths[seq.row], bounds, config.sampling,
+                       seq.generator)
 
-    def _verify_row(self, seq: BatchSequence, fed: _Fed, logits: torch.Tensor, hidden: torch.Tensor | None,
-                    start: int) -> tuple[VerifyResult, list[int]]:
-        """Verify one row on its logits (T, V), keep its accepted path in the cache; (result, accepted tokens)."""
-        draft, tail, sampling = fed.draft, fed.tail, seq.config.sampling
-        rows = logits[tail - 1 : tail + len(draft)]  # (N + 1, V): the root, then every node
-        check_finite(rows, "target")
-        if draft.is_tree:
-            if sampling.greedy:
-                result = verify_tree_greedy(draft.tokens, draft.parents, rows)
-            else:
-                result = verify_tree_sampling(draft.tokens, draft.parents, draft.q, warp(rows, sampling),
-                                              seq.generator)
-            nodes = list(result.accepted_nodes)
-            if draft.aux is not None:
-                result = replace(result, aux_logits=logits[tail + len(draft) : fed.tokens.shape[0]])
-        else:
-            result = _verify(draft, rows, sampling, seq.generator)
-            nodes = list(range(result.num_accepted))
+    def _commit(self, seq: BatchSequence, draft: Draft, step: StepResult, draft_s: float, verify_s: float) -> list[int]:
+        """Hand the row's verified step to ``on_verify``, its drafter, policy and stats; returns the tokens it
+        commits."""
+        result = step.result
         if self.on_verify is not None:
+            nodes = result.accepted_nodes
             parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
             missed = len(draft) > 0 and bool((parents == (nodes[-1] if nodes else -1)).any())
-            self.on_verify(seq, rows[[0] + [1 + node for node in nodes]], missed, len(draft))  # (m + 1, V)
-        first_node = start + tail
-        self.cache.compact(seq.row, first_node, [first_node + node for node in nodes])
-        if hidden is not None:  # features of the tail and the accepted nodes: (T0 + m, D)
-            features = hidden[list(range(tail)) + [tail + node for node in nodes]]
-            if seq.hidden is not None:
-                features, seq.hidden = torch.cat([seq.hidden, features]), None
-            result = replace(result, hidden=features)
-        return result, draft.tokens[nodes].tolist()
+            self.on_verify(seq, step.verified_logits, missed, len(draft))  # (m + 1, V)
+        if seq.hidden is not None and result.hidden is not None:  # the prompt's features with the first step's
+            result, seq.hidden = replace(result, hidden=torch.cat([seq.hidden, result.hidden])), None
+        keep, seq.finish_reason = seq.stopper.scan(seq.generated, step.tokens)
+        seq.generated += step.tokens[:keep]
+        seq.context = torch.cat([seq.context, torch.tensor(step.tokens[:keep], dtype=torch.long)])
+        seq.drafter.observe(result)
+        seq.policy.observe(draft, result, draft_s, verify_s)
+        seq.stats.record_step(result, keep, draft_s=draft_s, verify_s=verify_s)
+        return step.tokens[:keep]
 
     def _greedy(self) -> bool:
         """Whether every row decodes greedily: only then may timing decide about drafting (a sampled row's draws
         depend on whether it drafted, so a seeded request would stop being reproducible)."""
         return all(seq.config.sampling.greedy for seq in self.rows)
 
-    def _propose_or_error(self, seq: BatchSequence, drafting: bool = True) -> _Fed | Exception:
+    def _propose_or_error(self, seq: BatchSequence, drafting: bool = True) -> Draft | Exception:
         """The row's :meth:`_propose`, or the exception it raised: one drafter's failure is its sequence's alone."""
         try:
             return self._propose(seq, drafting)
         except Exception as exc:
             return exc
 
-    def _propose_all(self) -> list[_Fed | Exception]:
+    def _propose_all(self) -> list[Draft | Exception]:
         """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
         if (self.max_draft_batch and len(self.rows) > self.max_draft_batch) or \
                 (self.gate is not None and self._greedy() and not self.gate.drafting(len(self.rows))):
             return [self._propose_or_error(seq, drafting=False) for seq in self.rows]
-        feds: list[_Fed | Exception | None] = [None] * len(self.rows)
+        drafts: list[Draft | Exception | None] = [None] * len(self.rows)
         groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
         for i, seq in enumerate(self.rows):
             batcher = batcher_of(seq.drafter)
             if batcher is not None:
                 groups.setdefault(id(batcher), (batcher, []))[1].append(i)
         for batcher, rows in groups.values():
-            drafts = batcher.run([functools.partial(self._propose_or_error, self.rows[i]) for i in rows])
-            for i, fed in zip(rows, drafts, strict=True):
-                feds[i] = fed
-        return [fed if fed is not None else self._propose_or_error(seq) for fed, seq in zip(feds, self.rows,
-                                                                                              strict=True)]
+            together = batcher.run([functools.partial(self._propose_or_error, self.rows[i]) for i in rows])
+            for i, draft in zip(rows, together, strict=True):
+                drafts[i] = draft
+        return [draft if draft is not None else self._propose_or_error(seq)
+                for draft, seq in zip(drafts, self.rows, strict=True)]
 
-    def _drop_failed(self, proposals: list[_Fed | Exception]) -> tuple[list[BatchSequence], list[_Fed]]:
+    def _drop_failed(self, proposals: list[Draft | Exception]) -> tuple[list[BatchSequence], list[Draft]]:
         """Rows whose proposal raised end alone with their error (``error``, finish_reason "error") and leave the
-        batch; returns them and the feds of the rows that stay, in row order."""
-        fed_of = {id(seq): fed for seq, fed in zip(self.rows, proposals, strict=True)}
-        failed = [seq for seq in list(self.rows) if isinstance(fed_of[id(seq)], Exception)]
+        batch; returns them and the drafts of the rows that stay, in row order."""
+        draft_of = {id(seq): draft for seq, draft in zip(self.rows, proposals, strict=True)}
+        failed = [seq for seq in list(self.rows) if isinstance(draft_of[id(seq)], Exception)]
         for seq in failed:
-            seq.error, seq.finish_reason = fed_of[id(seq)], "error"
+            seq.error, seq.finish_reason = draft_of[id(seq)], "error"
             self.remove(seq)
-        return failed, [fed_of[id(seq)] for seq in self.rows]
+        return failed, [draft_of[id(seq)] for seq in self.rows]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[BatchSequence, list[int]]]:
@@ -253,41 +269,34 @@ class BatchDecoder:
         if not self.rows:
             return []
         tick = time.perf_counter()
-        failed, feds = self._drop_failed(self._propose_all())
+        failed, drafts = self._drop_failed(self._propose_all())
         if not self.rows:
             return [(seq, []) for seq in failed]
         tock = time.perf_counter()
-        starts = [self.cache.lengths[seq.row] for seq in self.rows]
-        want_hidden = any(getattr(seq.drafter, "needs_hidden", False) for seq in self.rows)
-        input_ids, offsets, mask = _pad([fed.tokens for fed in feds], [fed.offsets for fed in feds],
-                                        [fed.mask for fed in feds])
-        out = batched_forward(self.target, self.cache, input_ids, [fed.tokens.shape[0] for fed in feds], 0,
-                              offsets, mask, return_hidden=want_hidden)
-        logits, hidden = (out[0], out[1]) if want_hidden else (out, None)  # (n, T, V), (n, T, D)
+        rows = list(self.rows)
+        inputs = [StepInput(seq.context, draft, seq.config.sampling, seq.generator)
+                  for seq, draft in zip(rows, drafts, strict=True)]
+        target = BatchRows(self.target, self.cache, [seq.reads_features for seq in rows])
+        steps = speculative_step(target, inputs, isolate=True)
         verified = time.perf_counter()
         committed, done = [(seq, []) for seq in failed], []
-        for i, (seq, fed) in enumerate(zip(list(self.rows), feds, strict=True)):
-            reads = hidden is not None and getattr(seq.drafter, "needs_hidden", False)
+        for seq, draft, step in zip(rows, drafts, steps, strict=True):
             try:
-                result, accepted = self._verify_row(seq, fed, logits[i], hidden[i] if reads else None, starts[i])
-                new = accepted + [result.next_token]
-                keep, seq.finish_reason = seq.stopper.scan(seq.generated, new)
-                seq.generated += new[:keep]
-                seq.context = torch.cat([seq.context, torch.tensor(new[:keep], dtype=torch.long)])
-                seq.drafter.observe(result)
+                if isinstance(step, Exception):
+                    raise step
+                new = self._commit(seq, draft, step, (tock - tick) / len(rows), verified - tock)
             except Exception as exc:  # this row's distribution or verification failed: the others are unaffected
                 seq.error, seq.finish_reason = exc, "error"
                 committed.append((seq, []))
                 done.append(seq)
                 continue
-            seq.stats.record_step(result, keep, draft_s=(tock - tick) / len(feds), verify_s=verified - tock)
-            committed.append((seq, new[:keep]))
+            committed.append((seq, new))
             if seq.finish_reason is not None:
                 done.append(seq)
         now = time.perf_counter()
         if self.gate is not None and self._greedy():
-            drafted = any(len(fed.draft) for fed in feds)
-            self.gate.record(len(feds), drafted, sum(len(new) for _, new in committed), now - tick)
+            drafted = any(len(draft) for draft in drafts)
+            self.gate.record(len(rows), drafted, sum(len(new) for _, new in committed), now - tick)
         for seq in done:
             seq.stats.decode_seconds = now - seq.started
             self.remove(seq)
@@ -327,20 +336,23 @@ class DraftGate:
         self.rates[(rows, drafted)] = rate if old is None else old + self.smoothing * (rate - old)
 
 
-def _pad(tokens: list[torch.Tensor], offsets: list[torch.Tensor], masks: list[torch.Tensor]):
-    """Right-pad the rows to a common T: padding takes the next slots of its row and attends causally.
+def _pad(layouts: Sequence[Layout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad the rows to a common T: padding takes the next slots of its row and attends causally, as does a
+    chain (a layout without offsets and mask).
 
     Returns input_ids (n, T), offsets (n, T), local mask (n, T, T) bool.
     """
-    steps = max(t.shape[0] for t in tokens)
-    batch = len(tokens)
+    steps = max(layout.tokens.shape[0] for layout in layouts)
+    batch = len(layouts)
     input_ids = torch.zeros(batch, steps, dtype=torch.long)
     offset = torch.arange(steps).repeat(batch, 1)  # (n, T)
     local = torch.ones(steps, steps, dtype=torch.bool).tril().repeat(batch, 1, 1)  # (n, T, T)
-    for i, (ids, off, mask) in enumerate(zip(tokens, offsets, masks, strict=True)):
-        size = ids.shape[0]
-        input_ids[i, :size], offset[i, :size] = ids, off
-        local[i, :size, :size] = mask
+    for i, layout in enumerate(layouts):
+        size = layout.tokens.shape[0]
+        input_ids[i, :size] = layout.tokens
+        if layout.mask is not None:
+            offset[i, :size] = layout.offsets
+            local[i, :size, :size] = layout.mask
         local[i, :size, size:] = False
     return input_ids, offset, local
 
@@ -395,7 +407,7 @@ def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
         for value in getattr(obj, "__dict__", {}).values():
             if isinstance(value, (torch.Tensor, torch.nn.Module)):
                 shared[id(value)] = value
-            elif depth < 3 and hasattr(value, "__dict__") and not isinstance(value, type):
+            elif depth < 5 and hasattr(value, "__dict__") and not isinstance(value, type):
                 collect(value, depth + 1)
 
     collect(prototype, 0)

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE, parse_options
+from specdraft.drafters import NAMED_DRAFTERS, parse_options
 from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError, os_error, utf8_error
 from specdraft.models.registry import (
@@ -63,7 +63,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--target", required=True, help="built-in name, checkpoint folder or cached hub id")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--draft", help="draft model: built-in name, checkpoint folder or cached hub id")
-    how.add_argument("--drafter", choices=sorted(TRAINING_FREE), help="training-free drafter")
+    how.add_argument("--drafter", choices=sorted(NAMED_DRAFTERS), help="a drafter by name (no draft model)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option (repeatable), e.g. max_ngram_size=4 for prompt-lookup, or "
                         "tree_branching=2 and tree_nodes=12 for a draft model's token tree, confidence_threshold=0.4 "
@@ -175,17 +175,17 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 
 def _add_bench(sub) -> None:
-    from specdraft.bench.config import _default_methods
+    from specdraft.bench.config import default_methods
     from specdraft.bench.questions import BUILTIN, SUBTASKS
     from specdraft.models.registry import SMOLLM2
 
     p = sub.add_parser("bench", help="Spec-Bench-style benchmark: answer records, summary.json/.md and plots")
     p.add_argument("--out", required=True, help="output folder (resumed when it holds the same run)")
     p.add_argument("--target", default=SMOLLM2, help="built-in name, checkpoint folder or cached hub id")
-    p.add_argument("--methods", default=",".join(_default_methods()),
+    p.add_argument("--methods", default=",".join(default_methods()),
                    help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, llama.cpp, "
-                        "llama.cpp-draft:DRAFT.gguf, or a training-free drafter "
-                        f"({', '.join(sorted(TRAINING_FREE))}); ar always runs")
+                        "llama.cpp-draft:DRAFT.gguf, vllm, vllm-ngram, vllm-draft:PATH, vllm-eagle3:PATH, or a "
+                        f"drafter by name ({', '.join(sorted(NAMED_DRAFTERS))}); ar always runs")
     p.add_argument("--questions", default=BUILTIN,
                    help="Spec-Bench-format question JSONL file, 'builtin', or 'sharegpt-heldout'")
     p.add_argument("--categories", help=f"comma-separated subtasks to keep ({', '.join(SUBTASKS)})")
@@ -340,7 +340,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--target", required=True, help="built-in name, checkpoint folder or cached hub id")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--draft", help="draft model: built-in name, checkpoint folder or cached hub id")
-    how.add_argument("--drafter", choices=sorted(TRAINING_FREE), help="training-free drafter")
+    how.add_argument("--drafter", choices=sorted(NAMED_DRAFTERS), help="a drafter by name (no draft model)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE", help="drafter option")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -18,7 +18,7 @@ import specdraft.models.rowgemm as rowgemm
 from specdraft import hardware
 from specdraft.costs import CostCurve, cost_curve
 from specdraft.decoding import GenerationConfig, GenerationResult, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.loading import load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import (
@@ -85,8 +85,8 @@ def _load_methods(config: DemoConfig, precision: Precision, out) -> tuple[object
         out(f"loading draft model {draft} ...")
         methods[f"draft:{draft}"] = load_drafter(target, tokenizer, draft=draft, dtype=dtype)
     for name in config.drafters:
-        if name not in TRAINING_FREE:
-            raise SpecdraftError(f"unknown drafter {name!r}; known: {', '.join(sorted(TRAINING_FREE))}")
+        if name not in NAMED_DRAFTERS:
+            raise SpecdraftError(f"unknown drafter {name!r}; known: {', '.join(sorted(NAMED_DRAFTERS))}")
         try:
             out(f"loading {name} ...")
             methods[name] = load_drafter(target, tokenizer, drafter=name)

@@ -1,13 +1,17 @@
 """How much to speculate each step: a fixed γ, or adaptive speculation priced by the machine's cost model.
 
-The decoding loop asks a :class:`SpeculationPolicy` three things per step:
+:func:`propose` is the one place that decides how many tokens a step drafts; every decoding loop calls it once per
+step. It asks the step's :class:`SpeculationPolicy`
 
 - ``budget(context_length, limit, kind)``: how many draft tokens (depth) to ask the drafter for; 0 = a plain step.
-  ``kind`` is the drafter's hint of what it would draft from this context before drafting (``draft_kind``: a
-  prompt-lookup drafter's matched n-gram size, a draft model's "copy alone" or "model chain"), so steps that differ
-  in cost and acceptance are priced apart.
-- ``trim(draft, ...)``: which drafted nodes to verify (a prefix of a chain, an ancestor-closed subset of a tree).
-- ``observe(draft, result, draft_seconds, verify_seconds)``: what happened, to learn from.
+  ``kind`` is the drafter's hint of what it would draft from this context before drafting
+  (:func:`~specdraft.drafters.base.draft_kind`: a prompt-lookup drafter's matched n-gram size, a combined drafter's
+  "copy alone" or "model chain"), so steps that differ in cost and acceptance are priced apart;
+- ``trim(draft, ...)``: which drafted nodes to verify (a prefix of a chain, an ancestor-closed subset of a tree);
+
+and then fits the draft to what the step can feed (:func:`fit`: no deeper than the budget, within the cache's room
+and the model's positions). After verification the loop tells the policy what happened:
+``observe(draft, result, draft_seconds, verify_seconds)``.
 
 Only how much is proposed changes, so output stays exact: greedy verification returns the target's argmax
 whatever is proposed, and speculative sampling is exact for any draft length that is a stopping time of the
@@ -39,14 +43,16 @@ pooled, the copy steps would talk the policy into paying for chains that do not 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from specdraft.costs import CostCurve
-from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, draft_kind
+from specdraft.sampling import SamplingConfig
 from specdraft.trees import chain_parents, depths, keep_nodes
 from specdraft.verification import VerifyResult
 
@@ -218,7 +224,7 @@ class AdaptivePolicy:
     def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
         """Update the acceptance map from the nodes verification reached, and the timing averages."""
         keys, parents = _node_keys(draft)
-        accepted = set(getattr(result, "accepted_nodes", range(result.num_accepted)))
+        accepted = set(result.accepted_nodes)
         for node, parent in enumerate(parents.tolist()):
             if parent < 0 or parent in accepted:  # reached: its parent was accepted
                 self.acceptance.update(keys[node], node in accepted)
@@ -257,6 +263,48 @@ def _sequential_stop(reach: list[float], rate) -> int:
             return size
         expected += reach[size]
     return len(reach)
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """What one step can verify, whatever the policy wants: ``limit`` draft tokens (the answer's tokens left after
+    the step's own one), ``room`` nodes and auxiliary tokens in the cache, ``max_position`` positions past the root
+    within the model's context."""
+
+    limit: int
+    room: int
+    max_position: int
+
+
+def propose(policy: SpeculationPolicy, drafter: Drafter, context: torch.Tensor, cached: int, bounds: StepBounds,
+            sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+    """The draft one step verifies after ``context`` (N,), ``cached`` of whose tokens the target's cache holds: the
+    policy's budget for the drafter's kind of step, the drafter's proposal of up to that many tokens, the part the
+    policy keeps, fitted to ``bounds``."""
+    start = time.perf_counter()
+    length = context.shape[0]
+    budget = policy.budget(length, bounds.limit, draft_kind(drafter, context, sampling))
+    draft = drafter.propose(context, budget, sampling, generator) if budget > 0 else EMPTY_DRAFT
+    draft = policy.trim(draft, length, length - cached, time.perf_counter() - start, sampling.greedy)
+    return fit(draft, budget, bounds.room, bounds.max_position)
+
+
+def fit(draft: Draft, max_depth: int, room: int, max_position: int) -> Draft:
+    """``draft`` without the nodes deeper than ``max_depth`` or beyond ``room`` nodes, and without an auxiliary
+    branch that does not fit in the cache or lies past the model's last position. Node order keeps the result a
+    tree; a chain stays a chain, a tree or a draft with an auxiliary branch carries its parents from here on."""
+    if not draft.is_tree:
+        return draft if len(draft) <= max_depth else draft.select(torch.arange(max_depth), None)
+    aux = draft.aux
+    too_far = aux is not None and aux.offsets.numel() > 0 and int(aux.offsets.max()) > max_position
+    if aux is not None and (len(draft) + aux.tokens.shape[0] > room or too_far):
+        aux = None
+    parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+    keep = (depths(parents) <= max_depth) & (torch.arange(len(draft)) < room)
+    if bool(keep.all()):
+        return replace(draft, parents=parents, aux=aux)
+    kept, parents = keep_nodes(parents, keep)
+    return replace(draft.select(kept, parents), aux=aux)
 
 
 SPECULATION = ("adaptive", "fixed")

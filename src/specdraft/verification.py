@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.sampling import sample
+from specdraft.sampling import SamplingConfig, sample, warp
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,35 @@ class VerifyResult:
     def positions(self) -> int:
         """Draft positions (depths) this step offered: γ for a chain."""
         return self.num_draft_tokens
+
+    @property
+    def accepted_nodes(self) -> tuple[int, ...]:
+        """The accepted nodes, root first: the leading ``num_accepted`` nodes of a chain."""
+        return tuple(range(self.num_accepted))
+
+
+def verify(
+    tokens: torch.Tensor,
+    parents: torch.Tensor | None,
+    q: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Verify a draft on the target's logits: greedy exact match or speculative sampling (p warped once, here), on a
+    chain (``parents`` None) or a token tree. Every decoding loop verifies through this one dispatch.
+
+    Args:
+        tokens: (N,) drafted ids; parents: (N,) the tree, or None for a chain; q: (N, V) or None (a point mass).
+        target_logits: (N + 1, V) the target's logits at the root (row 0) and at every node (row i + 1).
+    """
+    if parents is None:
+        if sampling.greedy:
+            return verify_greedy(tokens, target_logits)
+        return verify_sampling(tokens, q, warp(target_logits, sampling), generator)
+    if sampling.greedy:
+        return verify_tree_greedy(tokens, parents, target_logits)
+    return verify_tree_sampling(tokens, parents, q, warp(target_logits, sampling), generator)
 
 
 def _leading_true(mask: torch.Tensor) -> int:

@@ -190,10 +190,10 @@ def test_malformed_question_line_names_it(files, tmp_path, capsys):
 
 
 def test_training_free_methods_come_from_the_registry(files, monkeypatch):
-    """A drafter added to TRAINING_FREE is a benchmark method with no change here."""
+    """A drafter added to NAMED_DRAFTERS is a benchmark method with no change here."""
     from specdraft.drafters.options import build
 
-    monkeypatch.setitem(__import__("specdraft.drafters", fromlist=["x"]).TRAINING_FREE, "toy-lookup",
+    monkeypatch.setitem(__import__("specdraft.drafters", fromlist=["x"]).NAMED_DRAFTERS, "toy-lookup",
                         lambda target, tokenizer, options: build(PromptLookupDrafter, options))
     assert parse_methods("toy-lookup") == ["ar", "toy-lookup"]
     ctx = BuildContext(None, None, files["target"], None)

@@ -5,7 +5,7 @@ import torch
 
 from specdraft.bench.replay import accepted_length, replay
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdraft.drafters import PromptLookupDrafter, draft_model_drafter
 from specdraft.drafters.base import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
@@ -29,10 +29,10 @@ def test_replay_equals_the_accept_lengths_of_a_real_run(options, gamma, max_new)
     draft_model = NativeLlama.from_hf(tiny_llama(0, std=0.2))  # the target's weights, scaled: agrees in part
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(max_new)).token_ids
-    real = generate(target, prompt, DraftModelDrafter(draft_model, **options),
+    real = generate(target, prompt, draft_model_drafter(draft_model, **options),
                     GenerationConfig(max_new, gamma, speculation="fixed"))
     assert real.token_ids == plain
-    replayed = replay(DraftModelDrafter(draft_model, **options), prompt, plain, gamma, max_new)
+    replayed = replay(draft_model_drafter(draft_model, **options), prompt, plain, gamma, max_new)
     assert replayed == real.stats.accept_lengths and sum(replayed) == len(plain)
     assert max(replayed) > 1  # some drafts were accepted: the replay had something to get right
 

@@ -2,7 +2,8 @@ import itertools
 
 import torch
 
-from specdraft.drafters import DraftModelDrafter
+from specdraft.drafters import DraftModelDrafter, draft_model_drafter
+from specdraft.drafters.combined import draft_model_of
 from specdraft.sampling import SamplingConfig
 from toys import hf_target
 
@@ -214,13 +215,13 @@ def test_prompt_lookup_branch_is_the_model_chain_plus_the_copied_continuation():
     chain = DraftModelDrafter(model).propose(context, 4, SamplingConfig(), None).tokens
     copied = PromptLookupDrafter(3).propose(context, 4, SamplingConfig(), None).tokens
     assert copied.tolist() == [9, 10, 11, 3]
-    draft = DraftModelDrafter(model, prompt_lookup=3).propose(context, 4, SamplingConfig(), None)
+    draft = draft_model_drafter(model, prompt_lookup=3).propose(context, 4, SamplingConfig(), None)
     tokens, parents = insert_path(chain, chain_parents(len(chain)), copied)
     assert torch.equal(draft.tokens, tokens) and draft.q is None
     assert (draft.parents is None) == is_chain(parents)
     assert draft.parents is None or torch.equal(draft.parents, parents)
     no_hit = torch.tensor([20, 21, 22, 23])
-    alone = DraftModelDrafter(model, prompt_lookup=3, prompt_lookup_min=2).propose(no_hit, 4, SamplingConfig(), None)
+    alone = draft_model_drafter(model, prompt_lookup=3, prompt_lookup_min=2).propose(no_hit, 4, SamplingConfig(), None)
     assert torch.equal(alone.tokens, DraftModelDrafter(model).propose(no_hit, 4, SamplingConfig(), None).tokens)
     assert alone.parents is None
 
@@ -231,14 +232,14 @@ def test_prompt_lookup_branch_is_lossless_and_ignored_when_sampling():
     target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(32)).token_ids
     for options in ({"prompt_lookup": 3}, {"prompt_lookup": 2, "confidence_threshold": 0.3}):
-        drafter, trees = DraftModelDrafter(hf_target(1), **options), []
+        drafter, trees = draft_model_drafter(hf_target(1), **options), []
         propose = drafter.propose
         drafter.propose = lambda *args, propose=propose, trees=trees: trees.append(propose(*args)) or trees[-1]
         result = generate(target, prompt, drafter, GenerationConfig(32, 4))
         assert result.token_ids == plain, options
         assert any(d.parents is not None for d in trees)  # the copied branch was verified as a tree
     sampling, context = SamplingConfig(1.0), torch.tensor(prompt)
-    with_branch = DraftModelDrafter(hf_target(1), prompt_lookup=3).propose(
+    with_branch = draft_model_drafter(hf_target(1), prompt_lookup=3).propose(
         context, 4, sampling, torch.Generator().manual_seed(0))
     without = DraftModelDrafter(hf_target(1)).propose(context, 4, sampling, torch.Generator().manual_seed(0))
     assert torch.equal(with_branch.tokens, without.tokens) and with_branch.parents is None
@@ -250,13 +251,13 @@ def test_prompt_lookup_options_are_checked():
     from specdraft.errors import SpecdraftError
 
     with pytest.raises(SpecdraftError, match="chain drafts"):
-        DraftModelDrafter(hf_target(1), tree_branching=2, prompt_lookup=3)
+        draft_model_drafter(hf_target(1), tree_branching=2, prompt_lookup=3)
     with pytest.raises(SpecdraftError, match="min_ngram_size"):
-        DraftModelDrafter(hf_target(1), prompt_lookup=2, prompt_lookup_min=3)
+        draft_model_drafter(hf_target(1), prompt_lookup=2, prompt_lookup_min=3)
     with pytest.raises(SpecdraftError, match="prompt_lookup must be >= 0"):
-        DraftModelDrafter(hf_target(1), prompt_lookup=-1)
+        draft_model_drafter(hf_target(1), prompt_lookup=-1)
     with pytest.raises(SpecdraftError, match="needs prompt_lookup"):
-        DraftModelDrafter(hf_target(1), prompt_lookup_alone=3)
+        draft_model_drafter(hf_target(1), prompt_lookup_alone=3)
 
 
 def test_prompt_lookup_alone_skips_the_model_on_a_long_match():
@@ -264,11 +265,12 @@ def test_prompt_lookup_alone_skips_the_model_on_a_long_match():
 
     model = hf_target(1)
     context = torch.tensor([7, 8, 9, 10, 11, 12, 3, 7, 8, 9])  # "7 8 9" matched: copy 10 11 12 3
-    drafter = DraftModelDrafter(model, prompt_lookup=3, prompt_lookup_alone=3)
+    drafter = draft_model_drafter(model, prompt_lookup=3, prompt_lookup_alone=3)
     draft = drafter.propose(context, 4, SamplingConfig(), None)
-    assert draft.tokens.tolist() == [10, 11, 12, 3] and draft.parents is None and drafter._cache is None  # no forward
+    model_drafter = draft_model_of(drafter)
+    assert draft.tokens.tolist() == [10, 11, 12, 3] and draft.parents is None and model_drafter._cache is None
     short = drafter.propose(context, 8, SamplingConfig(), None)  # the copy has only 7 tokens: the model drafts too
-    assert drafter._cache is not None and len(short) >= 8
+    assert model_drafter._cache is not None and len(short) >= 8
     assert drafter.draft_kind(context, SamplingConfig()) == ("copy", 3)  # the hint a policy prices steps by
     assert drafter.draft_kind(context[:-1], SamplingConfig()) == "model"  # "7 8" is no 3-gram match
     assert drafter.draft_kind(context, SamplingConfig(temperature=1.0)) == "model"  # copies are greedy-only
@@ -286,10 +288,11 @@ def test_siblings_hang_the_runners_up_beside_every_chain_token():
     logits = model.forward(torch.cat([context, chain[:-1]]).unsqueeze(0), model.new_cache(16))[0, -3:]  # (3, V)
     runners_up = logits.topk(3).indices[:, 1:]  # (3, 2): ranks 2 and 3 at each depth
     assert torch.equal(logits.argmax(-1), chain)
-    drafter = DraftModelDrafter(model, siblings=2)
+    drafter = draft_model_drafter(model, siblings=2)
     calls = []
-    forward = drafter._forward
-    drafter._forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    model_drafter = draft_model_of(drafter)
+    forward = model_drafter._forward
+    model_drafter._forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     draft = drafter.propose(context, 3, SamplingConfig(), None)
     assert len(calls) == 3  # the chain's forwards (sync + 2), as without siblings
     assert draft.q is None and draft.tokens[:3].tolist() == chain.tolist()
@@ -301,13 +304,13 @@ def test_siblings_respect_the_draft_vocabulary_and_are_lossless():
     from specdraft.decoding import GenerationConfig, generate
 
     keep = torch.arange(0, 64, 2)  # even tokens only
-    drafter = DraftModelDrafter(hf_target(1), siblings=3, keep=keep)
+    drafter = draft_model_drafter(hf_target(1), siblings=3, keep=keep)
     draft = drafter.propose(torch.tensor([3, 4, 5]), 4, SamplingConfig(), None)
     assert len(draft) == 16 and bool((draft.tokens % 2 == 0).all())
     target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(40)).token_ids
     for options in ({"siblings": 1}, {"siblings": 2, "confidence_threshold": 0.3, "prompt_lookup": 3}):
-        drafter, trees = DraftModelDrafter(hf_target(1), **options), []
+        drafter, trees = draft_model_drafter(hf_target(1), **options), []
         propose = drafter.propose
         drafter.propose = lambda *args, propose=propose, trees=trees: trees.append(propose(*args)) or trees[-1]
         result = generate(target, prompt, drafter, GenerationConfig(40, 4))
@@ -321,15 +324,15 @@ def test_siblings_are_ignored_when_sampling_and_checked():
     from specdraft.errors import SpecdraftError
 
     sampling, context = SamplingConfig(1.0), torch.tensor([3, 4, 5, 6])
-    with_siblings = DraftModelDrafter(hf_target(1), siblings=2).propose(
+    with_siblings = draft_model_drafter(hf_target(1), siblings=2).propose(
         context, 4, sampling, torch.Generator().manual_seed(0))
     without = DraftModelDrafter(hf_target(1)).propose(context, 4, sampling, torch.Generator().manual_seed(0))
     assert torch.equal(with_siblings.tokens, without.tokens) and with_siblings.parents is None
     assert torch.equal(with_siblings.q, without.q)
     with pytest.raises(SpecdraftError, match="siblings must be >= 0"):
-        DraftModelDrafter(hf_target(1), siblings=-1)
+        draft_model_drafter(hf_target(1), siblings=-1)
     with pytest.raises(SpecdraftError, match="tree_branching"):
-        DraftModelDrafter(hf_target(1), siblings=1, tree_branching=2)
+        draft_model_drafter(hf_target(1), siblings=1, tree_branching=2)
 
 
 def _chain_copy_reference(model, context: torch.Tensor, depth: int, smallest: int) -> list[int]:
@@ -357,10 +360,11 @@ def test_chain_copy_drafts_the_matched_continuation_at_every_depth_and_the_model
 
     model = hf_target(1)
     context = torch.tensor([7, 8, 9, 10, 3, 5, 7, 8])  # "7 8" seen: copy 9 10, then "9 10" matches: copy 3 5 ...
-    drafter = DraftModelDrafter(model, chain_copy=2)
+    drafter = draft_model_drafter(model, chain_copy=2)
     calls = []
-    forward = drafter._forward
-    drafter._forward = lambda *a, **k: calls.append(a[0].shape[1]) or forward(*a, **k)
+    model_drafter = draft_model_of(drafter)
+    forward = model_drafter._forward
+    model_drafter._forward = lambda *a, **k: calls.append(a[0].shape[1]) or forward(*a, **k)
     draft = drafter.propose(context, 6, SamplingConfig(), None)
     assert draft.tokens.tolist() == _chain_copy_reference(model, context, 6, 2)
     assert draft.tokens.tolist()[:4] == [9, 10, 3, 5] and draft.q is None
@@ -368,11 +372,11 @@ def test_chain_copy_drafts_the_matched_continuation_at_every_depth_and_the_model
     assert draft.source.tolist()[:2] == [COPY + 2, COPY + 3] and draft.confidence[:2].isnan().all()
     for context in (torch.tensor([3, 4, 5, 6, 3, 4]), torch.tensor([11, 12, 13, 14]), torch.arange(20) % 7):
         for depth in (1, 3, 5):
-            draft = DraftModelDrafter(model, chain_copy=2).propose(context, depth, SamplingConfig(), None)
+            draft = draft_model_drafter(model, chain_copy=2).propose(context, depth, SamplingConfig(), None)
             assert draft.tokens.tolist() == _chain_copy_reference(model, context, depth, 2), (context, depth)
             copied = draft.source >= COPY
             assert draft.confidence[copied].isnan().all() and (draft.source[~copied] == MODEL).all()
-    drafter = DraftModelDrafter(model, chain_copy=2)
+    drafter = draft_model_drafter(model, chain_copy=2)
     assert drafter.draft_kind(torch.tensor([7, 8, 9, 7, 8]), SamplingConfig()) == ("chain_copy", 2)
     assert drafter.draft_kind(torch.tensor([7, 8, 9, 7]), SamplingConfig()) == "model"  # a 1-gram is too short
 
@@ -381,7 +385,7 @@ def test_chain_copy_cache_stays_exact_after_rollbacks_and_is_lossless():
     from specdraft.decoding import GenerationConfig, generate
 
     model, generator = hf_target(1), torch.Generator().manual_seed(0)
-    drafter = DraftModelDrafter(model, chain_copy=2)
+    drafter = draft_model_drafter(model, chain_copy=2)
     context = torch.tensor([3, 4, 5, 6, 3, 4])
     for step in range(16):
         draft = drafter.propose(context, 4, SamplingConfig(), None).tokens
@@ -393,7 +397,7 @@ def test_chain_copy_cache_stays_exact_after_rollbacks_and_is_lossless():
     plain = generate(target, prompt, None, GenerationConfig(40)).token_ids
     for options in ({"chain_copy": 2}, {"chain_copy": 3, "confidence_threshold": 0.3},
                     {"chain_copy": 2, "prompt_lookup": 3, "prompt_lookup_alone": 2, "siblings": 1}):
-        drafter = DraftModelDrafter(hf_target(1), **options)
+        drafter = draft_model_drafter(hf_target(1), **options)
         assert generate(target, prompt, drafter, GenerationConfig(40, 4)).token_ids == plain, options
 
 
@@ -403,11 +407,11 @@ def test_chain_copy_when_sampling_is_a_point_mass_row_and_options_are_checked():
     from specdraft.errors import SpecdraftError
 
     context = torch.tensor([7, 8, 9, 10, 3, 5, 7, 8])
-    draft = DraftModelDrafter(hf_target(1), chain_copy=2).propose(
+    draft = draft_model_drafter(hf_target(1), chain_copy=2).propose(
         context, 3, SamplingConfig(1.0), torch.Generator().manual_seed(0))
     assert draft.tokens.tolist() == [9, 10, 3] and draft.q.shape == (3, 64)
     assert torch.equal(draft.q, torch.nn.functional.one_hot(draft.tokens, 64).float())
     with pytest.raises(SpecdraftError, match="chain_copy must be >= 0"):
-        DraftModelDrafter(hf_target(1), chain_copy=-1)
+        draft_model_drafter(hf_target(1), chain_copy=-1)
     with pytest.raises(SpecdraftError, match=r"chain_copy must be >= 0 .* with tree_branching"):
-        DraftModelDrafter(hf_target(1), chain_copy=2, tree_branching=2)
+        draft_model_drafter(hf_target(1), chain_copy=2, tree_branching=2)

@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters import layer_skip as layer_skip_module
 from specdraft.drafters.layer_skip import LayerSkipDrafter, builtin_calibration_ids, calibrate_skip, parse_skip
 from specdraft.errors import SpecdraftError
@@ -176,14 +176,14 @@ def test_calibrated_set_is_cached_and_reused(native4, tmp_path, monkeypatch):
 
 
 def test_factory_options_and_transformers_target_error(native4):
-    drafter = TRAINING_FREE["layer-skip"](native4, None, {"skip": "1,2"})
+    drafter = NAMED_DRAFTERS["layer-skip"](native4, None, {"skip": "1,2"})
     assert drafter.kept == [0, 3] and drafter.name == "layer-skip[1,2]"
     with pytest.raises(SpecdraftError, match="natively"):
-        TRAINING_FREE["layer-skip"](hf_target(0), None, {"skip": "1"})
+        NAMED_DRAFTERS["layer-skip"](hf_target(0), None, {"skip": "1"})
     with pytest.raises(SpecdraftError, match="tokenizer"):
-        TRAINING_FREE["layer-skip"](native4, None, {})
+        NAMED_DRAFTERS["layer-skip"](native4, None, {})
     with pytest.raises(SpecdraftError, match="unknown drafter option"):
-        TRAINING_FREE["layer-skip"](native4, None, {"calibration": "1,2"})
+        NAMED_DRAFTERS["layer-skip"](native4, None, {"calibration": "1,2"})
 
 
 def test_bad_options(native4):

@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE, parse_options
+from specdraft.drafters import NAMED_DRAFTERS, parse_options
 from specdraft.drafters.lookahead import (
     LookaheadDrafter,
     NgramPool,
@@ -250,8 +250,8 @@ def test_bad_options(options, match):
 
 
 def test_cli_factory_converts_and_checks_options():
-    drafter = TRAINING_FREE["lookahead"](None, None, parse_options("window=4;ngram=3;guess-set-size=2"))
+    drafter = NAMED_DRAFTERS["lookahead"](None, None, parse_options("window=4;ngram=3;guess-set-size=2"))
     assert (drafter.window, drafter.ngram, drafter.guess_set_size) == (4, 3, 2)
     for text, match in [("window=0", "window must be"), ("window=five", "expected int"), ("level=3", "unknown")]:
         with pytest.raises(SpecdraftError, match=match):
-            TRAINING_FREE["lookahead"](None, None, parse_options(text))
+            NAMED_DRAFTERS["lookahead"](None, None, parse_options(text))

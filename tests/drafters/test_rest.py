@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from specdraft.datastore import Datastore
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.rest import RESTDrafter, continuation_trie
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
@@ -149,8 +149,8 @@ def test_missing_default_datastore_says_how_to_build_it(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     with pytest.raises(SpecdraftError, match="specdraft build-datastore"):
-        TRAINING_FREE["rest"](None, tiny_tokenizer(), {})
+        NAMED_DRAFTERS["rest"](None, tiny_tokenizer(), {})
     with pytest.raises(SpecdraftError, match="build-datastore"):
-        TRAINING_FREE["rest"](None, tiny_tokenizer(), {"datastore": str(tmp_path / "nowhere")})
+        NAMED_DRAFTERS["rest"](None, tiny_tokenizer(), {"datastore": str(tmp_path / "nowhere")})
     with pytest.raises(SpecdraftError, match="unknown drafter option"):
-        TRAINING_FREE["rest"](None, tiny_tokenizer(), {"store": "x"})
+        NAMED_DRAFTERS["rest"](None, tiny_tokenizer(), {"store": "x"})

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.heads import WEIGHTS_FILE, save_heads
@@ -188,7 +188,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     spec = eagle_spec(model.config, None, {})
     folder = save_heads(head, "eagle", spec, tmp_path / "heads", "tiny0")
     target = NativeLlama.from_hf(model)
-    loaded = TRAINING_FREE["eagle"](target, None, {"heads": str(folder), "top_k": "2", "tree_nodes": "6"})
+    loaded = NAMED_DRAFTERS["eagle"](target, None, {"heads": str(folder), "top_k": "2", "tree_nodes": "6"})
     assert isinstance(loaded, EagleDrafter) and (loaded.top_k, loaded.tree_nodes) == (2, 6)
     for name, tensor in head.state_dict().items():
         torch.testing.assert_close(loaded.head.state_dict()[name], tensor)
@@ -197,7 +197,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     assert generate(target, PROMPTS[0], loaded, config).stats.accept_lengths == \
         generate(target, PROMPTS[0], same, config).stats.accept_lengths
     with pytest.raises(SpecdraftError, match="heads=PATH"):
-        TRAINING_FREE["eagle"](target, None, {})
+        NAMED_DRAFTERS["eagle"](target, None, {})
     with pytest.raises(SpecdraftError, match="top_k and tree_nodes"):
         EagleDrafter(str(folder), top_k=0)
 
@@ -251,6 +251,6 @@ def test_train_heads_cli_trains_and_exports_an_eagle_head(tmp_path):
     with open(tmp_path / "run" / "eval_log.csv") as handle:
         row = list(csv.DictReader(handle))[-1]
     assert {"heldout_loss", "heldout_smooth_l1", "heldout_top1", "block_efficiency@4"} <= set(row)
-    drafter = TRAINING_FREE["eagle"](target, None, {"heads": str(tmp_path / "run" / "heads")})
+    drafter = NAMED_DRAFTERS["eagle"](target, None, {"heads": str(tmp_path / "run" / "heads")})
     prompt = records[0]["prompt_token_ids"]
     assert generate(target, prompt, drafter, GenerationConfig(16, 4)).token_ids == records[0]["response_token_ids"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
@@ -75,7 +75,7 @@ def test_unroll_equals_drafting_on_the_cache():
 def test_options_registry_and_parameters():
     model = tiny_llama(0, layers=LAYERS)
     head = _head(model)
-    assert HEAD_KINDS["eagle3"] is EAGLE3 and TRAINING_FREE["eagle3"]
+    assert HEAD_KINDS["eagle3"] is EAGLE3 and NAMED_DRAFTERS["eagle3"]
     assert head.fc.weight.shape == (32, 96) and head.fc.bias is None
     assert head.layer.qkv_weight.shape == ((4 + 2 * 2) * 8, 64)  # q, k, v read [embeds; features]
     assert head.lm_head.weight.shape == (48, 32) and head.d2t.shape == (48,) and head.t2d.sum() == 48
@@ -203,13 +203,13 @@ def test_heads_folder_round_trip_and_errors(trained, tmp_path):
     _, loaded = load_heads(tmp_path / "h", kind="eagle3")
     assert torch.equal(loaded.d2t, head.d2t) and loaded.aux_layers == [0, 2, 3]
     target = NativeLlama.from_hf(model)
-    via_cli = TRAINING_FREE["eagle3"](target, None, {"heads": str(tmp_path / "h"), "top_k": "1"})
+    via_cli = NAMED_DRAFTERS["eagle3"](target, None, {"heads": str(tmp_path / "h"), "top_k": "1"})
     direct = Eagle3Drafter.from_module(head, top_k=1)
     for drafter in (via_cli, direct):
         result = generate(target, PROMPTS[0], drafter, GenerationConfig(16, 3))
         assert result.token_ids == generate(target, PROMPTS[0], None, GenerationConfig(16)).token_ids
     with pytest.raises(SpecdraftError, match="needs --drafter-option heads"):
-        TRAINING_FREE["eagle3"](target, None, {})
+        NAMED_DRAFTERS["eagle3"](target, None, {})
     shallow = NativeLlama.from_hf(tiny_llama(1, layers=2))
     with pytest.raises(SpecdraftError, match="reads target layers"):
         generate(shallow, PROMPTS[0], direct, GenerationConfig(4, 3))

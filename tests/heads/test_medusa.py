@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.medusa import DEFAULT_TREE, MedusaDrafter, parse_tree
 from specdraft.errors import SpecdraftError
 from specdraft.heads import WEIGHTS_FILE, load_heads, save_heads
@@ -247,11 +247,11 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     for a, b in zip(heads.state_dict().values(), loaded.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
     target = NativeLlama.from_hf(model)
-    drafter = TRAINING_FREE["medusa"](target, None, {"heads": str(path), "tree": "0/0.0/0.0.0"})
+    drafter = NAMED_DRAFTERS["medusa"](target, None, {"heads": str(path), "tree": "0/0.0/0.0.0"})
     plain = generate(target, PROMPTS[1], None, GenerationConfig(20)).token_ids
     assert generate(target, PROMPTS[1], drafter, GenerationConfig(20, 3)).token_ids == plain
     with pytest.raises(SpecdraftError, match="heads=PATH"):
-        TRAINING_FREE["medusa"](target, None, {})
+        NAMED_DRAFTERS["medusa"](target, None, {})
 
 
 def test_bad_heads_folders_are_clear_errors(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdraft.decoding import GenerationConfig, generate
+from specdraft.drafters.combined import draft_model_drafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
@@ -140,7 +141,7 @@ def test_greedy_speculative_equals_plain_on_the_quantized_path(speculation):
     target = QuantizedLlama.from_dense(_dense(), "int4")
     plain = generate(target, PROMPT, None, GenerationConfig(48)).token_ids
     draft = NativeLlama.from_hf(tiny_llama(1, std=0.1))
-    for drafter in (DraftModelDrafter(draft), DraftModelDrafter(draft, siblings=1), PromptLookupDrafter(),
+    for drafter in (DraftModelDrafter(draft), draft_model_drafter(draft, siblings=1), PromptLookupDrafter(),
                     DraftModelDrafter(QuantizedLlama.from_dense(draft, "int8")),
                     PatternDrafter(target, lambda step, i: (step * 7 + i * 3) % 5 == 0)):
         config = GenerationConfig(48, 4, speculation=speculation)
@@ -280,3 +281,24 @@ def test_precision_rules(tmp_path):
         choose_precision(str(tmp_path), quantize="gguf")
     with pytest.raises(SpecdraftError, match="quantize must be one of"):
         choose_precision(SMOLLM2, quantize="int3")
+
+
+def test_a_folder_default_quantize_falls_back_to_dense_where_the_kernels_cannot_run(tmp_path, monkeypatch):
+    """A draft folder's ``quantize`` default is skipped where the int8 kernels cannot run; asked for, it is an
+    error there."""
+    import json
+
+    from specdraft.drafters import loading
+    from toys import save_tiny_checkpoint
+
+    target = NativeLlama.from_hf(tiny_llama(0))
+    folder = save_tiny_checkpoint(tmp_path / "draft", seed=1, layers=1)
+    (folder / "drafter_options.json").write_text(json.dumps({"quantize": "int8"}))
+    from toys import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    assert isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
+    monkeypatch.setattr(loading, "_can_quantize", lambda: False)
+    assert not isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
+    with pytest.raises(SpecdraftError, match="int8 kernels"):
+        loading.load_drafter(target, tokenizer, draft=str(folder), options={"quantize": "int8"})

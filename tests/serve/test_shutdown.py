@@ -15,6 +15,7 @@ import pytest
 from running import RunningServer, free_port, start_cli_server
 
 from specdraft.api import load_target
+from specdraft.batching import MAX_NUM_DRAFT_TOKENS, MAX_TREE_NODES
 from specdraft.cli import main
 from specdraft.serve import ServeConfig
 from specdraft.serve.app import build_app
@@ -32,10 +33,10 @@ def _serve_error(capsys, *args: str) -> str:
 
 def test_server_settings_are_refused_before_any_model_loads(capsys, tmp_path):
     missing = str(tmp_path / "no-such-model")  # loading it would fail: each error must come before
-    assert "num_draft_tokens must be at most 31" in _serve_error(capsys, "--target", missing, "--num-draft-tokens",
-                                                                 "10000")
-    assert "tree_nodes must be in 0 .. 62" in _serve_error(capsys, "--target", missing, "--drafter", "rest",
-                                                           "--drafter-option", "tree_nodes=500")
+    gamma = _serve_error(capsys, "--target", missing, "--num-draft-tokens", "10000")
+    assert f"num_draft_tokens must be at most {MAX_NUM_DRAFT_TOKENS}" in gamma
+    nodes = _serve_error(capsys, "--target", missing, "--drafter", "rest", "--drafter-option", "tree_nodes=500")
+    assert f"tree_nodes must be in 0 .. {MAX_TREE_NODES}" in nodes
     assert "shutdown_grace" in _serve_error(capsys, "--target", missing, "--shutdown-grace", "-1")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from specdraft.bench.methods import parse_methods
 from specdraft.bench.questions import BUILTIN, CATEGORY_TO_SUBTASK, SUBTASKS
 from specdraft.decoding import GenerationConfig
-from specdraft.drafters import TRAINING_FREE
+from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import DTYPE_CHOICES, QUANTIZE, SMOLLM2
 from specdraft.sampling import SamplingConfig
@@ -16,8 +16,9 @@ from specdraft.speculation import SPECULATION
 SWEEPABLE = ("num_draft_tokens",)
 
 
-def _default_methods() -> tuple[str, ...]:
-    return ("ar", *TRAINING_FREE)
+def default_methods() -> tuple[str, ...]:
+    """``ar`` and every drafter chosen by name."""
+    return ("ar", *NAMED_DRAFTERS)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class BenchConfig:
 
     out: str = field(metadata={"help": "output folder: run.json, answers/<method>.jsonl, summary.*, plots"})
     target: str = field(default=SMOLLM2, metadata={"help": "target model: built-in name, folder or cached hub id"})
-    methods: tuple[str, ...] = field(default_factory=_default_methods, metadata={"help": "method specs; ar is added"})
+    methods: tuple[str, ...] = field(default_factory=default_methods, metadata={"help": "method specs; ar is added"})
     questions: str = field(default=BUILTIN,
                            metadata={"help": "Spec-Bench-format JSONL file, 'builtin', or 'sharegpt-heldout'"})
     categories: tuple[str, ...] | None = field(default=None, metadata={"help": "subtasks (or categories) to keep"})

@@ -1,18 +1,20 @@
 """Benchmarked methods: each is an object with a ``name`` and ``answer(prompt_ids, config, generator) -> TurnResult``.
 
 Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-assisted:PATH``) are looked up in
-:data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.TRAINING_FREE``); the runner never branches on a name.
+:data:`METHOD_KINDS` (plus every name in ``specdraft.drafters.NAMED_DRAFTERS``); the runner never branches on a name.
 
 - ``ar``: plain decoding through specdraft's loop (the baseline; always run).
 - ``draft:PATH``: a draft model (``specdraft.load_drafter(..., draft=PATH)``); ``draft:PATH;tree_branching=2;
   tree_nodes=12`` drafts a dynamic token tree.
-- a ``TRAINING_FREE`` name (``prompt-lookup``, ...): that training-free drafter, optionally with options
+- a ``NAMED_DRAFTERS`` name (``prompt-lookup``, ...): that drafter, optionally with options
   ``NAME:KEY=VALUE;KEY=VALUE`` (quote the semicolons in a shell).
 - ``hf``: transformers' ``model.generate`` on the same weights and dtype.
 - ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
   ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
 - ``llama.cpp``: llama.cpp's plain decoding of the target's GGUF; ``llama.cpp-draft:DRAFT.gguf``: llama.cpp's own
   speculative decoding with that draft model, γ draft tokens (:mod:`specdraft.bench.llamacpp`).
+- ``vllm``, ``vllm-ngram``, ``vllm-draft:PATH``, ``vllm-eagle3:PATH``: vLLM's plain decoding, its n-gram lookup,
+  an exported draft model, exported EAGLE-3 heads, γ draft tokens, one engine each (:mod:`specdraft.bench.vllm`).
 
 With a sweep over num_draft_tokens, each speculative method becomes one variant per γ named ``NAME@γ=K``.
 """
@@ -27,7 +29,8 @@ from typing import Protocol
 import torch
 
 from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import TRAINING_FREE, Drafter, DraftModelDrafter, parse_options
+from specdraft.drafters import NAMED_DRAFTERS, Drafter, parse_options
+from specdraft.drafters.combined import draft_model_of
 from specdraft.drafters.loading import load_draft_model, load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
@@ -51,6 +54,7 @@ class TurnResult:
     draft_tokens_accepted: int | None = None
     accepted_per_position: list[int] | None = None
     reached_per_position: list[int] | None = None
+    engine_counters: dict | None = None  # another engine's own counters for this turn (vLLM's spec-decode metrics)
 
 
 class Method(Protocol):
@@ -189,6 +193,28 @@ class LlamaCppMethod:
         return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
 
 
+@dataclass
+class VllmMethod:
+    """vLLM answering through its offline engine in a subprocess (:mod:`specdraft.bench.vllm`); ``num_draft_tokens``
+    is γ when the engine speculates."""
+
+    name: str
+    engine: object  # a specdraft.engines.vllm.VllmEngine
+    num_draft_tokens: int | None = None
+    param_ratio: float | None = None
+    base: str = ""
+
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
+        from specdraft.bench.vllm import sampling_fields, turn_result
+
+        seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
+        fields = sampling_fields(config.max_new_tokens, config.eos_token_ids, config.sampling, seed)
+        start = time.perf_counter()
+        answer = self.engine.generate([prompt_ids], [fields])
+        wall = time.perf_counter() - start
+        return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What a method builder needs: the loaded target, its tokenizer, dtype, and lazily the transformers copy."""
@@ -235,9 +261,8 @@ def _build_ar(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> l
 
 def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
     path, _, options = arg.partition(";")  # draft:PATH;tree_branching=2;tree_nodes=12
-    drafter: DraftModelDrafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype,
-                                              options=parse_options(options))
-    ratio = ctx.param_ratio(drafter.model)
+    drafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype, options=parse_options(options))
+    ratio = ctx.param_ratio(draft_model_of(drafter).model)
     return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec),
                      ctx.speculations)
 
@@ -282,6 +307,19 @@ def _build_llama_cpp_draft(ctx: BuildContext, spec: str, arg: str | None, gammas
     return _variants(spec, gammas, sweep, lambda name, k: LlamaCppMethod(name, server, k, ratio, spec))
 
 
+def _build_vllm(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    from specdraft.bench.vllm import SPEC_METHODS, parameter_count, speculative_config, start_engine
+    from specdraft.models.registry import resolve
+
+    kind, target = spec.partition(":")[0], str(resolve(ctx.target_name))
+    if SPEC_METHODS[kind] is None:
+        return [VllmMethod(spec, start_engine(target, ctx.dtype, kind, None, None), base=spec)]
+    speculative_config(kind, arg, 1)  # the path and options, checked before any engine starts
+    ratio = 0.0 if kind == "vllm-ngram" else parameter_count(arg) / parameter_count(target)
+    return _variants(spec, gammas, sweep, lambda name, k: VllmMethod(
+        name, start_engine(target, ctx.dtype, kind, arg, k), k, ratio, spec))
+
+
 @dataclass(frozen=True)
 class MethodKind:
     """How to build one kind of method; ``needs_path``: the spec is ``KIND:PATH``."""
@@ -298,6 +336,10 @@ METHOD_KINDS: dict[str, MethodKind] = {
     "hf-assisted": MethodKind(_build_hf_assisted, needs_path=True),
     "llama.cpp": MethodKind(_build_llama_cpp),
     "llama.cpp-draft": MethodKind(_build_llama_cpp_draft, needs_path=True),
+    "vllm": MethodKind(_build_vllm),
+    "vllm-ngram": MethodKind(_build_vllm, takes_options=True),
+    "vllm-draft": MethodKind(_build_vllm, needs_path=True),
+    "vllm-eagle3": MethodKind(_build_vllm, needs_path=True),
 }
 BASELINE = "ar"
 
@@ -305,11 +347,11 @@ BASELINE = "ar"
 def _kind(spec: str) -> tuple[MethodKind, str | None]:
     name, _, arg = spec.partition(":")
     kind = METHOD_KINDS.get(name) or (MethodKind(_build_training_free, takes_options=True)
-                                      if name in TRAINING_FREE else None)
+                                      if name in NAMED_DRAFTERS else None)
     if kind is None:
-        known = [*METHOD_KINDS, *TRAINING_FREE]
+        known = [*METHOD_KINDS, *NAMED_DRAFTERS]
         raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} "
-                             "(draft, hf-assisted and llama.cpp-draft take :PATH)")
+                             "(draft, hf-assisted, llama.cpp-draft, vllm-draft and vllm-eagle3 take :PATH)")
     if kind.needs_path and not arg:
         raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
     if not kind.needs_path and not kind.takes_options and arg:

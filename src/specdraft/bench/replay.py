@@ -5,26 +5,37 @@ is fixed by the plain answer: a draft (chain or tree) is accepted along its long
 answer tokens, and the step commits that path plus one token. Replaying a drafter over ``ar``'s recorded answers
 therefore gives, for drafters whose proposals depend on the context alone (draft models with any of their options,
 prompt lookup, REST), exactly the accept lengths a real run would record in float32, at the cost of the drafter's
-forwards only. In bfloat16 a real run can differ where a wide verify and a one-token step round differently. The
-decoding loop's rules are mirrored: at most ``min(γ, max_new_tokens - generated - 1)`` draft tokens a step, trees
-cut to that depth.
+forwards only. In bfloat16 a real run can differ where a wide verify and a one-token step round differently. Each
+step's draft is decided as the decoding loop decides it with a fixed γ (:func:`specdraft.speculation.propose`): at
+most ``min(γ, max_new_tokens - generated - 1)`` draft tokens, trees cut to that depth.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
 
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from specdraft.drafters.base import Draft, Drafter
+from specdraft.drafters.combined import Combination
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.drafters.rest import RESTDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.speculation import FixedPolicy, StepBounds, propose
 from specdraft.trees import chain_parents, follow_path
 
 REPLAYABLE = (DraftModelDrafter, PromptLookupDrafter, RESTDrafter)  # proposals are a function of the context
+
+
+def replayable(drafter: Drafter) -> bool:
+    """Whether ``drafter``'s proposals are a function of the context: one of :data:`REPLAYABLE`, or a combination
+    (:mod:`specdraft.drafters.combined`) of one."""
+    while isinstance(drafter, Combination):
+        drafter = drafter.inner
+    return isinstance(drafter, REPLAYABLE)
 
 
 def accepted_length(draft: Draft, continuation: Sequence[int], max_depth: int) -> int:
@@ -40,7 +51,7 @@ def replay(drafter: Drafter, prompt_ids: Sequence[int], answer_ids: Sequence[int
     """Tokens committed per step (Spec-Bench's ``accept_lengths``) if ``drafter`` had drafted, greedily, the answer
     ``answer_ids`` that plain greedy decoding gave after ``prompt_ids`` with ``max_new_tokens``. ``target`` (never
     run) is handed to the drafter's ``begin``, as REST reads its vocabulary size there."""
-    if not isinstance(drafter, REPLAYABLE):
+    if not replayable(drafter):
         raise SpecdraftError(f"cannot replay {type(drafter).__name__}: only drafters whose proposals depend on the "
                              f"context alone ({', '.join(t.__name__ for t in REPLAYABLE)})")
     if num_draft_tokens < 1 or len(answer_ids) > max_new_tokens:
@@ -49,12 +60,12 @@ def replay(drafter: Drafter, prompt_ids: Sequence[int], answer_ids: Sequence[int
     if target is not None:
         drafter.begin(target, None)
     prompt, answer = [int(t) for t in prompt_ids], [int(t) for t in answer_ids]
-    greedy, lengths, done = SamplingConfig(), [], 0
+    greedy, lengths, done, policy = SamplingConfig(), [], 0, FixedPolicy(num_draft_tokens)
     while done < len(answer):
-        num_draft = min(num_draft_tokens, max_new_tokens - done - 1)
         context = torch.tensor(prompt + answer[:done], dtype=torch.long)  # (L,)
-        draft = drafter.propose(context, num_draft, greedy, None) if num_draft > 0 else EMPTY_DRAFT
-        accepted = accepted_length(draft, answer[done:], num_draft)
+        bounds = StepBounds(max_new_tokens - done - 1, sys.maxsize, sys.maxsize)  # no cache or position limits
+        draft = propose(policy, drafter, context, len(context) - 1, bounds, greedy, None)
+        accepted = accepted_length(draft, answer[done:], num_draft_tokens)
         lengths.append(min(accepted + 1, len(answer) - done))
         done += lengths[-1]
     return lengths

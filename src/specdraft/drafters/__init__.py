@@ -1,8 +1,10 @@
 """Drafters, one file each behind :class:`~specdraft.drafters.base.Drafter`.
 
-``TRAINING_FREE`` maps the CLI name of each drafter that needs no second model to its factory
+``NAMED_DRAFTERS`` maps the name of each drafter chosen by name (``--drafter NAME``) to its factory
 ``make(target, tokenizer, options) -> Drafter`` (options: ``KEY=VALUE`` strings, see
-:mod:`specdraft.drafters.options`); draft models are built from a checkpoint with :class:`DraftModelDrafter`.
+:mod:`specdraft.drafters.options`): prompt lookup, REST, Lookahead and layer-skip need nothing trained; Medusa,
+EAGLE and EAGLE-3 read heads trained on the target. Draft models are built from a checkpoint with
+:class:`DraftModelDrafter`, combined with prompt lookup, copies or runners-up by :mod:`specdraft.drafters.combined`.
 Factories import their module lazily, so a drafter's dependencies load only when it is used.
 """
 
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, NoDrafter
+from specdraft.drafters.combined import WithChainCopies, WithPromptLookup, WithSiblings, draft_model_drafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.options import build, parse_options
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -79,7 +82,7 @@ def _with_folder_defaults(options: dict[str, str]) -> dict[str, str]:
     return folder_options(resolve_heads(options["heads"])) | options
 
 
-TRAINING_FREE: dict[str, DrafterFactory] = {
+NAMED_DRAFTERS: dict[str, DrafterFactory] = {
     "prompt-lookup": _prompt_lookup,
     "layer-skip": _layer_skip,
     "lookahead": _lookahead,
@@ -91,12 +94,16 @@ TRAINING_FREE: dict[str, DrafterFactory] = {
 
 __all__ = [
     "EMPTY_DRAFT",
-    "TRAINING_FREE",
+    "NAMED_DRAFTERS",
     "Draft",
     "DraftModelDrafter",
     "Drafter",
     "DrafterFactory",
     "NoDrafter",
     "PromptLookupDrafter",
+    "WithChainCopies",
+    "WithPromptLookup",
+    "WithSiblings",
+    "draft_model_drafter",
     "parse_options",
 ]

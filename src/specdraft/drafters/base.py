@@ -4,14 +4,21 @@
 (self-speculative drafters draft through them; drafters with per-generation state reset it);
 ``propose(context, num_draft_tokens, sampling, generator) -> Draft`` drafts a chain of up to ``num_draft_tokens``
 tokens, or a token tree no deeper than that, to follow ``context``; ``observe(result)`` tells an adaptive drafter
-how verification went. The decoding loop knows nothing else about a drafter, so a new drafting method is a new
-file behind this interface.
+how verification went. How many tokens a step drafts is decided by the speculation policy
+(:func:`specdraft.speculation.propose`), never by the decoding loop or the drafter: a drafter proposes up to what it is
+given. A new drafting method is a new file behind this interface.
 
-A drafter that reads the target's features (Medusa, EAGLE) sets ``needs_hidden = True``: the loop then asks the
-target for its final-normed hidden states and passes, in ``result.hidden`` (F, D), those of the F tokens that were
-fed this step and committed (the uncached context tail, then the accepted draft tokens), in order. One that also
-sets ``hidden_layers`` (layer indices, by the end of ``begin``; EAGLE-3) gets instead the residual stream entering
-those target layers, concatenated: (F, k*D).
+Two capabilities are optional, each a protocol of its own that a drafter states by implementing it:
+
+- :class:`ReadsTargetFeatures` (Medusa, EAGLE, EAGLE-3): ``target_features()`` names the target features the drafter
+  reads (:class:`TargetFeatures`, valid from the end of ``begin``). The loop then asks the verify forward for them and
+  passes, in ``result.hidden`` (F, D), those of the F tokens fed this step and committed (the uncached context tail,
+  then the accepted draft tokens), in order: the final-normed hidden states, or with ``layers`` (EAGLE-3) the
+  residual stream entering those target layers, concatenated (F, k*D).
+- :class:`HintsDraftKind`: ``draft_kind(context, sampling)`` says what the drafter would draft from ``context`` before
+  it drafts, so a speculation policy prices different kinds of step apart.
+
+The loop reads them only through :func:`target_features` and :func:`draft_kind`.
 """
 
 from __future__ import annotations
@@ -105,16 +112,48 @@ class Drafter(Protocol):
         """Feedback after verification (adaptive drafters use it; others ignore it)."""
         ...
 
-    # Optional: ``draft_kind(context, sampling) -> Hashable | None``, what the drafter would draft from ``context``
-    # (read through :func:`draft_kind`), for a speculation policy that prices different kinds of step apart.
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """The target features a drafter reads: the final-normed hidden states (``layers`` empty; Medusa, EAGLE), or the
+    residual stream entering each of ``layers``, concatenated (EAGLE-3)."""
+
+    layers: tuple[int, ...] = ()
+
+    def forward_args(self) -> dict:
+        """The keyword arguments of :meth:`~specdraft.models.base.CausalLM.forward` that return these features."""
+        return {"return_hidden": True} | ({"hidden_layers": self.layers} if self.layers else {})
+
+
+@runtime_checkable
+class ReadsTargetFeatures(Protocol):
+    """Optional capability: the drafter reads the target's features of the committed tokens (module docstring)."""
+
+    def target_features(self) -> TargetFeatures | None:
+        """The features to return with every verify forward (None: none after all, e.g. a combination whose parts
+        read none). Valid from the end of ``begin``."""
+        ...
+
+
+@runtime_checkable
+class HintsDraftKind(Protocol):
+    """Optional capability: the drafter says what it would draft before drafting (module docstring)."""
+
+    def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
+        """What the drafter would draft next from ``context`` (None: no hint): steps of one kind share a drafting
+        cost and an acceptance profile (:mod:`specdraft.speculation`). It must depend only on the context, never on
+        a draw, so a policy reading it keeps output exact."""
+        ...
+
+
+def target_features(drafter: Drafter) -> TargetFeatures | None:
+    """The features ``drafter`` reads (:class:`ReadsTargetFeatures`), or None."""
+    return drafter.target_features() if isinstance(drafter, ReadsTargetFeatures) else None
 
 
 def draft_kind(drafter: Drafter, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
-    """The drafter's hint of what it would draft next from ``context`` (None when it gives none): steps of one kind
-    share a drafting cost and an acceptance profile (:mod:`specdraft.speculation`). It must depend only on the
-    context, never on a draw, so a policy reading it keeps output exact."""
-    hint = getattr(drafter, "draft_kind", None)
-    return hint(context, sampling) if hint is not None else None
+    """The drafter's hint of what it would draft next from ``context`` (:class:`HintsDraftKind`), or None."""
+    return drafter.draft_kind(context, sampling) if isinstance(drafter, HintsDraftKind) else None
 
 
 class NoDrafter:

@@ -31,14 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, ReadsTargetFeatures, TargetFeatures
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
 
-class EagleDrafter:
+class EagleDrafter(ReadsTargetFeatures):
     """Drafts an EAGLE-2 dynamic tree with an EAGLE head trained by ``specdraft train-heads --kind eagle``.
 
     Args:
@@ -49,7 +49,6 @@ class EagleDrafter:
     """
 
     name = "eagle"
-    needs_hidden = True
 
     def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16, draft_vocab: int = 0) -> None:
         from specdraft.draft_vocab import draft_subset
@@ -97,6 +96,10 @@ class EagleDrafter:
         self._embed, self._lm_head = embed.detach(), lm_head.detach()
         self._cache = self._root = None
         self._features, self._received, self._fed = [], 0, 0
+
+    def target_features(self) -> TargetFeatures:
+        """The target's final-normed hidden states, EAGLE's features."""
+        return TargetFeatures()
 
     def observe(self, result: VerifyResult) -> None:
         """Keep the committed tokens' features; they are paired and fed at the next ``propose``."""

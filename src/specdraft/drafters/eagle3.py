@@ -2,7 +2,7 @@
 
 The same feature stream and tree search as :mod:`specdraft.drafters.eagle`, with EAGLE-3's head
 (:mod:`specdraft.heads.eagle3`): the loop hands over the target's residual stream entering the head's
-``aux_layers`` (``hidden_layers``: the decoding loop asks the verify forward for them, so there is no extra target
+``aux_layers`` (``target_features``: the decoding loop asks the verify forward for them, so there is no extra target
 forward), which ``observe`` fuses with ``fc`` into the head's features; inside the tree a node's pair is (its
 parent's output, its token), unfused. Tokens come from the head's own LM head over its draft vocabulary (``d2t``);
 every other token gets q = 0 and is never drafted. ``top_k=1`` drafts a chain of ``num_draft_tokens`` tokens.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.drafters.base import TargetFeatures
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import check_finite
@@ -41,6 +42,10 @@ class Eagle3Drafter(EagleDrafter):
     def _setup(self, head, top_k: int, tree_nodes: int, keep: torch.Tensor | None = None) -> None:
         super()._setup(head, top_k, tree_nodes)
         self.hidden_layers = tuple(head.aux_layers)
+
+    def target_features(self) -> TargetFeatures:
+        """The residual stream entering the head's ``aux_layers`` of the target, concatenated."""
+        return TargetFeatures(self.hidden_layers)
 
     def begin(self, target, cache) -> None:
         """A new generation: forget the feature stream; take the target's frozen embeddings."""

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, ReadsTargetFeatures, TargetFeatures
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import most_confident, parents_from_paths
@@ -69,7 +69,7 @@ def parse_tree(text: str) -> list[tuple[int, ...]]:
         raise SpecdraftError(f"Medusa tree must look like 0/1/0.0/0.1 (paths of choice ranks), got {text!r}") from None
 
 
-class MedusaDrafter:
+class MedusaDrafter(ReadsTargetFeatures):
     """Drafts a static token tree from Medusa heads trained by ``specdraft train-heads --kind medusa``.
 
     Args:
@@ -84,7 +84,6 @@ class MedusaDrafter:
 
     name = "medusa"
     max_context = None
-    needs_hidden = True
 
     def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0, draft_vocab: int = 0) -> None:
         from specdraft.draft_vocab import draft_subset
@@ -130,6 +129,10 @@ class MedusaDrafter:
             kept = [p for p in self.paths if len(p) <= depth]
             self._trees[depth] = parents_from_paths(kept) if kept else (torch.empty(0, dtype=torch.long), [])
         return self._trees[depth]
+
+    def target_features(self) -> TargetFeatures:
+        """The target's final-normed hidden states, which every head reads."""
+        return TargetFeatures()
 
     def begin(self, target, cache) -> None:
         """A new generation: forget the last features; take the target's LM head when the heads share it."""

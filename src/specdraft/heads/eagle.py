@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _attention_mask, _Step, rope_table
+from specdraft.models.native_llama import DecoderLayer, LayerStep, StaticKVCache, causal_mask, rope_table
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias")
@@ -58,7 +58,7 @@ def head_config(target_config) -> dict:
     return values
 
 
-def _llama_config(sizes: dict):
+def llama_config(sizes: dict):
     from transformers import LlamaConfig
 
     extra = {k: v for k, v in sizes.items() if k != "rope_theta"}
@@ -81,7 +81,7 @@ class _EagleLayer(DecoderLayer):
                 if name.endswith("bias"):
                     parameter.zero_()
 
-    def forward(self, hidden: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: StaticKVCache, index: int, step: LayerStep) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); writes keys and values of the new positions into ``cache``."""
         hidden = hidden + self._attention(hidden, cache, index, step)
         normed = F.rms_norm(hidden, self.mlp_norm.shape, self.mlp_norm.to(hidden.dtype), self.eps)  # (B, T, D)
@@ -94,7 +94,7 @@ class EagleHead(nn.Module):
     def __init__(self, sizes: dict) -> None:
         super().__init__()
         self.sizes = dict(sizes)
-        self.config = _llama_config(sizes)
+        self.config = llama_config(sizes)
         hidden = sizes["hidden_size"]
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         nn.init.normal_(self.fc.weight, 0.0, 0.02)
@@ -140,7 +140,7 @@ class EagleHead(nn.Module):
         cache.advance(steps)
         return hidden
 
-    def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> _Step:
+    def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> LayerStep:
         return step_layout(self, start, steps, positions, mask, "EAGLE")
 
 
@@ -221,7 +221,7 @@ def build_eagle(spec: dict) -> EagleHead:
 
 
 def step_layout(head, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None,
-                kind: str) -> _Step:
+                kind: str) -> LayerStep:
     """Rotary tables and attention mask of one head forward over ``steps`` new tokens after ``start`` cached ones:
     causal, or the given tree ``mask`` (T, start + T). ``head`` carries ``config``, ``rope_cos``/``rope_sin`` and
     ``dtype`` (the EAGLE and EAGLE-3 heads)."""
@@ -234,7 +234,7 @@ def step_layout(head, start: int, steps: int, positions: torch.Tensor | None, ma
     cos = head.rope_cos[positions].unsqueeze(1).to(head.dtype)  # (T, 1, hd/2)
     sin = head.rope_sin[positions].unsqueeze(1).to(head.dtype)  # (T, 1, hd/2)
     if mask is None:
-        return _Step(start, cos, sin, _attention_mask(start, steps, groups, device))
+        return LayerStep(start, cos, sin, causal_mask(start, steps, groups, device))
     if mask.shape != (steps, start + steps):
         raise SpecdraftError(f"{kind} tree mask must be ({steps}, {start + steps}), got {tuple(mask.shape)}")
-    return _Step(start, cos, sin, mask.to(device).repeat(groups, 1), explicit=True)
+    return LayerStep(start, cos, sin, mask.to(device).repeat(groups, 1), explicit=True)

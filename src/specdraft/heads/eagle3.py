@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.heads.eagle import _llama_config, step_layout
-from specdraft.models.native_llama import DecoderLayer, StaticKVCache, _rotate, _Step, rope_table
+from specdraft.heads.eagle import llama_config, step_layout
+from specdraft.models.native_llama import DecoderLayer, LayerStep, StaticKVCache, rope_table, rotate
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -79,7 +79,8 @@ class Eagle3Layer(DecoderLayer):
         normed = F.rms_norm(hidden, self.mlp_norm.shape, self.mlp_norm.to(hidden.dtype), self.eps)
         return hidden + self._mlp(normed)
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: StaticKVCache, step: _Step) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: StaticKVCache,
+                step: LayerStep) -> torch.Tensor:
         """One draft step on the head's KV cache: (B, T, D) embeddings and features -> (B, T, D) next features."""
         return self._finish(features, self._attention(self._inputs(embeds, features), cache, 0, step))
 
@@ -96,7 +97,7 @@ class Eagle3Layer(DecoderLayer):
             qkv = F.linear(self._inputs(embed, features), self.qkv_weight, self.qkv_bias)
             qkv = qkv.view(batch, length, heads + 2 * kv_heads, hd)  # (B, T, H+2K, hd)
             angle_cos, angle_sin = cos[i : i + length, None], sin[i : i + length, None]  # (T, 1, hd/2)
-            rotated = _rotate(qkv[:, :, : heads + kv_heads], angle_cos, angle_sin)
+            rotated = rotate(qkv[:, :, : heads + kv_heads], angle_cos, angle_sin)
             query, key = rotated.split((heads, kv_heads), dim=2)  # (B, T, H, hd), (B, T, K, hd)
             groups = heads // kv_heads
             keys.append(key.repeat_interleave(groups, dim=2).transpose(1, 2))  # (B, H, T, hd)
@@ -124,7 +125,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, sizes: dict, draft_token_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.sizes = dict(sizes)
-        self.config = _llama_config(sizes)
+        self.config = llama_config(sizes)
         hidden, vocab, draft = sizes["hidden_size"], sizes["vocab_size"], sizes["draft_vocab_size"]
         self.aux_layers = [int(i) for i in sizes["aux_layers"]]
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
@@ -187,7 +188,7 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rope_cos[:length].to(self.dtype), self.rope_sin[:length].to(self.dtype)
         return self.layer.unroll([e.to(self.dtype) for e in embeds], self.fuse(aux), cos, sin)
 
-    def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> _Step:
+    def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> LayerStep:
         return step_layout(self, start, steps, positions, mask, "EAGLE-3")
 
 

@@ -98,7 +98,7 @@ def rope_table(config, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in transformers' half-split layout: ``x * cos + rotate_half(x) * sin``.
 
     Args:
@@ -194,7 +194,7 @@ class StaticKVCache:
 
 
 @dataclass(frozen=True)
-class _Step:
+class LayerStep:
     """What every layer of one forward shares: where the new positions start, their angles, the mask."""
 
     start: int
@@ -205,7 +205,7 @@ class _Step:
     rowwise: bool = False  # attend each query on its own (rowgemm.attention): a k-token step = k 1-token steps
 
 
-def _attention_mask(start: int, steps: int, groups: int, device: torch.device) -> torch.Tensor | None:
+def causal_mask(start: int, steps: int, groups: int, device: torch.device) -> torch.Tensor | None:
     """Causal mask for the folded queries: row ``g*T + t`` (position start + t) sees keys 0 .. start + t.
 
     None for a single query (it sees the whole cache) and for a prefill of an empty cache (``is_causal`` instead).
@@ -217,7 +217,7 @@ def _attention_mask(start: int, steps: int, groups: int, device: torch.device) -
     return mask.repeat(groups, 1)  # (G*T, S)
 
 
-def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: _Step) -> torch.Tensor:
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: LayerStep) -> torch.Tensor:
     """Grouped-query attention of new positions over the cache.
 
     Args:
@@ -286,18 +286,18 @@ class DecoderLayer(nn.Module):
             return out if bias is None else out + bias
         return packing.linear(x, getattr(self, f"{name}_weight"), bias, self.packed.get(name))
 
-    def forward(self, hidden: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: StaticKVCache, index: int, step: LayerStep) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); writes this layer's keys and values for the new positions into ``cache``."""
         normed = F.rms_norm(hidden, self.attn_norm.shape, self.attn_norm, self.eps)  # (B, T, D)
         hidden = hidden + self._attention(normed, cache, index, step)
         normed = F.rms_norm(hidden, self.mlp_norm.shape, self.mlp_norm, self.eps)  # (B, T, D)
         return hidden + self._mlp(normed)
 
-    def _attention(self, x: torch.Tensor, cache: StaticKVCache, index: int, step: _Step) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, cache: StaticKVCache, index: int, step: LayerStep) -> torch.Tensor:
         batch, steps, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.linear("qkv", x).view(batch, steps, -1, self.head_dim)  # (B, T, H+2K, hd)
-        rotated = _rotate(qkv[:, :, : heads + kv_heads], step.cos, step.sin)  # (B, T, H+K, hd)
+        rotated = rotate(qkv[:, :, : heads + kv_heads], step.cos, step.sin)  # (B, T, H+K, hd)
         queries, new_keys = rotated.split((heads, kv_heads), dim=2)  # (B, T, H, hd), (B, T, K, hd)
         keys, values = cache.write(index, step.start, new_keys, qkv[:, :, heads + kv_heads :])  # (B, K, S, hd)
         return self.linear("o", _attend(queries, keys, values, step))  # (B, T, D)
@@ -531,16 +531,16 @@ class NativeLlama(nn.Module):
         head = self.packed_head if logits_weight is None and prepacked else None
         return packing.linear(rows, weight, None, head).float()
 
-    def _step(self, start: int, steps: int) -> _Step:
+    def _step(self, start: int, steps: int) -> LayerStep:
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         cos = self.rope_cos[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
         sin = self.rope_sin[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
-        return _Step(start, cos, sin, _attention_mask(start, steps, groups, cos.device),
-                     rowwise=start > 0 and self._rowwise(steps))
+        return LayerStep(start, cos, sin, causal_mask(start, steps, groups, cos.device),
+                         rowwise=start > 0 and self._rowwise(steps))
 
     def _tree_step(
         self, start: int, steps: int, positions: torch.Tensor | None, attention_mask: torch.Tensor | None
-    ) -> _Step:
+    ) -> LayerStep:
         """A step with explicit positions and a mask among the new tokens (token-tree verification) or over every
         slot (layer-skip calibration)."""
         device = self.rope_cos.device
@@ -563,7 +563,7 @@ class NativeLlama(nn.Module):
         else:
             seen = torch.ones(steps, start + steps, dtype=torch.bool, device=device)  # (T, S): all cached slots
             seen[:, start:] = attention_mask.to(device)
-        return _Step(start, cos, sin, seen.repeat(groups, 1), explicit=True, rowwise=self._rowwise(steps))
+        return LayerStep(start, cos, sin, seen.repeat(groups, 1), explicit=True, rowwise=self._rowwise(steps))
 
     def _rowwise(self, steps: int) -> bool:
         """Whether a forward of ``steps`` new tokens after a prefill attends row-invariantly: with the row-invariant
@@ -572,7 +572,7 @@ class NativeLlama(nn.Module):
         return steps <= packing.ROWS_MAX and getattr(self.config, "head_dim", head_dim) % 8 == 0 \
             and self.packing == "rows"
 
-    def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step, taps: Sequence[int] = (),
+    def _run_layers(self, hidden: torch.Tensor, cache: StaticKVCache, step: LayerStep, taps: Sequence[int] = (),
                     aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The decoder stack, layer by layer; each layer owns cache slot ``index``. The input of each layer in
         ``taps`` is appended to ``aux``."""
@@ -583,7 +583,7 @@ class NativeLlama(nn.Module):
         return hidden
 
     def _run_layer_subset(
-        self, hidden: torch.Tensor, cache: StaticKVCache, step: _Step, layers: list[int]
+        self, hidden: torch.Tensor, cache: StaticKVCache, step: LayerStep, layers: list[int]
     ) -> torch.Tensor:
         """Only the decoder layers ``layers``; each still owns its own cache slot ``index``."""
         for index in layers:

@@ -53,7 +53,7 @@ DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generat
 DEFAULT_HEADS = {("eagle3", SMOLLM2): SMOLLM2_EAGLE3}  # (heads kind, target) -> heads used when none are given
 
 
-def _package_dir(package: str) -> Path:
+def package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         pip_name = package.replace("_", "-")
@@ -65,7 +65,7 @@ def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
     """Dequantise the GGUF into a plain safetensors Llama checkpoint (plus tokenizer) at ``out``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    src = _package_dir(builtin.package)
+    src = package_dir(builtin.package)
     if not (src / builtin.gguf_file).is_file():
         raise SpecdraftError(f"missing {builtin.gguf_file} in {src}")
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=builtin.gguf_file, dtype=torch.float32)
@@ -190,7 +190,7 @@ def gguf_file(name_or_path: str) -> Path | None:
     when there is none (a checkpoint folder without one, a hub id)."""
     if name_or_path in BUILTINS:
         builtin = BUILTINS[name_or_path]
-        return _package_dir(builtin.package) / builtin.gguf_file
+        return package_dir(builtin.package) / builtin.gguf_file
     path = Path(name_or_path).expanduser()
     found = sorted(path.glob("*.gguf")) if path.is_dir() else []
     return found[0] if len(found) == 1 else None
@@ -291,11 +291,15 @@ def _device(device: str | torch.device) -> torch.device:
 
 
 def _load_quantized(name_or_path: str, quantize: str, backend: str, embeddings: torch.Tensor | None) -> CausalLM:
+    from specdraft.models import quantized
     from specdraft.models.native_llama import NativeLlama, read_config, supports
     from specdraft.models.quantized_llama import QuantizedLlama
 
     if backend == "hf":
         raise SpecdraftError("quantized weights run on the native backend: use --backend auto or native")
+    if not quantized.available():
+        raise SpecdraftError("quantized weights need specdraft's int8 kernels, which cannot run here (an x86 CPU with "
+                             "AVX2, FMA and F16C and a C++ compiler): give --dtype float32 or bfloat16")
     if embeddings is not None:
         raise SpecdraftError(f"{name_or_path} shares its target's embeddings: load it dense (drafters are dense)")
     where = resolve(name_or_path)

@@ -18,6 +18,7 @@ def build_server_app(config: ServeConfig):
     from specdraft.models.registry import choose_precision, eos_token_ids, load_target
     from specdraft.serve.app import build_app
     from specdraft.serve.engine import Engine
+    from specdraft.step import STEP_ROOM
 
     precision = choose_precision(config.target, config.dtype, config.quantize)
     target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize)
@@ -26,7 +27,7 @@ def build_server_app(config: ServeConfig):
     capacity = config.max_prompt_tokens + config.max_tokens
 
     def factory(drafter):
-        return lockstep_factory(drafter, 2 * config.max_batch + 2, capacity + 64, drafter_factory(drafter))
+        return lockstep_factory(drafter, 2 * config.max_batch + 2, capacity + STEP_ROOM, drafter_factory(drafter))
 
     online = None
     if config.online_distill is not None:

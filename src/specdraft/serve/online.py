@@ -19,7 +19,6 @@ decoding thread comes first; on a machine shared with other busy processes that 
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.base import Drafter
+from specdraft.drafters.combined import draft_model_of, with_model
 from specdraft.errors import SpecdraftError
 from specdraft.files import write_text_atomic
 from specdraft.models.native_llama import NativeLlama
@@ -49,11 +49,11 @@ _STALE = (".drafter-v*.safetensors.*.tmp", f".{STATE_FILE}.*.tmp")  # writes a c
 
 def check_supported(prototype: Drafter | None) -> None:
     """Online distillation trains a native Llama draft model drafting chains; anything else is refused."""
-    model = getattr(prototype, "model", None)
-    if prototype is None or not isinstance(model, NativeLlama) or not hasattr(prototype, "vocab_keep"):
+    base = draft_model_of(prototype)
+    if base is None or not isinstance(base.model, NativeLlama):
         name = getattr(prototype, "name", "no drafter")
         raise SpecdraftError(f"--online-distill trains a draft model (--draft, a Llama checkpoint); {name} is not one")
-    if getattr(prototype, "tree_branching", 0):
+    if base.tree_branching:
         raise SpecdraftError("--online-distill needs a chain-drafting draft model (no tree_branching option)")
 
 
@@ -80,11 +80,11 @@ class OnlineDistiller:
         self.buffer = ReplayBuffer(self.folder / "buffer", config.max_records, config.heldout_every)
         self.recorder = VerifiedRecorder(config.top_k)
         self._make_factory, self._base_proto = make_factory, prototype
-        self.keep = prototype.vocab_keep  # (N,) draft vocabulary, or None
+        self.keep = draft_model_of(prototype).vocab_keep  # (N,) draft vocabulary, or None
         self.history: list[dict] = []  # one entry per training round
         self.served: dict[int, list[int]] = {}  # version -> [accepted, proposed] draft tokens
         self._recent: collections.deque = collections.deque(maxlen=256)  # (accepted, proposed), latest drafted steps
-        self.version, self._current = 0, hf_from_native(prototype.model)
+        self.version, self._current = 0, hf_from_native(draft_model_of(prototype).model)
         self._resume()
         self._live = (self.version, make_factory(self._prototype(self._current)))
         self._new_tokens, self._cond, self._stopping = 0, threading.Condition(), False
@@ -190,9 +190,7 @@ class OnlineDistiller:
     def _prototype(self, model) -> Drafter:
         if model is self._current and self.version == 0:
             return self._base_proto
-        prototype = copy.copy(self._base_proto)
-        prototype.model = native_from_hf(model, self._base_proto.model)
-        return prototype
+        return with_model(self._base_proto, native_from_hf(model, draft_model_of(self._base_proto).model))
 
     # --- state on disk ----------------------------------------------------------------------------------------
 

@@ -188,7 +188,7 @@ def sharegpt_prompts(
     for conversation in iter_sharegpt(path):
         if split != "train" and limit is not None and len(prompts) >= limit:
             break
-        text = _opening_prompt(conversation)
+        text = opening_prompt(conversation)
         in_split = _in_split(conversation["id"], split, heldout_fraction)
         if split == "train" and not in_split:
             heldout_texts.add(text)
@@ -213,7 +213,7 @@ def sharegpt_assistant_text(
                     yield turn["value"].strip()
 
 
-def _opening_prompt(conversation: dict) -> str:
+def opening_prompt(conversation: dict) -> str:
     """The stripped first turn if the conversation starts with it and from a human, else ""."""
     part = _PART_SUFFIX.search(conversation["id"])
     turns = conversation["conversations"]

@@ -489,7 +489,7 @@ def _check_same_embeddings(drafter, target, name: str) -> None:
                              "`specdraft init-drafter` or drop the flag")
 
 
-def _check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
+def check_token_ids(records: list[dict], vocab_size: int, where: str) -> None:
     top = max(max(r["prompt_token_ids"] + r["response_token_ids"]) for r in records)
     if top >= vocab_size:
         raise SpecdraftError(f"{where} holds token id {top}, outside the target's vocabulary of {vocab_size}: "
@@ -508,7 +508,7 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
                for record in load_distill_records(folder, config.allow_incomplete, need_topk)]
     train_records, heldout = split_by_prompt(records, config.heldout_every)
     drafter, target_model, target, tokenizer = load_models(config)
-    _check_token_ids(records, target.vocab_size, config.data)
+    check_token_ids(records, target.vocab_size, config.data)
     plan, run_config = begin_stage("finetune", config, data_inputs(data_folders(config.data), drafter=config.drafter),
                                    export_path("").name)
     if plan.finished:

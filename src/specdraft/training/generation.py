@@ -40,8 +40,10 @@ from specdraft.sampling import SamplingConfig
 from specdraft.training import onpolicy, runs
 from specdraft.training.data import MANIFEST_FILE
 from specdraft.training.native_generation import StaticEngine, generate_rows
+from specdraft.training.scoring import given_responses
 
 CONFIG_FILE = "distill_config.json"
+ENGINES = ("hf", "native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,12 @@ class DistillDataConfig:
         "help": "answers made elsewhere instead of generating: a jsonl (or .jsonl.gz) of {prompt | messages | turns, "
                 "answer_ids}; the target adds its top-k by teacher forcing (--top-logprobs); replaces --prompts"})
     engine: str = field(default="hf", metadata={
-        "help": "hf (transformers' generate, left-padded batches) or native (specdraft's Llama: each prompt "
+        "help": "hf (transformers' generate, left-padded batches), native (specdraft's Llama: each prompt "
                 "prefilled on its own row, rows decoded together; on CUDA a static cache and CUDA graphs; "
-                "Llama-family targets, --policy target)"})
+                "Llama-family targets, --policy target) or vllm (vLLM's offline engine in its own environment, built "
+                "by `make engines`; --policy target)"})
+    tensor_parallel: int = field(default=1, metadata={
+        "help": "vllm: GPUs the target is sharded over (vLLM's tensor_parallel_size)"})
     device: str = field(default="auto", metadata={
         "help": "where the target runs: auto (CUDA when visible, else the CPU), cpu, cuda or cuda:N (under "
                 "torchrun each process takes cuda:LOCAL_RANK); not part of the run's fingerprint"})
@@ -94,8 +99,8 @@ class DistillDataConfig:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise SpecdraftError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         onpolicy.check_policy(self)
-        if self.engine not in ("hf", "native"):
-            raise SpecdraftError(f"engine must be hf or native, got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise SpecdraftError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         try:
             check_device_name(self.device)
         except ValueError as exc:
@@ -104,14 +109,17 @@ class DistillDataConfig:
                              or self.responses_per_prompt != 1 or self.greedy_response):
             raise SpecdraftError("--answers gives the prompts and one answer each: drop --prompts, --policy, "
                                  "--engine, --responses-per-prompt and --greedy-response")
-        if self.engine == "native" and self.policy != "target":
-            raise SpecdraftError("--engine native generates the target's answers only: use --policy target, or "
-                                 "--engine hf for on-policy data")
+        if self.engine != "hf" and self.policy != "target":
+            raise SpecdraftError(f"--engine {self.engine} generates the target's answers only: use --policy target, "
+                                 "or --engine hf for on-policy data")
+        if self.tensor_parallel < 1 or (self.tensor_parallel > 1 and self.engine != "vllm"):
+            raise SpecdraftError(f"tensor_parallel must be >= 1, and above 1 only with --engine vllm; got "
+                                 f"{self.tensor_parallel} with --engine {self.engine}")
 
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
-        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "device",
-                "answers"}
+        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "tensor_parallel",
+                "device", "answers"}
         engine = {"engine": self.engine} if self.engine != "hf" else {}  # runs made before the option stay valid
         engine |= {"answers": self.answers} if self.answers else {}
         return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self) | engine
@@ -324,17 +332,33 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
                      entries: dict[str, tuple[int, str]] | None = None) -> None:
     """Generate the shards ``todo`` into ``out``; the progress bar counts the prompts of every rank (shards on
     disk), so under torchrun it shows the whole run."""
-    from tqdm import tqdm
-
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 
-    if models is None:
+    engine = None
+    if models is None and config.engine == "vllm":
+        from specdraft.training.vllm_generation import start_engine
+
+        engine = start_engine(config)  # a subprocess: stopped below, and dies with this process
+        models = engine, load_tokenizer(config.target), None
+    elif models is None:
         native = config.engine == "native"
         target = load_model(config.target, parse_dtype(config.dtype), backend="native" if native else "hf",
                             device=config.device)
         tokenizer = load_tokenizer(config.target)
         model = target.model if not native else StaticEngine(target) if config.device != "cpu" else target
         models = model, tokenizer, onpolicy.load_drafter(config, target, tokenizer)
+    try:
+        _write_shards(config, out, shards, todo, progress, after_shard, models, entries)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _write_shards(config: DistillDataConfig, out: Path, shards: list, todo: list[int], progress: bool,
+                  after_shard: Callable[[], object] | None, models: tuple,
+                  entries: dict[str, tuple[int, str]] | None) -> None:
+    from tqdm import tqdm
+
     model, tokenizer, drafter = models
     done = lambda: sum(len(s) for i, s in enumerate(shards) if shard_path(out, i).is_file())  # noqa: E731
     bar = tqdm(total=sum(len(s) for s in shards), initial=done(), unit="prompt", disable=not progress,
@@ -376,37 +400,38 @@ def write_manifest(out: Path, num_shards: int, config: DistillDataConfig,
 @torch.inference_mode()
 def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], config: DistillDataConfig,
                    seed: int) -> list[dict]:
-    """Responses for one shard, batched with left padding (or the answers given, scored); records in prompt
-    order."""
+    """Responses for one shard, batched (vLLM: the whole shard at once; it batches itself), or the answers given,
+    scored; records in prompt order."""
     encoded = [_encode(tokenizer, prompt[1]) for prompt in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     records: dict[int, list[dict]] = {}
-    for start in range(0, len(order), config.batch_size):
-        batch = order[start : start + config.batch_size]
-        respond = _generate_batch_native if config.engine == "native" else _generate_batch
-        if config.answers:
-            responses = _given(model, tokenizer, [encoded[i] for i in batch], [prompts[i][2] for i in batch], config)
+    step = len(order) if config.engine == "vllm" else config.batch_size
+    for start in range(0, len(order), step):
+        batch = order[start : start + step]
+        if config.answers:  # made elsewhere: the target's top-k added (scoring.given_responses)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            responses = given_responses(model, [encoded[i] for i in batch], [prompts[i][2] for i in batch],
+                                        config.max_new_tokens, tokenizer.eos_token_id, config.top_logprobs, pad)
         else:
-            responses = respond(model, tokenizer, [encoded[i] for i in batch], config, seed * 1_000 + start)
+            responses = _respond(config.engine)(model, tokenizer, [encoded[i] for i in batch], config,
+                                                seed * 1_000 + start)
         for slot, i in enumerate(batch):
             mine = responses[slot * config.responses_per_prompt : (slot + 1) * config.responses_per_prompt]
             records[i] = [_record(prompts[i], encoded[i], r, k, config, tokenizer) for k, r in enumerate(mine)]
     return [record for i in range(len(prompts)) for record in records[i]]
 
 
+def _respond(engine: str) -> Callable:
+    """The batch function of an engine: ``(model, tokenizer, prompts, config, seed) -> responses``."""
+    if engine == "vllm":
+        from specdraft.training.vllm_generation import generate_batch
+
+        return generate_batch
+    return _generate_batch_native if engine == "native" else _generate_batch
+
+
 def _encode(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-
-
-def _given(model, tokenizer, batch: list[list[int]], answers: list[list[int]], config: DistillDataConfig
-           ) -> list[dict]:
-    """Answers made elsewhere as responses, with the target's top-k
-    (:func:`specdraft.training.scoring.given_responses`)."""
-    from specdraft.training.scoring import given_responses
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return given_responses(model, batch, answers, config.max_new_tokens, tokenizer.eos_token_id, config.top_logprobs,
-                           pad)
 
 
 def _generate_batch_native(model, tokenizer, batch: list[list[int]], config: DistillDataConfig, seed: int

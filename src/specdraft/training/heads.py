@@ -167,7 +167,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     """Train heads of ``config.kind`` on the frozen target and export them; returns ``<out>/heads``."""
     from specdraft.training.finetune import (
         DistillDataset,
-        _check_token_ids,
+        check_token_ids,
         collate_distill,
         load_distill_records,
         split_by_prompt,
@@ -177,7 +177,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     records = load_distill_records(config.data, config.allow_incomplete)
     train_records, heldout = split_by_prompt(records, config.heldout_every)
     target_model, target, tokenizer = load_target(config)
-    _check_token_ids(records, target.vocab_size, config.data)
+    check_token_ids(records, target.vocab_size, config.data)
     spec = kind.spec(target_model.config, config, config.kind_options())
     torch.manual_seed(config.seed)
     module = kind.build(spec)

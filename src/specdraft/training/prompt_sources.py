@@ -45,7 +45,7 @@ def sharegpt_turn_prompts(split: str = "train", max_chars: int = 300, max_contex
     for conversation in data.iter_sharegpt(path):
         in_split = split == "all" or data.split_of(conversation["id"], heldout_fraction) == split
         if split == "train" and not in_split:
-            heldout_openings.add(data._opening_prompt(conversation))
+            heldout_openings.add(data.opening_prompt(conversation))
         elif in_split:
             pairs += _turn_prompts(conversation, max_chars, max_context_chars, english_only)
     if split == "train":

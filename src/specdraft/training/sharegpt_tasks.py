@@ -120,7 +120,7 @@ def _collect(conversation: dict, found: _Candidates, seed: int) -> None:
     """Add the candidates of every kind that one conversation yields."""
     cid, turns = conversation["id"], _turns(conversation)
     rng = random.Random(f"{seed}:{cid}")  # str seeds hash with SHA-512: the same on every run
-    opening = data._opening_prompt(conversation)
+    opening = data.opening_prompt(conversation)
     for n, (speaker, text) in enumerate(turns):
         sentences = german_sentences(text)
         for i, sentence in enumerate(sorted(rng.sample(sentences, min(len(sentences), _SENTENCES_PER_TURN)),
