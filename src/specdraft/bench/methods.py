@@ -199,10 +199,16 @@ class VllmMethod:
     is γ when the engine speculates."""
 
     name: str
-    engine: object  # a specdraft.engines.vllm.VllmEngine
+    worker: object  # a specdraft.engines.vllm.VllmEngine
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+
+    @property
+    def engine(self) -> dict:
+        """The vLLM engine's version and settings, recorded with each answer."""
+        return {"name": "vllm", "version": self.worker.version, "speculative": self.worker.settings.speculative,
+                "dtype": self.worker.settings.dtype}
 
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         from specdraft.bench.vllm import sampling_fields, turn_result
@@ -210,7 +216,7 @@ class VllmMethod:
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
         fields = sampling_fields(config.max_new_tokens, config.eos_token_ids, config.sampling, seed)
         start = time.perf_counter()
-        answer = self.engine.generate([prompt_ids], [fields])
+        answer = self.worker.generate([prompt_ids], [fields])
         wall = time.perf_counter() - start
         return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
 

@@ -291,13 +291,13 @@ def _device(device: str | torch.device) -> torch.device:
 
 
 def _load_quantized(name_or_path: str, quantize: str, backend: str, embeddings: torch.Tensor | None) -> CausalLM:
-    from specdraft.models import quantized
+    from specdraft.models.quantized import available as quantized_available
     from specdraft.models.native_llama import NativeLlama, read_config, supports
     from specdraft.models.quantized_llama import QuantizedLlama
 
     if backend == "hf":
         raise SpecdraftError("quantized weights run on the native backend: use --backend auto or native")
-    if not quantized.available():
+    if not quantized_available():
         raise SpecdraftError("quantized weights need specdraft's int8 kernels, which cannot run here (an x86 CPU with "
                              "AVX2, FMA and F16C and a C++ compiler): give --dtype float32 or bfloat16")
     if embeddings is not None:
