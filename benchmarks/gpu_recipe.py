@@ -96,16 +96,10 @@ def prepare_target(target: str, work: Path) -> Path:
             for part in parts:
                 with open(part, "rb") as piece:
                     shutil.copyfileobj(piece, joined)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(ROOT / "src"))
+    from specdraft.models.registry import convert_gguf
 
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config.to_dict()
-    config.pop("quantization_config", None)
-    model = LlamaForCausalLM(LlamaConfig(**config))
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(cache)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(cache)
+    convert_gguf(gguf, cache, {"gguf": str(gguf)})
     return cache
 
 

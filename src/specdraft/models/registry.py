@@ -62,16 +62,50 @@ def package_dir(package: str) -> Path:
 
 
 def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
-    """Dequantise the GGUF into a plain safetensors Llama checkpoint (plus tokenizer) at ``out``, atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+    """Dequantise the built-in's packaged GGUF into ``out`` (:func:`convert_gguf`)."""
     src = package_dir(builtin.package)
     if not (src / builtin.gguf_file).is_file():
         raise SpecdraftError(f"missing {builtin.gguf_file} in {src}")
-    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=builtin.gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=builtin.gguf_file)
+    convert_gguf(src / builtin.gguf_file, out, {"gguf": builtin.gguf_file, "package": builtin.package})
+
+
+GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                       "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """The special token ids a GGUF file names in its metadata (``bos_token``, ``eos_token``, ``pad_token``)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    found = {}
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        if key in fields:
+            field = fields[key]
+            found[name] = int(field.parts[field.data[0]][0])
+    return found
+
+
+def set_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    """Give ``tokenizer`` the special tokens ``ids`` names: transformers' GGUF tokenizer conversion does not always
+    keep the file's own (5.17 makes SmolLM2's end of turn ``<|im_start|>`` and drops its padding token)."""
+    for name, token_id in ids.items():
+        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+
+
+def convert_gguf(path: Path, out: Path, source: dict | None = None) -> None:
+    """Dequantise the GGUF ``path`` into a plain safetensors Llama checkpoint (plus tokenizer, with the special
+    tokens the file names) at ``out``, atomically; ``source`` is recorded in ``specdraft_source.json``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    set_special_tokens(tokenizer, gguf_special_token_ids(path))
     config = gguf_model.config.to_dict()
     config.pop("quantization_config", None)
+    config |= {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
     model = LlamaForCausalLM(LlamaConfig(**config))
     model.load_state_dict(gguf_model.state_dict())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +114,7 @@ def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdraft_source.json").write_text(json.dumps({"gguf": builtin.gguf_file, "package": builtin.package}))
+        (tmp / "specdraft_source.json").write_text(json.dumps(source or {"gguf": str(path)}))
         if out.exists():  # another process finished first: keep its copy
             return
         os.replace(tmp, out)
@@ -291,8 +325,8 @@ def _device(device: str | torch.device) -> torch.device:
 
 
 def _load_quantized(name_or_path: str, quantize: str, backend: str, embeddings: torch.Tensor | None) -> CausalLM:
-    from specdraft.models.quantized import available as quantized_available
     from specdraft.models.native_llama import NativeLlama, read_config, supports
+    from specdraft.models.quantized import available as quantized_available
     from specdraft.models.quantized_llama import QuantizedLlama
 
     if backend == "hf":
