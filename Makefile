@@ -27,7 +27,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
-# llama.cpp (from the llama-cpp-python sdist) and the speculators checker, built once into ~/.cache/specdraft/engines
+# llama.cpp (from the llama-cpp-python sdist), the speculators checker and vLLM (own venv), built once into ~/.cache/specdraft/engines
 engines: $(STAMP)
 	$(PY) tools/build_engines.py
 

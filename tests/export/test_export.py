@@ -91,6 +91,30 @@ def test_hf_export_loads_alone_with_the_targets_table_and_assists_losslessly(toy
         assert torch.equal(plain, assisted)
 
 
+def test_hf_export_with_a_token_ranking_names_model_safetensors_as_its_only_weights(toys, tmp_path, capfd):
+    """vLLM loads every *.safetensors of a folder without an index: the index keeps the ranking out of its weights,
+    while transformers and specdraft's draft_vocab still read theirs."""
+    from specdraft.draft_vocab import RANKING_FILE, load_token_ranking, save_token_ranking
+
+    drafter = tmp_path / "ranked"
+    drafter.mkdir()
+    for path in toys["shared"].iterdir():
+        (drafter / path.name).write_bytes(path.read_bytes())
+    ranking = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    save_token_ranking(drafter, ranking)
+    out = export(ExportConfig(str(drafter), "hf", str(tmp_path / "hf"), target=str(toys["target"])))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(index["weight_map"]) == set(f.keys())
+    assert (out / RANKING_FILE).is_file() and torch.equal(load_token_ranking(out, 64), ranking)
+    _load_quietly(out, capfd)
+    plain = _export(toys, "own", "hf", tmp_path / "plain")  # nothing beside the weights: no index
+    assert not (plain / "model.safetensors.index.json").exists()
+
+
 def test_every_format_refuses_an_incompatible_drafter(toys, tmp_path):
     for fmt in ("hf", "gguf", "speculators"):
         with pytest.raises(SpecdraftError, match="vocabulary mismatch"):

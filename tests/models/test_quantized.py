@@ -281,3 +281,24 @@ def test_precision_rules(tmp_path):
         choose_precision(str(tmp_path), quantize="gguf")
     with pytest.raises(SpecdraftError, match="quantize must be one of"):
         choose_precision(SMOLLM2, quantize="int3")
+
+
+def test_a_folder_default_quantize_falls_back_to_dense_where_the_kernels_cannot_run(tmp_path, monkeypatch):
+    """A draft folder's ``quantize`` default is skipped where the int8 kernels cannot run; asked for, it is an
+    error there."""
+    import json
+
+    from specdraft.drafters import loading
+    from toys import save_tiny_checkpoint
+
+    target = NativeLlama.from_hf(tiny_llama(0))
+    folder = save_tiny_checkpoint(tmp_path / "draft", seed=1, layers=1)
+    (folder / "drafter_options.json").write_text(json.dumps({"quantize": "int8"}))
+    from toys import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    assert isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
+    monkeypatch.setattr(loading, "_can_quantize", lambda: False)
+    assert not isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
+    with pytest.raises(SpecdraftError, match="int8 kernels"):
+        loading.load_drafter(target, tokenizer, draft=str(folder), options={"quantize": "int8"})

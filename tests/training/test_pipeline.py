@@ -30,6 +30,8 @@ from specdraft.training.finetune import (
 from specdraft.training.pretrain import PretrainConfig, build_drafter, pretrain
 from toys import WORDS, save_tiny_checkpoint
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
 PIPELINE = """
 target = "{root}/target"
 
@@ -184,13 +186,17 @@ def test_stored_topk_is_required_for_use_stored_topk(run, tmp_path):
         _finetune(run, tmp_path / "out", use_stored_topk=True)
 
 
-def test_stored_topk_training_through_the_cli(run, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_stored_topk_training_through_the_cli(run, tmp_path, device):
+    """On the device asked for: TVD++ sampling draws from the trainer's CPU generator whatever the logits' device."""
     _cli("distill-data", "--target", run / "target", "--out", tmp_path / "data", "--prompts", run / "prompts.jsonl",
-         "--limit", 16, "--max-new-tokens", 8, "--top-logprobs", 5, "--dtype", "float32", "--shard-size", 8)
+         "--limit", 16, "--max-new-tokens", 8, "--top-logprobs", 5, "--dtype", "float32", "--shard-size", 8,
+         "--device", device)
     _cli("finetune", "--drafter", run / "pre" / "model", "--target", run / "target", "--data", tmp_path / "data",
          "--out", tmp_path / "fine", "--use-stored-topk", "--loss", "tvdpp", "--weighting", "sample", "--steps", 3,
          "--batch-size", 4, "--no-bf16", "--heldout-every", 4, "--eval-prompts", 1, "--eval-max-new-tokens", 4,
-         "--no-progress")
+         "--no-progress", "--device", device)
+    assert json.loads((tmp_path / "fine" / "run.json").read_text())["device"]["device"].startswith(device)
     card = (tmp_path / "fine" / "model" / "README.md").read_text()
     assert "approximated from the stored top-k" in card and "--use-stored-topk" in card and "'sample'" in card
 

@@ -13,6 +13,8 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
   ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
 - ``llama.cpp``: llama.cpp's plain decoding of the target's GGUF; ``llama.cpp-draft:DRAFT.gguf``: llama.cpp's own
   speculative decoding with that draft model, γ draft tokens (:mod:`specdraft.bench.llamacpp`).
+- ``vllm``, ``vllm-ngram``, ``vllm-draft:PATH``, ``vllm-eagle3:PATH``: vLLM's plain decoding, its n-gram lookup,
+  an exported draft model, exported EAGLE-3 heads, γ draft tokens, one engine each (:mod:`specdraft.bench.vllm`).
 
 With a sweep over num_draft_tokens, each speculative method becomes one variant per γ named ``NAME@γ=K``.
 """
@@ -52,6 +54,7 @@ class TurnResult:
     draft_tokens_accepted: int | None = None
     accepted_per_position: list[int] | None = None
     reached_per_position: list[int] | None = None
+    engine_counters: dict | None = None  # another engine's own counters for this turn (vLLM's spec-decode metrics)
 
 
 class Method(Protocol):
@@ -153,7 +156,7 @@ class HFMethod:
     @torch.inference_mode()
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         kwargs = self._kwargs(config, generator)
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, N)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.model.device)  # (1, N)
         self.calls = 0
         start = time.perf_counter()
         out = self.model.generate(ids, **kwargs)
@@ -190,6 +193,34 @@ class LlamaCppMethod:
         return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
 
 
+@dataclass
+class VllmMethod:
+    """vLLM answering through its offline engine in a subprocess (:mod:`specdraft.bench.vllm`); ``num_draft_tokens``
+    is γ when the engine speculates."""
+
+    name: str
+    worker: object  # a specdraft.engines.vllm.VllmEngine
+    num_draft_tokens: int | None = None
+    param_ratio: float | None = None
+    base: str = ""
+
+    @property
+    def engine(self) -> dict:
+        """The vLLM engine's version and settings, recorded with each answer."""
+        return {"name": "vllm", "version": self.worker.version, "speculative": self.worker.settings.speculative,
+                "dtype": self.worker.settings.dtype}
+
+    def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
+        from specdraft.bench.vllm import sampling_fields, turn_result
+
+        seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
+        fields = sampling_fields(config.max_new_tokens, config.eos_token_ids, config.sampling, seed)
+        start = time.perf_counter()
+        answer = self.worker.generate([prompt_ids], [fields])
+        wall = time.perf_counter() - start
+        return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What a method builder needs: the loaded target, its tokenizer, dtype, and lazily the transformers copy."""
@@ -200,11 +231,12 @@ class BuildContext:
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)
     speculations: tuple[str, ...] = ("adaptive",)  # policies every speculative method runs with
+    device: str = "cpu"  # where the models run
 
     def hf_target(self):
         """The target's weights as a transformers model (loaded once, shared by ``hf`` and ``hf-assisted``)."""
         if "hf" not in self.cache:
-            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf").model
+            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf", device=self.device).model
         return self.cache["hf"]
 
     def param_ratio(self, draft_model) -> float:
@@ -281,6 +313,19 @@ def _build_llama_cpp_draft(ctx: BuildContext, spec: str, arg: str | None, gammas
     return _variants(spec, gammas, sweep, lambda name, k: LlamaCppMethod(name, server, k, ratio, spec))
 
 
+def _build_vllm(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    from specdraft.bench.vllm import SPEC_METHODS, parameter_count, speculative_config, start_engine
+    from specdraft.models.registry import resolve
+
+    kind, target = spec.partition(":")[0], str(resolve(ctx.target_name))
+    if SPEC_METHODS[kind] is None:
+        return [VllmMethod(spec, start_engine(target, ctx.dtype, kind, None, None), base=spec)]
+    speculative_config(kind, arg, 1)  # the path and options, checked before any engine starts
+    ratio = 0.0 if kind == "vllm-ngram" else parameter_count(arg) / parameter_count(target)
+    return _variants(spec, gammas, sweep, lambda name, k: VllmMethod(
+        name, start_engine(target, ctx.dtype, kind, arg, k), k, ratio, spec))
+
+
 @dataclass(frozen=True)
 class MethodKind:
     """How to build one kind of method; ``needs_path``: the spec is ``KIND:PATH``."""
@@ -297,6 +342,10 @@ METHOD_KINDS: dict[str, MethodKind] = {
     "hf-assisted": MethodKind(_build_hf_assisted, needs_path=True),
     "llama.cpp": MethodKind(_build_llama_cpp),
     "llama.cpp-draft": MethodKind(_build_llama_cpp_draft, needs_path=True),
+    "vllm": MethodKind(_build_vllm),
+    "vllm-ngram": MethodKind(_build_vllm, takes_options=True),
+    "vllm-draft": MethodKind(_build_vllm, needs_path=True),
+    "vllm-eagle3": MethodKind(_build_vllm, needs_path=True),
 }
 BASELINE = "ar"
 
@@ -308,7 +357,7 @@ def _kind(spec: str) -> tuple[MethodKind, str | None]:
     if kind is None:
         known = [*METHOD_KINDS, *NAMED_DRAFTERS]
         raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} "
-                             "(draft, hf-assisted and llama.cpp-draft take :PATH)")
+                             "(draft, hf-assisted, llama.cpp-draft, vllm-draft and vllm-eagle3 take :PATH)")
     if kind.needs_path and not arg:
         raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
     if not kind.needs_path and not kind.takes_options and arg:

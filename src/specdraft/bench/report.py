@@ -21,6 +21,9 @@ Metrics of a method over a set of answers (``M`` in summary.json), all sums over
 - ``greedy_equal``: under greedy decoding, whether every answer's token ids equal ``ar``'s for the same question;
   null under sampling, or when no answer could be compared. ``greedy_equal_answers`` = {"equal", "compared"}.
 - ``num_draft_tokens`` (γ, null for methods that draft nothing) and ``n`` (questions answered).
+- ``engine_counters``: another engine's own counters summed over the answers (vLLM's speculative-decoding
+  metrics: ``drafts``, ``draft_tokens``, ``accepted_tokens``, ``accepted_tokens_per_pos``), with
+  ``engine_acceptance_rate`` = accepted_tokens / draft_tokens from them; null for specdraft's own methods.
 
 A method answered by another program (llama.cpp) also carries ``engine``, its build as its records give it
 (:func:`specdraft.bench.llamacpp_build.build_summary`), beside ``overall`` and ``subtasks``.
@@ -33,6 +36,7 @@ import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from itertools import zip_longest
 from pathlib import Path
 
 from specdraft.bench.questions import SUBTASKS
@@ -68,6 +72,20 @@ def _sum_positions(records: Iterable[dict], key: str) -> list[int] | None:
             for i, c in enumerate(counts):
                 total[i] += c
     return total
+
+
+def engine_counters(records: Iterable[dict]) -> dict | None:
+    """Σ over the answers' turns of an engine's own counters (numbers, and lists element-wise); None without any."""
+    total: dict = {}
+    for record in records:
+        for counters in _choice(record).get("engine_counters") or []:
+            for name, value in (counters or {}).items():
+                if isinstance(value, list):
+                    old = total.get(name, [])
+                    total[name] = [a + b for a, b in zip_longest(old, value, fillvalue=0)]
+                elif isinstance(value, (int, float)):
+                    total[name] = total.get(name, 0) + value
+    return total or None
 
 
 def _by_question(records: Iterable[dict]) -> dict:
@@ -185,6 +203,7 @@ def metrics(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> 
     gamma = records[0].get("num_draft_tokens") if records else None
     param_ratio = records[0].get("param_ratio") if records else None
     cost = measured_cost_ratio(records)
+    counters = engine_counters(records)
     return {
         "block_efficiency": tau,
         "acceptance_rate": _ratio(_sum_turns(records, "draft_tokens_accepted"),
@@ -206,6 +225,9 @@ def metrics(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> 
         "new_tokens": tokens,
         "n_records": len(records),
         "method": records[0].get("method") if records else None,
+        "engine_counters": counters,
+        "engine_acceptance_rate": _ratio(counters.get("accepted_tokens"), counters.get("draft_tokens"))
+        if counters else None,
         **_ledger(records),
     }
 

@@ -43,8 +43,11 @@ def load_drafter(
     from specdraft.models.registry import resolve
 
     folder = resolve(draft)
-    options = folder_options(folder) | dict(options or {})
+    given = dict(options or {})
+    options = folder_options(folder) | given
     quantize = options.pop("quantize", None)
+    if quantize and "quantize" not in given and not _can_quantize():
+        quantize = None  # the folder's default where the int8 kernels cannot run: the dense drafter
     model = load_draft_model(target, target_tokenizer, draft, dtype, backend, quantize)
     keep = None
     if "draft_vocab" in options:  # FR-Spec: the ranking stored next to the drafter's weights
@@ -52,6 +55,12 @@ def load_drafter(
 
         keep = draft_subset(str(folder), model.vocab_size, options.pop("draft_vocab"))
     return build(draft_model_drafter, options, model=model, name=f"draft:{draft}", keep=keep)
+
+
+def _can_quantize() -> bool:
+    from specdraft.models import quantized
+
+    return quantized.available()
 
 
 def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
@@ -63,6 +72,9 @@ def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
         raise SpecdraftError(f"drafter option quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if not isinstance(model, NativeLlama) or isinstance(model, QuantizedLlama):
         raise SpecdraftError(f"quantize={scheme} needs a dense Llama-family draft model; {model.name} is not one")
+    if not _can_quantize():
+        raise SpecdraftError(f"quantize={scheme} needs specdraft's int8 kernels, which cannot run here (an x86 CPU "
+                             "with AVX2, FMA and F16C and a C++ compiler)")
     quantized = QuantizedLlama.from_dense(model, scheme)
     quantized.name = model.name
     return quantized
@@ -72,17 +84,19 @@ def load_draft_model(
     target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
     quantize: str | None = None,
 ) -> CausalLM:
-    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
-    shares the target's token embeddings gets them from ``target``. ``quantize`` (``int8``, ``int4``) rounds a
-    native Llama draft model's weights to blocks at load (:class:`~specdraft.models.quantized_llama.QuantizedLlama`).
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint), on the
+    target's device; one that shares the target's token embeddings gets them from ``target``. ``quantize`` (``int8``,
+    ``int4``) rounds a native Llama draft model's weights to blocks at load
+    (:class:`~specdraft.models.quantized_llama.QuantizedLlama`).
     """
     from specdraft.models.registry import resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     folder = resolve(draft)
     shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
+    device = getattr(target, "device", None) or "cpu"  # an HFCausalLM on CUDA: its drafter decodes there too
     model = load_model(draft, torch.float32 if quantize else dtype, backend,
-                       embeddings_for(folder, target, draft) if shared else None)
+                       embeddings_for(folder, target, draft) if shared else None, device=device)
     if quantize:
         model = quantize_draft(model, quantize)
     try:

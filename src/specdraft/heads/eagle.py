@@ -178,7 +178,9 @@ def eagle_loss(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, ma
         raise SpecdraftError("eagle_loss needs features (B, T+1, D), tokens (B, T+1) and mask (B, T)")
     inputs, targets = features[:, :-1].detach(), features[:, 1:].detach()  # (B, T, D) each
     if noise > 0:
-        inputs = inputs + (torch.rand(inputs.shape, generator=generator, device=inputs.device) * 2 - 1) * noise
+        where = inputs.device if generator is None else generator.device  # drawn where the generator lives
+        uniform = torch.rand(inputs.shape, generator=generator, device=where).to(inputs.device)  # (B, T, D)
+        inputs = inputs + (uniform * 2 - 1) * noise
     embeds = F.embedding(tokens[:, 1:], embed_weight.detach())  # (B, T, D)
     predicted = head(inputs, embeds)[mask].float()  # (n, D)
     truth = targets[mask].float()  # (n, D)

@@ -31,9 +31,10 @@ from specdraft.models.shared_embeddings import (
 )
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 SOURCE_FILE = "specdraft_source.json"  # what a materialised copy was made from (to notice a changed package)
 OPTIONS_FILE = "drafter_options.json"  # specdraft's default options for the drafter (drafters.options)
-_SKIP = {SHARED_EMBEDDINGS_FILE, WEIGHTS_FILE, SOURCE_FILE}
+_SKIP = {SHARED_EMBEDDINGS_FILE, WEIGHTS_FILE, SOURCE_FILE, INDEX_FILE}
 
 
 def check_table(folder: Path, table: torch.Tensor, target_name: str) -> None:
@@ -98,6 +99,18 @@ def standalone_card(card: str, target: str, options: dict | None) -> str:
     return "\n".join(lines)
 
 
+def write_weights_index(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Name ``model.safetensors`` as the folder's only weights file (``model.safetensors.index.json``) when other
+    ``*.safetensors`` files lie beside it (the token ranking of ``draft_vocab``): engines that load every
+    safetensors file of a folder without an index (vLLM) then read the weights alone; transformers and specdraft
+    read ``model.safetensors`` first either way."""
+    if not any(p.name != WEIGHTS_FILE for p in Path(folder).glob("*.safetensors")):
+        return
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": size}, "weight_map": {name: WEIGHTS_FILE for name in sorted(tensors)}}
+    (Path(folder) / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
+
+
 def write_standalone(folder: Path, table: torch.Tensor | None, out: Path, card: str | None = None,
                      source: dict | None = None) -> Path:
     """Write a copy of the checkpoint ``folder`` that holds its own embedding table to ``out`` (atomically).
@@ -122,6 +135,7 @@ def write_standalone(folder: Path, table: torch.Tensor | None, out: Path, card: 
             if path.is_file() and path.name not in _SKIP:
                 shutil.copy2(path, tmp / path.name)
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        write_weights_index(tmp, tensors)
         if card is not None:
             (tmp / "README.md").write_text(card)
         if source is not None:

@@ -92,6 +92,9 @@ class FinetuneConfig(TrainerConfig):
     regenerate_prompts: int = field(default=256, metadata={"help": "prompts in the regenerated pool"})
     regenerate_temperature: float = field(default=1.0, metadata={"help": "drafter sampling when regenerating"})
     regenerate_max_new_tokens: int = field(default=128, metadata={"help": "response cap when regenerating"})
+    eval_data: str = field(default="", metadata={
+        "help": "evaluate on this distill-data folder instead of the held-out split (e.g. the target's greedy answers "
+                "to Spec-Bench questions); on greedy target answers also the exact greedy τ at each γ"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -403,16 +406,45 @@ def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], nu
     return new_tokens / max(forwards, 1)
 
 
+def draft_logits_fn(model, keep: torch.Tensor | None, bf16: bool):
+    """batch -> the drafter's logits at the batch's response positions (:func:`response_logits`), the batch moved to
+    the drafter's device and run under bf16 autocast when ``bf16`` (for :mod:`specdraft.training.exact_tau`)."""
+    device = next(model.parameters()).device
+
+    def logits(batch: dict) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            return response_logits(model, {k: v.to(device) for k, v in batch.items()}, keep)
+
+    return logits
+
+
+def greedy_answers(folder: str) -> tuple[list[dict], bool]:
+    """The records of a distill-data folder, and whether they are the target's greedy answers (exact τ applies)."""
+    records = load_distill_records(folder, allow_incomplete=True)
+    path = Path(folder) / "distill_config.json"
+    setup = json.loads(path.read_text()) if path.is_file() else {}
+    return records, setup.get("temperature") == 0 and setup.get("policy", "target") == "target"
+
+
 def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[dict], pad_id: int, eos: tuple,
                   keep: torch.Tensor | None = None):
-    """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ."""
-    dataset = DistillDataset(heldout, config.max_seq_len)
+    """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ; with
+    ``eval_data``, those on its records, and on the target's greedy answers the exact greedy τ
+    (:mod:`specdraft.training.exact_tau`)."""
+    from specdraft.training.exact_tau import greedy_tau, response_ranks
+
+    heldout, exact = greedy_answers(config.eval_data) if config.eval_data else (heldout, False)
+    longest = max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in heldout)
+    dataset = DistillDataset(heldout, longest if config.eval_data else config.max_seq_len)  # eval_data: whole, as run
     batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), config.batch_size)]
     prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]
 
     def evaluate(model) -> dict[str, float]:
         metrics = heldout_metrics(model, target_model, batches, config, keep)
+        if exact:
+            ranks = response_ranks(draft_logits_fn(model, keep, config.bf16), batches, keep, top=1)
+            metrics |= greedy_tau(ranks, list(config.num_draft_tokens()))
         for k in config.num_draft_tokens():
             if prompts:
                 metrics[f"block_efficiency@{k}"] = block_efficiency(target, model, prompts, k,
@@ -486,7 +518,7 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     ranking = (load_token_ranking(resolve(config.draft_vocab_from), target.vocab_size) if config.draft_vocab_from
                else rank_tokens((r["response_token_ids"] for r in train_records), target.vocab_size))  # (V,)
     keep = ranking[: config.draft_vocab] if 0 < config.draft_vocab < target.vocab_size else None  # (N,)
-    rank, _, device = init_distributed()
+    rank, _, device = init_distributed(config.device)
     target_model.to(device)
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),

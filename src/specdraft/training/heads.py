@@ -88,6 +88,8 @@ class HeadsConfig(TrainerConfig):
     export_dtype: str = field(default="float32", metadata={"help": "dtype of the exported heads' weights"})
     init_heads: str = field(default="", metadata={"help": "start from these heads (a heads folder of the same kind "
                                                           "and architecture) instead of a fresh initialisation"})
+    eval_data: str = field(default="", metadata={"help": "evaluate on this distill-data folder instead of the "
+                                                         "held-out split (e.g. the target's answers to Spec-Bench)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,8 +127,9 @@ def heads_block_efficiency(kind: HeadKind, module, target, prompts, config: Head
 def make_evaluate(config: HeadsConfig, kind: HeadKind, target_model, target, heldout: list[dict], pad_id: int,
                   eos: tuple):
     """evaluate(module) for the trainer: the kind's pooled held-out metrics and, if it drafts, τ."""
-    from specdraft.training.finetune import DistillDataset, collate_distill
+    from specdraft.training.finetune import DistillDataset, collate_distill, load_distill_records
 
+    heldout = load_distill_records(config.eval_data, allow_incomplete=True) if config.eval_data else heldout
     dataset = DistillDataset(heldout, config.max_seq_len)
     batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), config.batch_size)]
@@ -190,7 +193,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
         return Path(config.out) / HEADS_FOLDER
     config = replace(config, bf16=run_config.bf16)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rank, _, device = init_distributed()
+    rank, _, device = init_distributed(config.device)
     target_model.to(device)
     evaluate = make_evaluate(config, kind, target_model, target, heldout, pad_id,
                              eos_token_ids(tokenizer, config.target))

@@ -309,11 +309,12 @@ def rewind_log(path: Path, step: int) -> None:
 
 # --- training runs ---------------------------------------------------------------------------------------------------
 
-# Settings that never change a training run's weights: how it is watched, saved, evaluated and exported.
+# Settings that never change a training run's weights: how it is watched, saved, evaluated and exported, and the
+# device it runs on (another device rounds differently but trains the same run: it may resume there).
 OPERATIONAL = frozenset({
     "out", "resume", "overwrite", "stop_after", "progress", "log_every", "checkpoint_every", "eval_every",
     "eval_prompts", "eval_max_new_tokens", "eval_num_draft_tokens", "max_eval_rows", "export_dtype",
-    "allow_incomplete",
+    "allow_incomplete", "device", "eval_data",
 })
 
 
@@ -425,14 +426,16 @@ def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defau
     return _run_changes(held, record, defaults)
 
 
-def start_run(plan: RunPlan, precision: dict) -> None:
+def start_run(plan: RunPlan, precision: dict, device: dict | None = None) -> None:
     """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, what killed writes left is
-    removed, and ``run.json`` written."""
+    removed, and ``run.json`` written (with the precision and the device of this session of the run: a resumed run
+    records where it continued)."""
     if plan.record["fresh"] and plan.work != plan.out and plan.work.exists():
         shutil.rmtree(plan.work)
     plan.work.mkdir(parents=True, exist_ok=True)
     clear_leftovers(plan.work)
     record = {k: v for k, v in plan.record.items() if k != "fresh"} | {"precision": precision, "finished": False}
+    record |= {"device": device} if device is not None else {}
     atomic_write(plan.work / RUN_FILE, json.dumps(record, indent=1))
 
 

@@ -1,6 +1,7 @@
-"""The start and end of a training stage (``pretrain``, ``finetune``, ``train-heads``) in its run folder: bf16 auto
-resolved, the folder checked against the run's settings and inputs (:mod:`specdraft.training.runs`), and a
-replacement swapped in at the end."""
+"""The start and end of a training stage (``pretrain``, ``finetune``, ``train-heads``) in its run folder: the device
+and bf16 auto resolved (the device recorded in ``run.json``, never part of the run's fingerprint), the folder
+checked against the run's settings and inputs (:mod:`specdraft.training.runs`), and a replacement swapped in at
+the end."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def data_inputs(folders: list[str], drafter: str = "", init_heads: str = "") -> 
     return inputs
 
 
+def device_record(asked: str, device) -> dict[str, str]:
+    """What a run records of its device: the one it runs on and what was asked (``auto``, ``cpu``, ``cuda:N``)."""
+    return {"device": str(device), "asked": asked}
+
+
 def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, str]],
                 export: str) -> tuple[RunPlan, TrainerConfig]:
     """Resolve ``bf16`` auto, check the run folder (:func:`specdraft.training.runs.plan_run`: refuse a run of other
@@ -32,7 +38,7 @@ def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, 
     (``out`` the working folder, ``resume`` set). Every process calls it."""
     from specdraft.hardware import resolve_bf16
 
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(config.device)
     choice = resolve_bf16(config.bf16, device)
     config = replace(config, bf16=choice.bf16)
     defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
@@ -42,7 +48,7 @@ def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, 
     plan = plan_run(stage, config, inputs, export, defaults)
     barrier(world)
     if rank == 0 and not plan.finished:
-        start_run(plan, choice.to_dict())
+        start_run(plan, choice.to_dict(), device_record(config.device, device))
     barrier(world)
     return plan, replace(config, out=str(plan.work), resume=plan.resume, overwrite=False)
 
