@@ -75,8 +75,10 @@ class HeadsConfig(TrainerConfig):
     options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8, "
                                                           "distill=0|1; eagle: cls_weight=0.1, reg_weight=1, noise=0; "
                                                           "eagle3: loss=fkl|tvd|tvdpp, ttt_steps=7, decay=0.8, "
-                                                          "draft_vocab=8192, aux_layers=2,15,27; glide: layers=1, "
-                                                          "glimpse_layer=-1, ttt_steps=3, decay=0.8)"})
+                                                          "draft_vocab=8192, aux_layers=2,15,27, align_weight=1; "
+                                                          "eagle and eagle3, FSPAD: fspad_sampling=0, "
+                                                          "partial_alignment=0; glide: layers=1, glimpse_layer=-1, "
+                                                          "ttt_steps=3, decay=0.8)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
     max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
