@@ -6,6 +6,7 @@ folder and its errors."""
 import pytest
 import torch
 
+from specdraft.batching import generate_batch
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.eagle3 import Eagle3Drafter
@@ -234,3 +235,18 @@ def test_smollm2_fp32_greedy_equals_plain_decoding():
         plain = generate(target, ids, None, config).token_ids
         for drafter in (Eagle3Drafter.from_module(head, top_k=1), Eagle3Drafter.from_module(head, top_k=4)):
             assert generate(target, ids, drafter, config).token_ids == plain, prompt.category
+
+
+def test_batched_rows_draft_as_batch_one(trained):
+    """Batched decoding hands each row's EAGLE-3 drafter the residual stream entering its three layers, as batch-1
+    decoding does: every row's output and accepted lengths equal batch-1's (with the final-normed states instead,
+    the drafts, and so the accepted lengths, differ)."""
+    model, head = trained
+    target = NativeLlama.from_hf(model)
+    config = GenerationConfig(24, 4, speculation="fixed")
+    alone = [generate(target, prompt, Eagle3Drafter.from_module(head, top_k=1, tree_nodes=4), config)
+             for prompt in PROMPTS]
+    batched = generate_batch(target, PROMPTS, lambda: Eagle3Drafter.from_module(head, top_k=1, tree_nodes=4), config)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.stats.accept_lengths for r in batched] == [r.stats.accept_lengths for r in alone]
+    assert max(r.stats.block_efficiency for r in batched) > 1.5
