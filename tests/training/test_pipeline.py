@@ -13,21 +13,14 @@ from transformers import AutoModelForCausalLM
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
+from specdraft.training.batches import dense_from_topk, subset_from_topk, subset_labels
 from specdraft.training.checkpoint import is_complete_export
 from specdraft.training.commands import add_training_commands
+from specdraft.training.distillation import block_efficiency, make_kd_loss
 from specdraft.training.drafter_config import project_embeddings
-from specdraft.training.finetune import (
-    FinetuneConfig,
-    block_efficiency,
-    dense_from_topk,
-    finetune,
-    load_distill_records,
-    make_kd_loss,
-    split_by_prompt,
-    subset_from_topk,
-    subset_labels,
-)
+from specdraft.training.finetune import FinetuneConfig, finetune
 from specdraft.training.pretrain import PretrainConfig, build_drafter, pretrain
+from specdraft.training.records import load_distill_records, split_by_prompt
 from toys import WORDS, save_tiny_checkpoint
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -225,7 +218,7 @@ def test_subset_from_topk_is_the_dense_table_restricted_to_the_draft_vocabulary(
 def test_training_on_a_draft_vocabulary_touches_only_its_rows(run, loss):
     """With ``keep`` the loss sees q and p over the kept tokens only: LM-head rows outside it get no gradient, and
     the loss equals the one computed on the full logits restricted to those columns."""
-    from specdraft.training.finetune import DistillDataset, collate_distill, response_logits, target_logits
+    from specdraft.training.batches import DistillDataset, collate_distill, response_logits, target_logits
 
     model = AutoModelForCausalLM.from_pretrained(run / "pre" / "model")
     model.config.tie_word_embeddings = False  # a separate head, so that its rows' gradients are visible
@@ -364,7 +357,7 @@ def test_distill_topk_matches_the_log_probs_stored_during_generation(run, tmp_pa
 
 
 def test_response_logits_are_the_full_forward_at_response_positions(run):
-    from specdraft.training.finetune import DistillDataset, collate_distill, response_logits
+    from specdraft.training.batches import DistillDataset, collate_distill, response_logits
 
     model = AutoModelForCausalLM.from_pretrained(run / "pre" / "model")
     records = load_distill_records(run / "data")[:4]
@@ -440,7 +433,7 @@ def test_share_embeddings_needs_frozen_embeddings_of_the_targets_width(run, tmp_
 
 
 def test_a_long_prompt_loses_its_start_not_its_response():
-    from specdraft.training.finetune import DistillDataset, collate_distill
+    from specdraft.training.batches import DistillDataset, collate_distill
 
     record = {"prompt_token_ids": list(range(100, 130)), "response_token_ids": [1, 2, 3, 4, 5],
               "top_ids": [[t] for t in (1, 2, 3, 4, 5)], "top_logprobs": [[0.0]] * 5}
@@ -456,7 +449,7 @@ def test_a_long_prompt_loses_its_start_not_its_response():
 
 
 def test_finetune_pools_several_data_folders(run, tmp_path):
-    from specdraft.training.finetune import data_folders
+    from specdraft.training.records import data_folders
 
     _cli("distill-data", "--target", run / "target", "--out", tmp_path / "more", "--prompts", run / "prompts.jsonl",
          "--limit", 16, "--max-new-tokens", 8, "--dtype", "float32", "--shard-size", 8)

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import DTYPES
-from specdraft.training.checkpoint import export_hf, hardware
+from specdraft.training.checkpoint import EXPORT_DTYPES, export_hf, export_path, hardware
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
 from specdraft.training.runs import owns_out, text_source_fingerprint
@@ -32,8 +31,6 @@ from specdraft.training.trainer import (
     check_ints,
     train,
 )
-
-EXPORT_DTYPES = DTYPES  # float32 | bfloat16, the same names as --dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,11 +75,6 @@ class PretrainConfig(TrainerConfig):
         per_step = self.batch_size * self.seq_len * self.grad_accum * world
         steps = max(1, math.ceil(self.tokens / per_step))
         return replace(self, steps=steps, stop_after=None if self.stop_after is None else min(self.stop_after, steps))
-
-
-def export_path(out: str | Path) -> Path:
-    """Where a run folder keeps its exported model."""
-    return Path(out) / "model"
 
 
 def lm_loss(model, batch, generator: torch.Generator) -> tuple[torch.Tensor, int]:

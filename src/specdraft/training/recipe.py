@@ -104,11 +104,12 @@ def _stage(cls: type, name: str, section: str, values: dict, shared: dict) -> St
 def pipeline_configs(spec: dict) -> list[Stage]:
     """The recipe's stages in order, every config validated; a later stage's inputs default to the outputs of the
     stages before it (see the module docstring)."""
+    from specdraft.training.checkpoint import export_path
     from specdraft.training.drafter_config import InitDrafterConfig
-    from specdraft.training.finetune import FinetuneConfig
+    from specdraft.training.finetune_config import FinetuneConfig
     from specdraft.training.generation import DistillDataConfig
     from specdraft.training.heads import HeadsConfig
-    from specdraft.training.pretrain import PretrainConfig, export_path
+    from specdraft.training.pretrain import PretrainConfig
 
     classes = {"distill_data": DistillDataConfig, "heldout_data": DistillDataConfig, "pretrain": PretrainConfig,
                "init_drafter": InitDrafterConfig, "finetune": FinetuneConfig, "heads": HeadsConfig}
@@ -155,8 +156,8 @@ def train_drafter(spec: dict, command: str | None = None, overwrite: bool = Fals
     """Run the recipe ``spec`` (see the module docstring); returns the exports: ``drafter`` (the last fine-tuning
     phase's folder) and ``heads`` when there is a ``[heads]`` section. ``only``: the sections to run (all when
     empty). Every config is validated before any stage starts."""
+    from specdraft.training.checkpoint import export_path
     from specdraft.training.heads import HEADS_FOLDER
-    from specdraft.training.pretrain import export_path
 
     stages = pipeline_configs(spec)
     unknown = sorted(set(only) - set(SECTIONS))
@@ -198,9 +199,10 @@ def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: boo
 
 def _training(stage: Stage):
     """(run function, inputs function, export folder name) of a training stage."""
-    from specdraft.training.finetune import data_folders, finetune
+    from specdraft.training.finetune import finetune
     from specdraft.training.heads import HEADS_FOLDER, train_heads
     from specdraft.training.pretrain import pretrain, source_inputs
+    from specdraft.training.records import data_folders
     from specdraft.training.stages import data_inputs
 
     config = stage.config

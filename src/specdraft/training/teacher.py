@@ -22,6 +22,7 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name
 from specdraft.training.data import MANIFEST_FILE
+from specdraft.training.records import load_distill_records
 from specdraft.training.runs import owns_out
 from specdraft.training.scoring import score_records
 
@@ -72,7 +73,6 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
     from specdraft.training import runs
     from specdraft.training.data import read_jsonl
-    from specdraft.training.finetune import load_distill_records
 
     try:
         device = resolve_device(config.device)
