@@ -17,7 +17,7 @@ from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
-from specdraft.training.finetune import collate_distill
+from specdraft.training.batches import collate_distill
 from specdraft.training.head_kinds import EAGLE
 from specdraft.training.heads import HEAD_KINDS
 from specdraft.trees import depths

@@ -17,8 +17,8 @@ from specdraft.heads.eagle3 import build_eagle3, default_aux_layers
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.training.batches import collate_distill
 from specdraft.training.eagle3 import EAGLE3, _init, parse_settings, unrolled
-from specdraft.training.finetune import collate_distill
 from specdraft.training.heads import HEAD_KINDS
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 

@@ -14,8 +14,8 @@ import torch
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
 from specdraft.training import generation, runs
-from specdraft.training.finetune import load_distill_records
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+from specdraft.training.records import load_distill_records
 from toys import WORDS, save_tiny_checkpoint
 
 PIPELINE = """

@@ -15,10 +15,13 @@ import json
 import shlex
 from dataclasses import MISSING, fields
 
-from specdraft.training.drafter_config import InitDrafterConfig
+from specdraft.training.drafter_config import InitDrafterConfig, init_drafter
 from specdraft.training.finetune import FinetuneConfig, finetune
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+from specdraft.training.heads import HeadsConfig, train_heads
 from specdraft.training.pretrain import PretrainConfig, pretrain
+from specdraft.training.recipe import load_pipeline_file, train_drafter
+from specdraft.training.task_prompts import build_task_prompts, write_task_prompts
 from specdraft.training.teacher import TeacherTopkConfig, annotate_topk
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
@@ -62,8 +65,6 @@ def _run_distill_topk(args: argparse.Namespace) -> None:
 
 
 def _run_init_drafter(args: argparse.Namespace) -> None:
-    from specdraft.training.drafter_config import init_drafter
-
     print(init_drafter(config_from_args(InitDrafterConfig, args), command=command_line(args)), flush=True)
 
 
@@ -81,8 +82,6 @@ def _run_distill_data(args: argparse.Namespace) -> None:
 def _run_task_prompts(args: argparse.Namespace) -> None:
     from collections import Counter
 
-    from specdraft.training.task_prompts import build_task_prompts, write_task_prompts
-
     prompts = build_task_prompts(args.per_task, args.seed)
     counts = Counter(p.category for p in prompts)
     print(f"task-prompts: {len(prompts)} prompts ({', '.join(f'{k} {v}' for k, v in counts.items())}) -> "
@@ -94,14 +93,10 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
 
 def _run_train_heads(args: argparse.Namespace) -> None:
-    from specdraft.training.heads import HeadsConfig, train_heads
-
     print(train_heads(config_from_args(HeadsConfig, args), command=command_line(args)), flush=True)
 
 
 def _run_train_drafter(args: argparse.Namespace) -> None:
-    from specdraft.training.recipe import load_pipeline_file, train_drafter
-
     only = tuple(part.strip() for part in (args.stages or "").split(",") if part.strip())
     exports = train_drafter(load_pipeline_file(args.config), command=command_line(args), overwrite=args.overwrite,
                             only=only)
@@ -149,8 +144,6 @@ def add_training_commands(sub) -> None:
 
 def _add_train_heads(sub) -> None:
     """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.training.heads`)."""
-    from specdraft.training.heads import HeadsConfig
-
     p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle, eagle3) on a frozen target")
     add_config_arguments(p, HeadsConfig)
     p.set_defaults(run=_run_train_heads, subcommand="train-heads")

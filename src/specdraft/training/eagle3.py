@@ -35,6 +35,7 @@ from specdraft.heads.fspad import parse_fspad, partial_smooth_l1
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.training.head_kinds import HeadKind
 from specdraft.training.losses import forward_kl, tvd, tvd_plus_plus
+from specdraft.training.records import load_distill_records, split_by_prompt
 
 LOSS_NAMES = ("fkl", "tvd", "tvdpp")
 _OPTIONS = {"loss": "fkl", "ttt_steps": "7", "decay": "0.8", "draft_vocab": "8192", "aux_layers": "",
@@ -77,7 +78,6 @@ def _spec(target_config, config, options: dict[str, str]) -> dict:
     """Sizes from the target, settings from ``options`` and, under ``draft_token_ids`` (consumed by ``build``),
     the draft vocabulary: the most frequent tokens of the training split of ``config.data``."""
     from specdraft.draft_vocab import rank_tokens
-    from specdraft.training.finetune import load_distill_records, split_by_prompt
 
     sizes = head_config(target_config)
     settings = parse_settings(options, target_config.num_hidden_layers, sizes["vocab_size"])

@@ -29,11 +29,12 @@ from specdraft.drafters.options import parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
 from specdraft.models.registry import eos_token_ids
-from specdraft.training.checkpoint import hardware, model_card
+from specdraft.training.batches import DistillDataset, collate_distill
+from specdraft.training.checkpoint import EXPORT_DTYPES, hardware, model_card
 from specdraft.training.eagle3 import EAGLE3
 from specdraft.training.glide import GLIDE
 from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
-from specdraft.training.pretrain import EXPORT_DTYPES
+from specdraft.training.records import check_token_ids, load_distill_records, split_by_prompt
 from specdraft.training.runs import owns_out
 from specdraft.training.stages import begin_stage, data_inputs, end_stage
 from specdraft.training.trainer import (
@@ -129,8 +130,6 @@ def heads_block_efficiency(kind: HeadKind, module, target, prompts, config: Head
 def make_evaluate(config: HeadsConfig, kind: HeadKind, target_model, target, heldout: list[dict], pad_id: int,
                   eos: tuple):
     """evaluate(module) for the trainer: the kind's pooled held-out metrics and, if it drafts, τ."""
-    from specdraft.training.finetune import DistillDataset, collate_distill, load_distill_records
-
     heldout = load_distill_records(config.eval_data, allow_incomplete=True) if config.eval_data else heldout
     dataset = DistillDataset(heldout, config.max_seq_len)
     batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
@@ -170,14 +169,6 @@ def load_target(config: HeadsConfig):
 @owns_out
 def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     """Train heads of ``config.kind`` on the frozen target and export them; returns ``<out>/heads``."""
-    from specdraft.training.finetune import (
-        DistillDataset,
-        check_token_ids,
-        collate_distill,
-        load_distill_records,
-        split_by_prompt,
-    )
-
     kind = get_kind(config.kind)
     records = load_distill_records(config.data, config.allow_incomplete)
     train_records, heldout = split_by_prompt(records, config.heldout_every)

@@ -35,6 +35,18 @@ from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import resolve_bf16, resolve_device
+from specdraft.training.checkpoint import export_path, is_complete_export
+from specdraft.training.drafter_config import InitDrafterConfig, init_drafter
+from specdraft.training.finetune import finetune
+from specdraft.training.finetune_config import FinetuneConfig
+from specdraft.training.generation import DistillDataConfig, distill_changes, generate_distillation_data
+from specdraft.training.heads import HEADS_FOLDER, HeadsConfig, train_heads
+from specdraft.training.pretrain import PretrainConfig, pretrain, source_inputs
+from specdraft.training.records import data_folders
+from specdraft.training.runs import note, stage_changes
+from specdraft.training.stages import data_inputs
+from specdraft.training.trainer import barrier, init_distributed
 
 SECTIONS = ("heldout_data", "distill_data", "pretrain", "init_drafter", "finetune", "heads")
 SHARED = ("target", "device")  # top-level keys every section that has the setting takes
@@ -104,12 +116,6 @@ def _stage(cls: type, name: str, section: str, values: dict, shared: dict) -> St
 def pipeline_configs(spec: dict) -> list[Stage]:
     """The recipe's stages in order, every config validated; a later stage's inputs default to the outputs of the
     stages before it (see the module docstring)."""
-    from specdraft.training.drafter_config import InitDrafterConfig
-    from specdraft.training.finetune import FinetuneConfig
-    from specdraft.training.generation import DistillDataConfig
-    from specdraft.training.heads import HeadsConfig
-    from specdraft.training.pretrain import PretrainConfig, export_path
-
     classes = {"distill_data": DistillDataConfig, "heldout_data": DistillDataConfig, "pretrain": PretrainConfig,
                "init_drafter": InitDrafterConfig, "finetune": FinetuneConfig, "heads": HeadsConfig}
     for section, cls in classes.items():  # a misspelt setting is named before any config is built
@@ -155,9 +161,6 @@ def train_drafter(spec: dict, command: str | None = None, overwrite: bool = Fals
     """Run the recipe ``spec`` (see the module docstring); returns the exports: ``drafter`` (the last fine-tuning
     phase's folder) and ``heads`` when there is a ``[heads]`` section. ``only``: the sections to run (all when
     empty). Every config is validated before any stage starts."""
-    from specdraft.training.heads import HEADS_FOLDER
-    from specdraft.training.pretrain import export_path
-
     stages = pipeline_configs(spec)
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
@@ -174,10 +177,6 @@ def train_drafter(spec: dict, command: str | None = None, overwrite: bool = Fals
 
 
 def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: bool, device: str) -> None:
-    from specdraft.training.checkpoint import is_complete_export
-    from specdraft.training.drafter_config import init_drafter
-    from specdraft.training.generation import distill_changes, generate_distillation_data
-
     config = stage.config
     if stage.section in ("distill_data", "heldout_data"):
         generate_distillation_data(config, overwrite=overwrite and bool(distill_changes(config)), progress=progress)
@@ -186,8 +185,6 @@ def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: boo
         if rank == 0 and not is_complete_export(config.out):  # made once: its fingerprint is the next stage's input
             init_drafter(config, command=command)
         if world > 1:
-            from specdraft.training.trainer import barrier, init_distributed
-
             init_distributed(device)
             barrier(world)
     else:
@@ -198,11 +195,6 @@ def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: boo
 
 def _training(stage: Stage):
     """(run function, inputs function, export folder name) of a training stage."""
-    from specdraft.training.finetune import data_folders, finetune
-    from specdraft.training.heads import HEADS_FOLDER, train_heads
-    from specdraft.training.pretrain import pretrain, source_inputs
-    from specdraft.training.stages import data_inputs
-
     config = stage.config
     if stage.section == "pretrain":
         return pretrain, lambda: source_inputs(config), "model"
@@ -223,9 +215,6 @@ def _section(name: str):
 def training_stage(run, config, inputs, export: str, overwrite: bool, command: str | None) -> None:
     """Run one training stage of the pipeline: fresh, continued, reused, or (``overwrite``, when its settings or
     inputs changed) replaced."""
-    from specdraft.hardware import resolve_bf16, resolve_device
-    from specdraft.training.runs import stage_changes
-
     if Path(config.out).exists() and (overwrite or config.overwrite):
         try:
             device = resolve_device(config.device).device
@@ -260,8 +249,6 @@ def fit_budget(stage: Stage, run, export: str, command: str | None):
     A fresh run's first :data:`CALIBRATION_STEPS` steps are run and timed (a real run, stopped there: evaluated and
     checkpointed). When the rest fits, the run continues from there; otherwise it starts again with the steps that
     fit (the timed steps are lost: its schedule changed). A run already in the folder is continued as it is."""
-    from specdraft.training.runs import note, stage_changes
-
     config = spread_evals(stage.config, stage.evals)
     if stage.budget_s is None or stage_changes(config, {}, export, {}) is not None:
         return config

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError, utf8_error
 from specdraft.files import owning, remove_leftovers, write_text_atomic
+from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export, load_training_state
 from specdraft.training.data import MANIFEST_FILE
 
 RUN_FILE = "run.json"
@@ -338,8 +339,6 @@ class RunPlan:
 def _held_run(folder: Path, export: str) -> dict | None:
     """The record of the run a folder holds (``run.json``; for a run made before records existed, its checkpoint's
     config, marked legacy), or None when it holds no run."""
-    from specdraft.training.checkpoint import CHECKPOINT_FILE
-
     path = folder / RUN_FILE
     if path.is_file():
         try:
@@ -347,8 +346,6 @@ def _held_run(folder: Path, export: str) -> dict | None:
         except ValueError:
             raise SpecdraftError(f"{path} is damaged; pass --overwrite to replace the run") from None
     if (folder / CHECKPOINT_FILE).is_file():
-        from specdraft.training.checkpoint import load_training_state
-
         config = load_training_state(folder / CHECKPOINT_FILE).get("config", {})
         return {"settings": training_settings(config), "legacy": True}
     if (folder / export).exists() or (folder / "train_log.csv").is_file():
@@ -366,8 +363,6 @@ def _run_changes(held: dict, record: dict, defaults: dict) -> list[str]:
 
 
 def _state(folder: Path, held: dict, export: str) -> str:
-    from specdraft.training.checkpoint import is_complete_export
-
     if held.get("finished") or (held.get("legacy") and is_complete_export(folder / export)):
         return "finished"
     return "interrupted"
@@ -384,8 +379,6 @@ def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str
         defaults: the config's field defaults (a setting added since a run was made counts at its default).
     """
     from dataclasses import asdict
-
-    from specdraft.training.checkpoint import CHECKPOINT_FILE
 
     out = Path(config.out)
     settings = training_settings(_plain(asdict(config)))

@@ -8,16 +8,23 @@ from __future__ import annotations
 import os
 from dataclasses import MISSING, fields, replace
 
-from specdraft.training.runs import RunPlan, finish_run, plan_run, recover, start_run
+from specdraft.hardware import resolve_bf16
+from specdraft.models.registry import resolve, resolve_heads
+from specdraft.training.runs import (
+    RunPlan,
+    data_fingerprint,
+    finish_run,
+    folder_fingerprint,
+    plan_run,
+    recover,
+    start_run,
+)
 from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed
 
 
 def data_inputs(folders: list[str], drafter: str = "", init_heads: str = "") -> dict[str, tuple[str, str]]:
     """Content fingerprints of a distillation stage's data folders (their shards' checksums, verified), and of the
     drafter or heads it starts from, if any."""
-    from specdraft.models.registry import resolve, resolve_heads
-    from specdraft.training.runs import data_fingerprint, folder_fingerprint
-
     inputs = {f"data:{folder}": (folder, data_fingerprint(folder)) for folder in folders}
     if drafter:
         inputs["drafter"] = (drafter, folder_fingerprint(resolve(drafter)))
@@ -36,8 +43,6 @@ def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, 
     """Resolve ``bf16`` auto, check the run folder (:func:`specdraft.training.runs.plan_run`: refuse a run of other
     settings or inputs, continue or replace one) and prepare it; returns the plan and the config to train with
     (``out`` the working folder, ``resume`` set). Every process calls it."""
-    from specdraft.hardware import resolve_bf16
-
     rank, world, device = init_distributed(config.device)
     choice = resolve_bf16(config.bf16, device)
     config = replace(config, bf16=choice.bf16)

@@ -20,9 +20,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
-from specdraft.hardware import check_device_name
-from specdraft.training.data import MANIFEST_FILE
-from specdraft.training.runs import owns_out
+from specdraft.hardware import check_device_name, resolve_device, resolve_dtype
+from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
+from specdraft.training import runs
+from specdraft.training.data import MANIFEST_FILE, read_jsonl
+from specdraft.training.records import load_distill_records
+from specdraft.training.runs import atomic_write, count_and_hash, owns_out
 from specdraft.training.scoring import score_records
 
 
@@ -67,12 +70,6 @@ def annotate_shard(model, records: list[dict], config: TeacherTopkConfig, pad_id
 def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     """Annotate every shard of ``config.data`` into ``config.out``; returns the output manifest."""
     from tqdm import tqdm
-
-    from specdraft.hardware import resolve_device, resolve_dtype
-    from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
-    from specdraft.training import runs
-    from specdraft.training.data import read_jsonl
-    from specdraft.training.finetune import load_distill_records
 
     try:
         device = resolve_device(config.device)
@@ -121,8 +118,6 @@ def _check_out_folder(out: Path, settings: dict, source_sums: dict[str, str], da
     source shards is refused (or, in a staging folder, discarded); a damaged shard is set aside and redone."""
     import shutil
 
-    from specdraft.training import runs
-
     if not out.is_dir():
         return {}
     manifest = {}
@@ -155,8 +150,6 @@ def _check_out_folder(out: Path, settings: dict, source_sums: dict[str, str], da
 
 
 def _source_count(data: Path, name: str) -> int:
-    from specdraft.training.runs import count_and_hash
-
     return count_and_hash(data / name)[0] if (data / name).is_file() else -1
 
 
@@ -174,8 +167,6 @@ def _annotates(path: Path, source: Path) -> bool:
 
 def _write_manifest(out: Path, source: dict, entries: dict, settings: dict, dtype_choice: dict,
                     device_choice: dict) -> dict:
-    from specdraft.training.runs import atomic_write
-
     names = sorted(entries)
     manifest = {"num_shards": source["num_shards"],
                 "complete": bool(source.get("complete")) and len(names) == len(source["shards"]),
