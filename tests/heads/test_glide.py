@@ -23,7 +23,7 @@ from specdraft.models.base import ReadableKVCache
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from specdraft.training.finetune import collate_distill
+from specdraft.training.batches import collate_distill
 from specdraft.training.glide import GLIDE
 from specdraft.training.heads import HEAD_KINDS
 from specdraft.trees import depths
