@@ -1,7 +1,15 @@
-"""Distillation-data generation speed on the real target: prompts/minute and generated tokens/s, batch 1 vs batched
-(left padding), same prompts, same settings, in one process.
+"""Distillation-data generation speed: answer tokens/s of each engine at each batch size, same prompts, same
+settings, in one process (what ``distill-data`` spends per shard: chat template, generation, records).
 
-    .venv/bin/python benchmarks/bench_distill_data.py [--prompts 16] [--max-new-tokens 64] [--batch-sizes 1,16]
+Engines: ``native`` (specdraft's Llama: ragged rows on the CPU; on CUDA a static cache decoded by CUDA graphs,
+:mod:`specdraft.models.static_batch`), ``static`` (that static batch on any device: eager on the CPU) and ``hf``
+(transformers' ``generate``, left-padded batches). The first
+(warm-up) call answers two prompts; CUDA graph captures of the timed run count in its time, as in ``distill-data``.
+
+    python benchmarks/bench_distill_data.py --target smollm2-135m-instruct --prompts sharegpt --limit 16 \
+        --engines native,hf --batch-sizes 1,16 --max-new-tokens 64 --device cpu
+    python benchmarks/bench_distill_data.py --target TARGET --prompts prompts.jsonl --limit 8192 --engines native \
+        --batch-sizes 1024 --max-new-tokens 256 --device cuda --json-out bench.jsonl
 """
 
 from __future__ import annotations
@@ -12,37 +20,85 @@ import time
 
 import torch
 
-from specdraft.models.registry import SMOLLM2, load_model, load_tokenizer
-from specdraft.training.data import sharegpt_prompts
+from specdraft.hardware import cpu_model, resolve_device, resolve_dtype
+from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 from specdraft.training.generation import DistillDataConfig, generate_shard
+from specdraft.training.native_generation import StaticEngine
+from specdraft.training.prompt_sources import load_prompt_sources
+
+
+def load_engine(engine: str, target: str, dtype: str, device: str):
+    """The model object ``generate_shard`` takes for ``engine`` on ``device`` (``static``: the CUDA path's static
+    batch on any device, eager on the CPU)."""
+    native = engine in ("native", "static")
+    model = load_model(target, parse_dtype(dtype), backend="native" if native else "hf", device=device)
+    if not native:
+        return model.model
+    return StaticEngine(model) if device != "cpu" or engine == "static" else model
+
+
+def measure(model, tokenizer, prompts: list, config: DistillDataConfig) -> tuple[dict, list[list[int]]]:
+    """Answer ``prompts`` in batches of ``config.batch_size``: (tokens, seconds and rates; the answers)."""
+    generate_shard(model, tokenizer, prompts[:2], config, seed=1)  # warm-up: kernels, allocator
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    records = generate_shard(model, tokenizer, prompts, config, seed=0)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r["response_token_ids"]) for r in records)
+    row = {"prompts": len(prompts), "answer_tokens": tokens, "seconds": round(seconds, 2),
+           "answer_tokens_per_s": round(tokens / seconds, 1), "prompts_per_min": round(60 * len(prompts) / seconds, 1),
+           "eos_share": round(sum(r["finish_reason"] == "eos" for r in records) / len(records), 3)}
+    return row, [r["response_token_ids"] for r in records]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", default="sharegpt", help="a distill-data prompt source (sharegpt, a jsonl, ...)")
+    parser.add_argument("--limit", type=int, default=16, help="prompts answered")
+    parser.add_argument("--engines", default="native,hf")
     parser.add_argument("--batch-sizes", default="1,16")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--top-logprobs", type=int, default=0, help="store the target's top-k per token too")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where native), float32 or bfloat16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--json-out", help="append one JSON line per (engine, batch size) here")
+    parser.add_argument("--compare", action="store_true", help="also the share of answers identical to the first "
+                                                               "engine's at the same batch size (greedy: in float32, "
+                                                               "all of them)")
     args = parser.parse_args()
-    model = load_model(SMOLLM2, getattr(torch, args.dtype), backend="hf").model
-    tokenizer = load_tokenizer(SMOLLM2)
-    prompts = [(r.id, r.messages()) for r in sharegpt_prompts(split="train", limit=args.prompts)]
-    rows = {}
-    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-        config = DistillDataConfig(target=SMOLLM2, out="-", max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                   batch_size=batch_size, dtype=args.dtype)
-        generate_shard(model, tokenizer, prompts[:2], config, seed=1)  # warm-up
-        start = time.perf_counter()
-        records = generate_shard(model, tokenizer, prompts, config, seed=0)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r["response_token_ids"]) for r in records)
-        rows[batch_size] = {"prompts_per_minute": round(60 * len(prompts) / seconds, 1),
-                            "tokens_per_second": round(tokens / seconds, 1), "tokens": tokens,
-                            "seconds": round(seconds, 1)}
-        print(f"batch {batch_size:>3}: {rows[batch_size]['prompts_per_minute']:>6.1f} prompts/min, "
-              f"{rows[batch_size]['tokens_per_second']:>6.1f} tokens/s ({tokens} tokens in {seconds:.1f} s)")
-    print(json.dumps({"target": SMOLLM2, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                      "threads": torch.get_num_threads(), "batches": rows}))
+    device = resolve_device(args.device).name
+    dtype = resolve_dtype(args.dtype, device).dtype
+    tokenizer = load_tokenizer(args.target)
+    prompts = load_prompt_sources(args.prompts, "train", args.limit)
+    hardware = torch.cuda.get_device_name(device) if device != "cpu" else cpu_model()
+    first: dict[int, list[list[int]]] = {}  # batch size -> the first engine's answers
+    for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+        model = load_engine(engine, args.target, dtype, device)
+        for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+            config = DistillDataConfig(target=args.target, out="-", max_new_tokens=args.max_new_tokens,
+                                       temperature=0.0, batch_size=batch_size, shard_size=len(prompts), dtype=dtype,
+                                       top_logprobs=args.top_logprobs, engine="hf" if engine == "hf" else "native",
+                                       device=device)
+            measured, answers = measure(model, tokenizer, prompts, config)
+            row = {"engine": engine, "batch_size": batch_size, "device": device, "hardware": hardware,
+                   "dtype": dtype, "max_new_tokens": args.max_new_tokens, "top_logprobs": args.top_logprobs,
+                   "threads": torch.get_num_threads()} | measured
+            if args.compare:
+                reference = first.setdefault(batch_size, answers)
+                row["same_answers_as_first_engine"] = sum(a == b for a, b in zip(answers, reference, strict=True))
+            same = f", {row['same_answers_as_first_engine']} answers as the first engine's" if args.compare else ""
+            print(f"{engine:>6} batch {batch_size:>5}: {row['answer_tokens_per_s']:>9.1f} answer tokens/s "
+                  f"({row['answer_tokens']} tokens of {row['prompts']} answers in {row['seconds']:.1f} s, "
+                  f"{row['prompts_per_min']:.0f} prompts/min{same}) on {hardware}", flush=True)
+            print(json.dumps(row), flush=True)
+            if args.json_out:
+                with open(args.json_out, "a") as file:
+                    file.write(json.dumps(row) + "\n")
+        del model
+        if device != "cpu":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -33,51 +33,11 @@ import torch
 
 from specdraft.draft_vocab import draft_subset
 from specdraft.models.registry import resolve
-from specdraft.training.finetune import (
-    DistillDataset,
-    FinetuneConfig,
-    collate_distill,
-    heldout_metrics,
-    load_distill_records,
-    load_models,
-)
-
-
-def greedy_blocks(matches: list[bool], num_draft_tokens: int, sibling_hits: list[bool] | None = None
-                  ) -> tuple[int, int, int]:
-    """(tokens, blocks, blocks whose first draft token is accepted) of greedy chain speculative decoding over one
-    response, from ``matches[t]`` = the drafter's argmax at response position t equals the target's token there;
-    ``sibling_hits[t]``: the target's token there is among the drafter's runners-up (siblings beside the chain)."""
-    tokens = blocks = first = t = 0
-    while t < len(matches):
-        accepted = 0
-        while accepted < num_draft_tokens and t + accepted < len(matches) and matches[t + accepted]:
-            accepted += 1
-        if sibling_hits is not None and accepted < num_draft_tokens and t + accepted < len(matches):
-            accepted += sibling_hits[t + accepted]  # the rejected depth's sibling leaf
-        emitted = min(accepted + 1, len(matches) - t)  # accepted tokens, then the target's own (recovered or bonus)
-        tokens, blocks, first, t = tokens + emitted, blocks + 1, first + (accepted > 0), t + emitted
-    return tokens, blocks, first
-
-
-def response_ranks(model, batches: list[dict], keep: torch.Tensor | None, top: int = 4) -> list[list[int]]:
-    """Per response and position: the rank of the response token among the drafter's ``top`` most likely tokens
-    (0 = its greedy token), ``top`` where it is not among them."""
-    from specdraft.training.finetune import response_logits
-
-    out = []
-    for batch in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            draft = response_logits(model, batch, keep)  # (n, N or V), positions of batch["mask"] row-major
-        guesses = draft.topk(top, dim=-1).indices  # (n, top)
-        guesses = guesses if keep is None else keep[guesses]  # target ids
-        found = guesses == batch["labels"][batch["mask"]].unsqueeze(-1)  # (n, top)
-        ranks = torch.where(found.any(-1), found.int().argmax(-1), top).tolist()
-        start = 0
-        for length in batch["mask"].sum(1).tolist():
-            out.append(ranks[start:start + length])
-            start += length
-    return out
+from specdraft.training.batches import DistillDataset, collate_distill
+from specdraft.training.distillation import draft_logits_fn, heldout_metrics
+from specdraft.training.exact_tau import greedy_blocks, greedy_tau, response_ranks  # noqa: F401 (greedy_blocks: tests)
+from specdraft.training.finetune import FinetuneConfig, load_models
+from specdraft.training.records import load_distill_records
 
 
 def copy_hits(records: list[dict], smallest: int) -> list[list[int]]:
@@ -98,50 +58,28 @@ def copy_hits(records: list[dict], smallest: int) -> list[list[int]]:
     return out
 
 
-def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = (),
-               copies: dict[int, list[list[int]]] | None = None) -> dict[str, float]:
-    """Pooled τ and first-token acceptance per γ over responses (see :func:`greedy_blocks`), τ with k siblings
-    per depth for each k in ``siblings``, and τ with copies inside the chain for each m in ``copies`` ({m: the
-    :func:`copy_hits` of ``chain_copy=m``})."""
-    def pooled(blocks) -> tuple[float, float]:  # (τ, first-token acceptance) over the responses' blocks
-        tokens, count, first = (sum(x) for x in zip(*blocks, strict=True))
-        return tokens / max(count, 1), first / max(count, 1)
-
-    row = {}
-    for m, hits in (copies or {}).items():
-        for gamma in gammas:
-            row[f"greedy_tau@{gamma}:copy{m}"], row[f"greedy_first_accept@{gamma}:copy{m}"] = pooled(
-                greedy_blocks([h == 1 if h >= 0 else r == 0 for r, h in zip(rs, hs, strict=True)], gamma)
-                for rs, hs in zip(ranks, hits, strict=True))
-    for gamma in gammas:
-        for k in (0, *siblings):
-            tau, first = pooled(greedy_blocks([r == 0 for r in rs], gamma, [0 < r <= k for r in rs] if k else None)
-                                for rs in ranks)
-            row[f"greedy_tau@{gamma}" + (f"+{k}" if k else "")] = tau
-            if not k:
-                row[f"greedy_first_accept@{gamma}"] = first
-    return row
-
-
 def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, target_dtype: str,
              gammas: list[int] | None = None, siblings: list[int] = (),
-             copies: dict[int, list[list[int]]] | None = None, max_seq_len: int = 512) -> dict:
-    """{"drafter", "positions", "heldout_tvd", "heldout_fkl", ...} of one drafter on ``records``."""
+             copies: dict[int, list[list[int]]] | None = None, max_seq_len: int = 512, device: str = "cpu") -> dict:
+    """{"drafter", "positions", "heldout_tvd", "heldout_fkl", ...} of one drafter on ``records``, the drafter and the
+    target on ``device``."""
     from specdraft.drafters.options import folder_options
 
     config = FinetuneConfig(drafter=drafter, target=target, data="-", out="-", batch_size=batch_size,
-                            target_dtype=target_dtype, bf16=True, max_seq_len=max_seq_len)
+                            target_dtype=target_dtype, bf16=True, max_seq_len=max_seq_len, device=device)
     model, target_model, target_lm, tokenizer = load_models(config)
+    model, target_model = model.to(device), target_model.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     vocab = folder_options(resolve(drafter)).get("draft_vocab")
-    keep = draft_subset(str(resolve(drafter)), target_lm.vocab_size, vocab) if vocab else None  # (N,) or None
+    keep = draft_subset(str(resolve(drafter)), target_lm.vocab_size, vocab).to(device) if vocab else None  # (N,)
     dataset = DistillDataset(records, config.max_seq_len)
     batches = [collate_distill([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), batch_size)]
     with torch.no_grad():
         metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
         top = max(siblings, default=0) + 1  # the greedy token and k runners-up
-        tau = greedy_tau(response_ranks(model, batches, keep, top), gammas, siblings, copies) if gammas else {}
+        ranks = response_ranks(draft_logits_fn(model, keep, bf16=True), batches, keep, top) if gammas else None
+        tau = greedy_tau(ranks, gammas, siblings, copies) if gammas else {}
     positions = sum(int(b["mask"].sum()) for b in batches)
     return {"drafter": drafter, "draft_vocab": vocab, "positions": positions} | metrics | tau
 
@@ -154,6 +92,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N records")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="where the drafter and the target run: cpu, cuda, cuda:N")
     parser.add_argument("--out", default=None, help="append one JSON line per drafter here")
     parser.add_argument("--num-draft-tokens", default="3,4,5",
                         help="γ values of the exact greedy τ (only for the target's greedy responses)")
@@ -172,7 +111,7 @@ def main() -> None:
     for drafter in [d.strip() for d in args.drafters.split(",") if d.strip()]:
         row = {"data": args.data, "records": len(records), "max_seq_len": args.max_seq_len} | evaluate(
             args.target, drafter, records, args.batch_size, args.target_dtype, gammas, siblings, copies,
-            args.max_seq_len)
+            args.max_seq_len, args.device)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as file:

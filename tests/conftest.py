@@ -18,6 +18,16 @@ def _cost_curves_in_a_temporary_folder(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _auto_device_is_the_cpu(monkeypatch):
+    """``device="auto"`` means the CPU in tests, whatever the machine has, so that no test depends on which device
+    exists; a test of the CUDA paths asks for ``cuda`` by name (and is skipped without one). Processes a test starts
+    (torchrun, spawn) pass ``--device cpu`` / ``device="cpu"`` themselves."""
+    from specdraft import hardware
+
+    monkeypatch.setattr(hardware, "auto_is_cuda", lambda: False)
+
+
+@pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specdraft import hardware
 
@@ -43,3 +44,33 @@ def test_the_avx2_emulation_is_respected_in_a_fresh_process():
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["float32", "AVX2"]
+
+
+def test_auto_device_is_cuda_only_where_one_is_visible(monkeypatch):
+    monkeypatch.setattr(hardware, "auto_is_cuda", lambda: False)  # the suite's own fixture does the same
+    assert hardware.resolve_device("auto").to_dict() == {"device": "cpu", "reason": "auto: no CUDA device visible"}
+    assert hardware.resolve_device("cpu").name == "cpu" and hardware.resolve_dtype("auto", "cpu").reason
+    for bad in ("gpu", "cuda:x", "cuda:-1", ""):
+        with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+            hardware.resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device is visible"):
+            hardware.resolve_device("cuda:0")
+    else:
+        assert hardware.resolve_device("cuda").name.startswith("cuda:")
+        with pytest.raises(ValueError, match="does not exist"):
+            hardware.resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_torchrun_processes_take_their_local_rank(monkeypatch):
+    from specdraft.errors import SpecdraftError
+    from specdraft.training.trainer import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SpecdraftError, match="cuda:LOCAL_RANK"):
+        init_distributed("cuda:0")  # refused before any process group or device is touched
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_distributed("cpu") == (0, 1, torch.device("cpu"))
+    with pytest.raises(SpecdraftError, match="device must be"):
+        init_distributed("tpu")

@@ -1,6 +1,6 @@
 """The vLLM worker and its client without vLLM: a stand-in ``vllm`` package (transformers underneath) checks the
 protocol, the folder views, the environment, start failures, and that the worker dies with a killed parent.
-tests/engines/test_vllm.py runs the real engine."""
+tests/engines/test_vllm_exports.py runs the real engine."""
 
 import os
 import signal

@@ -3,6 +3,8 @@ chosen pattern of positions."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,6 +125,14 @@ def save_tiny_checkpoint(path, seed: int = 0, tokenizer=None, **kwargs):
     model.save_pretrained(path)
     (tokenizer or tiny_tokenizer()).save_pretrained(path)
     return path
+
+
+def distill_records(count: int, seed: int = 0) -> list[dict]:
+    """distill-data records of varied prompt and response lengths (so that batches are padded), token ids in
+    3 .. 60 of a tiny Llama's 64."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 61) for _ in range(rng.randint(1, 6))],
+             "response_token_ids": [rng.randrange(3, 61) for _ in range(rng.randint(3, 12))]} for _ in range(count)]
 
 
 def assert_follows(counts, p: torch.Tensor, trials: int) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from specdraft.batch_drafting import DraftBatcher, batcher_of
 from specdraft.decoding import GenerationConfig, GenerationResult, check_inputs
-from specdraft.drafters.base import Draft, Drafter, NoDrafter, target_features
+from specdraft.drafters.base import Draft, Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.models.batched_llama import BatchedKVCache, batched_forward, new_batched_cache, supports_batching
@@ -62,7 +62,7 @@ class BatchSequence:
     row: int = -1
     started: float = 0.0
     hidden: torch.Tensor | None = None  # (L - 1, D) the prompt's features, for a drafter that reads them
-    reads_features: bool = False  # whether its drafter reads the target's features
+    features: TargetFeatures | None = None  # the target features its drafter reads, if any
     tag: object = None  # the caller's handle (a request, an index)
     error: Exception | None = None  # why this sequence alone failed (finish_reason "error"); the batch went on
 
@@ -93,10 +93,10 @@ class CacheRow:
 
 class BatchRows:
     """A step's target over rows 0 .. n-1 of a batched cache (:class:`specdraft.step.StepTarget`): one ragged forward
-    returns every row's logits, and the features of the rows whose drafter reads them (``reads``)."""
+    returns every row's logits, and the target features of the rows whose drafter reads them (``features``)."""
 
-    def __init__(self, target: CausalLM, cache: BatchedKVCache, reads: Sequence[bool]) -> None:
-        self.target, self.cache, self.reads = target, cache, list(reads)
+    def __init__(self, target: CausalLM, cache: BatchedKVCache, features: Sequence[TargetFeatures | None]) -> None:
+        self.target, self.cache, self.features = target, cache, list(features)
 
     def cached(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -107,11 +107,36 @@ class BatchRows:
     def forward(self, layouts: Sequence[Layout]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         sizes = [layout.tokens.shape[0] for layout in layouts]
         input_ids, offsets, mask = _pad(layouts)
-        want = any(self.reads)
-        out = batched_forward(self.target, self.cache, input_ids, sizes, 0, offsets, mask, return_hidden=want)
-        logits, hidden = (out[0], out[1]) if want else (out, None)  # (n, T, V), (n, T, D)
-        return [(logits[i, :size], hidden[i, :size] if want and self.reads[i] else None)
-                for i, size in enumerate(sizes)]
+        logits, hidden = features_forward(self.target, self.cache, input_ids, sizes, 0, self.features,
+                                          offsets=offsets, local_mask=mask)
+        return [(logits[i, :size], None if hidden[i] is None else hidden[i][:size]) for i, size in enumerate(sizes)]
+
+
+def features_forward(target: CausalLM, cache: BatchedKVCache, input_ids: torch.Tensor, sizes: list[int],
+                     first_row: int, features: Sequence[TargetFeatures | None], **kwargs
+                     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """One ragged forward (:func:`batched_forward`) that also returns each row's target features as its drafter
+    reads them: the final-normed states (Medusa, EAGLE), the residual stream entering its ``layers`` concatenated
+    (EAGLE-3), or None. Rows with different layers share one forward: every layer any row reads is tapped."""
+    taps = sorted({layer for f in features if f is not None for layer in f.layers})
+    want = any(f is not None for f in features)
+    out = batched_forward(target, cache, input_ids, sizes, first_row, return_hidden=want, hidden_layers=taps,
+                          **kwargs)
+    if not want:
+        return out, [None] * len(features)
+    logits, states = out
+    final, tapped = states if taps else (states, None)  # (n, T, D), (n, T, len(taps)*D)
+    width = final.shape[-1]
+    rows = []
+    for i, feature in enumerate(features):
+        if feature is None:
+            rows.append(None)
+        elif not feature.layers:
+            rows.append(final[i])  # (T, D)
+        else:
+            slots = [taps.index(layer) for layer in feature.layers]
+            rows.append(torch.cat([tapped[i, :, s * width:(s + 1) * width] for s in slots], dim=-1))  # (T, k*D)
+    return logits, rows
 
 
 MAX_NUM_DRAFT_TOKENS = STEP_ROOM // 2 - 1  # the largest num_draft_tokens (γ) batched decoding takes
@@ -170,13 +195,14 @@ class BatchDecoder:
         seq = BatchSequence(prompt, config, drafter, generator, stopper, prompt, FixedPolicy(config.num_draft_tokens),
                             row=len(self.rows), started=time.perf_counter())
         drafter.begin(self.target, _UnsharedCache())
-        seq.reads_features = target_features(drafter) is not None
+        share_target_cache(drafter, _UnsharedCache())  # a drafter that reads the target's cache is refused here
+        seq.features = target_features(drafter)
         self.cache.lengths[seq.row] = 0
         self.rows.append(seq)
         if prompt.shape[0] > 1:
-            out = batched_forward(self.target, self.cache, prompt[None, :-1], [prompt.shape[0] - 1], seq.row,
-                                  return_hidden=seq.reads_features, want_logits=False)
-            seq.hidden = out[1][0] if seq.reads_features else None  # (L - 1, D)
+            _, hidden = features_forward(self.target, self.cache, prompt[None, :-1], [prompt.shape[0] - 1], seq.row,
+                                         [seq.features], want_logits=False)
+            seq.hidden = hidden[0]  # (L - 1, D or k*D), None when the drafter reads no features
         seq.stats.prefill_seconds = time.perf_counter() - seq.started
         return seq
 
@@ -276,7 +302,7 @@ class BatchDecoder:
         rows = list(self.rows)
         inputs = [StepInput(seq.context, draft, seq.config.sampling, seq.generator)
                   for seq, draft in zip(rows, drafts, strict=True)]
-        target = BatchRows(self.target, self.cache, [seq.reads_features for seq in rows])
+        target = BatchRows(self.target, self.cache, [seq.features for seq in rows])
         steps = speculative_step(target, inputs, isolate=True)
         verified = time.perf_counter()
         committed, done = [(seq, []) for seq in failed], []

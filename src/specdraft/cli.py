@@ -84,16 +84,40 @@ def _add_generate(sub) -> None:
     p.add_argument("--n", type=int, default=1, help="independent completions (seeds seed, seed+1, ...)")
     _add_precision(p, "float32")
     p.add_argument("--backend", choices=("auto", "native", "hf"), default="auto")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object per completion")
     p.set_defaults(run=_run_generate)
+
+
+DEVICE_HELP = ("where the target (and a draft model) run: cpu (default), auto (CUDA when visible), cuda or cuda:N; "
+               "on CUDA models run through transformers (--backend auto or hf)")
+CPU_DRAFTERS = ("eagle", "eagle3", "medusa", "layer-skip")  # they read the target's weights on the CPU
+
+
+def decoding_device(device: str, backend: str, drafter: str | None = None) -> str:
+    """The resolved device name for decoding, refusing what only runs on the CPU (the native backend, the heads
+    and layer-skip drafters)."""
+    from specdraft.hardware import resolve_device
+
+    try:
+        name = resolve_device(device).name
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
+    if name != "cpu" and backend == "native":
+        raise SpecdraftError(f"--backend native decodes on the CPU; on {name} use --backend hf (or auto)")
+    if name != "cpu" and drafter in CPU_DRAFTERS:
+        raise SpecdraftError(f"--drafter {drafter} drafts on the CPU beside a CPU target; use --device cpu")
+    return name
 
 
 def _run_generate(args: argparse.Namespace) -> None:
     if args.n < 1:
         raise SpecdraftError(f"--n must be >= 1, got {args.n}")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    precision = choose_precision(args.target, args.dtype, args.quantize, torch.float32)
-    target, tokenizer = load_target(args.target, precision.dtype, args.backend, precision.quantize)
+    device = decoding_device(args.device, args.backend, args.drafter)
+    quantize = "none" if device != "cpu" and args.quantize == "auto" else args.quantize  # blocks run on the CPU
+    precision = choose_precision(args.target, args.dtype, quantize, torch.float32)
+    target, tokenizer = load_target(args.target, precision.dtype, args.backend, precision.quantize, device=device)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, sampling,
                               eos_token_ids(tokenizer, args.target), tuple(args.stop), args.speculation)
     drafter = load_drafter(target, tokenizer, args.draft, args.drafter, precision.draft_dtype, args.backend,
@@ -174,6 +198,8 @@ def _add_bench(sub) -> None:
                         "step priced by this machine's costs), fixed (γ always; named NAME+fixed beside adaptive)")
     p.add_argument("--repeats", type=int, default=1, help="timing repeats per question and method")
     _add_precision(p, "bfloat16")
+    p.add_argument("--device", default="cpu", help="where the target and draft models run: cpu (default), auto, "
+                                                   "cuda or cuda:N (on CUDA through transformers, dense weights)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -206,7 +232,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             categories=parse_list(args.categories), per_category=args.per_category,
             max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
             sweep=parse_sweep(args.sweep) if args.sweep else None, repeats=args.repeats, dtype=args.dtype,
-            quantize=args.quantize,
+            quantize=args.quantize, device=decoding_device(args.device, "auto"),
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             speculation=parse_list(args.speculation) or (),
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdraft.drafters.base import Drafter, NoDrafter, TargetFeatures, target_features
+from specdraft.drafters.base import Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.sampling import SamplingConfig
@@ -116,6 +116,7 @@ def generate(
     needed = prompt.numel() + config.max_new_tokens
     cache = target.new_cache(min(needed + STEP_ROOM, target.max_context))  # room for tree and auxiliary slots
     drafter.begin(target, cache)
+    share_target_cache(drafter, cache)  # GliDe reads the target's keys and values
     features = target_features(drafter)  # Medusa / EAGLE read the target's features
     one = OneSequence(target, cache, features)
     context, generated, stats, reason = prompt, [], GenerationStats(), None

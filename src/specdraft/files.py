@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
 import os
 import re
 import shutil
@@ -86,10 +87,11 @@ def _not_a_folder(path: Path) -> Path:
 
 
 def text_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """(line number from 1, line) of a UTF-8 text file; a folder, or a line that is not UTF-8, is a SpecdraftError
-    naming the file and line (a missing or unreadable file raises ``OSError``, which names it)."""
+    """(line number from 1, line) of a UTF-8 text file (a ``.gz`` file through gzip); a folder, or a line that is not
+    UTF-8, is a SpecdraftError naming the file and line (a missing or unreadable file raises ``OSError``, which names
+    it)."""
     path = _not_a_folder(Path(path))
-    with open(path, "rb") as file:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
         for number, raw in enumerate(file, start=1):
             try:
                 yield number, raw.decode("utf-8")

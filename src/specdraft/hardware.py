@@ -10,7 +10,11 @@ under ``ATEN_CPU_CAPABILITY=avx2`` alone, bf16 training steps were still 1.3-1.9
 products still ran in oneDNN; with ``ONEDNN_MAX_CPU_ISA=AVX2`` as well they were 2-2.4x slower
 (``benchmarks/dtype_training.py``).
 
-Nothing here imports the rest of specdraft; :func:`fast_dtype` and :func:`resolve_dtype` are the entry points.
+Where a stage runs is decided here too: ``--device auto`` is the CUDA device when one is visible (under torchrun
+the process's ``LOCAL_RANK``), else the CPU (:func:`resolve_device`).
+
+Nothing here imports the rest of specdraft; :func:`fast_dtype`, :func:`resolve_dtype` and :func:`resolve_device` are
+the entry points.
 """
 
 from __future__ import annotations
@@ -106,9 +110,59 @@ def fast_dtype(device: str | torch.device = "cpu") -> DtypeChoice:
     return DtypeChoice("bfloat16" if native else "float32", why)
 
 
+def auto_is_cuda() -> bool:
+    """Whether ``--device auto`` means CUDA: a CUDA device is visible."""
+    return torch.cuda.is_available()
+
+
 def default_device() -> torch.device:
-    """Where training runs: CUDA when available, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Where ``auto`` runs: this process's CUDA device when one is visible (``LOCAL_RANK`` under torchrun), else the
+    CPU."""
+    return resolve_device(AUTO).device
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """A device (``cpu``, ``cuda:N``) and why it was chosen, for a run's config and logs."""
+
+    name: str
+    reason: str
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.name)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"device": self.name, "reason": self.reason}
+
+
+def check_device_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (whether that device exists
+    is checked when it is used, by :func:`resolve_device`)."""
+    kind, _, index = str(name).partition(":")
+    if name in (AUTO, "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def resolve_device(name: str = AUTO) -> DeviceChoice:
+    """``name`` as a :class:`DeviceChoice`: ``auto`` is CUDA when visible, else the CPU; ``cuda`` is this process's
+    CUDA device (``LOCAL_RANK`` under torchrun, else the current one). Raises ``ValueError`` for a bad name or a CUDA
+    device that is not there."""
+    check_device_name(name)
+    if name == "cpu" or (name == AUTO and not auto_is_cuda()):
+        return DeviceChoice("cpu", "set explicitly" if name == "cpu" else "auto: no CUDA device visible")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device is visible (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if ":" in name:
+        index = int(name.partition(":")[2])
+    else:
+        index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    if index >= count:
+        raise ValueError(f"device {name!r}: cuda:{index} does not exist ({count} CUDA device(s) visible)")
+    what = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return DeviceChoice(f"cuda:{index}", f"auto: {what}" if name == AUTO else f"set explicitly: {what}")
 
 
 def resolve_dtype(name: str, device: str | torch.device | None = None) -> DtypeChoice:

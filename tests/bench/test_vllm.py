@@ -1,7 +1,7 @@
 """The vLLM methods without vLLM: method specs, the speculative configs and folder checks, the parsing of vLLM's
 per-request spec-decode metrics and counters into the records, the summary's engine counters, and ``bench``
-writing vLLM rows beside specdraft's through a stand-in engine (tests/fake_vllm). tests/engines/test_vllm.py runs
-the real one."""
+writing vLLM rows beside specdraft's through a stand-in engine (tests/fake_vllm).
+tests/engines/test_vllm_exports.py runs the real one."""
 
 import json
 

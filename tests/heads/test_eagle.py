@@ -17,7 +17,7 @@ from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
-from specdraft.training.finetune import collate_distill
+from specdraft.training.batches import collate_distill
 from specdraft.training.head_kinds import EAGLE
 from specdraft.training.heads import HEAD_KINDS
 from specdraft.trees import depths
@@ -71,7 +71,7 @@ def test_head_sizes_registry_and_options():
     out = head(torch.randn(2, 5, d), torch.randn(2, 5, d))
     assert out.shape == (2, 5, d)
     assert HEAD_KINDS["eagle"] is EAGLE
-    assert head.loss_settings == {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0}
+    assert head.loss_settings == {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0, "partial_alignment": 0.0}
     with pytest.raises(SpecdraftError, match="unknown eagle option decay"):
         eagle_spec(model.config, None, {"decay": "0.8"})
     with pytest.raises(SpecdraftError, match="cls_weight must be a number"):

@@ -6,6 +6,7 @@ folder and its errors."""
 import pytest
 import torch
 
+from specdraft.batching import generate_batch
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.eagle3 import Eagle3Drafter
@@ -16,8 +17,8 @@ from specdraft.heads.eagle3 import build_eagle3, default_aux_layers
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.training.batches import collate_distill
 from specdraft.training.eagle3 import EAGLE3, _init, parse_settings, unrolled
-from specdraft.training.finetune import collate_distill
 from specdraft.training.heads import HEAD_KINDS
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
@@ -107,7 +108,7 @@ def test_losses_and_metrics_on_the_unroll():
         value.backward()
         assert torch.isfinite(value) and count == int(batch["mask"].sum()) and value > 0
         assert head.fc.weight.grad is not None and all(p.grad is None for p in model.parameters())
-    masks, draft, target, greedy = unrolled(head, model, batch, 3, greedy=True)
+    masks, draft, target, greedy, _ = unrolled(head, model, batch, 3, greedy=True)
     counts = [int(batch["mask"][:, i:].sum()) for i in range(3)]
     assert [int(m.sum()) for m in masks] == counts and [d.shape[0] for d in draft] == counts
     assert draft[2].shape == target[2].shape == (counts[2], 64) and greedy[1].shape == (counts[1],)
@@ -234,3 +235,18 @@ def test_smollm2_fp32_greedy_equals_plain_decoding():
         plain = generate(target, ids, None, config).token_ids
         for drafter in (Eagle3Drafter.from_module(head, top_k=1), Eagle3Drafter.from_module(head, top_k=4)):
             assert generate(target, ids, drafter, config).token_ids == plain, prompt.category
+
+
+def test_batched_rows_draft_as_batch_one(trained):
+    """Batched decoding hands each row's EAGLE-3 drafter the residual stream entering its three layers, as batch-1
+    decoding does: every row's output and accepted lengths equal batch-1's (with the final-normed states instead,
+    the drafts, and so the accepted lengths, differ)."""
+    model, head = trained
+    target = NativeLlama.from_hf(model)
+    config = GenerationConfig(24, 4, speculation="fixed")
+    alone = [generate(target, prompt, Eagle3Drafter.from_module(head, top_k=1, tree_nodes=4), config)
+             for prompt in PROMPTS]
+    batched = generate_batch(target, PROMPTS, lambda: Eagle3Drafter.from_module(head, top_k=1, tree_nodes=4), config)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.stats.accept_lengths for r in batched] == [r.stats.accept_lengths for r in alone]
+    assert max(r.stats.block_efficiency for r in batched) > 1.5

@@ -17,7 +17,7 @@ from specdraft.heads.medusa import MedusaHeads, build_medusa, medusa_loss
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from specdraft.training.finetune import collate_distill
+from specdraft.training.batches import collate_distill
 from specdraft.training.head_kinds import MEDUSA
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 

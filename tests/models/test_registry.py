@@ -1,5 +1,6 @@
 """Loading by name: built-ins from the cache folder, local folders, clear errors; the real conversion is slow."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,3 +62,32 @@ def test_smollm2_conversion_matches_gguf_model(tmp_path, monkeypatch):
     want = gguf(ids).logits
     got = target.forward(ids, target.new_cache(ids.shape[1]))
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_gguf_special_token_ids_are_read_from_the_file_metadata(tmp_path):
+    import gguf
+
+    from specdraft.models.registry import gguf_special_token_ids
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(7)
+    writer.add_tensor("x", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_special_token_ids(path) == {"bos_token": 1, "eos_token": 2, "pad_token": 7}
+
+
+def test_set_special_tokens_repairs_a_converted_tokenizer():
+    from transformers import AutoTokenizer
+
+    from specdraft.models.registry import SHIPPED, set_special_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED["smollm2-135m-instruct-drafter"])
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_start|>", None  # what transformers 5.17's GGUF conversion gives
+    set_special_tokens(tokenizer, {"eos_token": 2, "pad_token": 2})
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)

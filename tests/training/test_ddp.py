@@ -29,7 +29,7 @@ def _dataset():
 
 def _config(out, batch_size):
     return TrainerConfig(out=str(out), steps=STEPS, batch_size=batch_size, grad_accum=2, lr=1e-2, bf16=False,
-                         progress=False, log_every=1)
+                         progress=False, log_every=1, device="cpu")  # gloo on the CPU, whatever the machine has
 
 
 def _worker(rank: int, world: int, port: int, folder: str) -> None:

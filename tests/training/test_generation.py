@@ -88,7 +88,8 @@ def test_kill_9_mid_run_then_resume_answers_every_prompt_exactly_once(target, tm
     out = tmp_path / "out"
     code = ("import sys; from specdraft.training.generation import DistillDataConfig, generate_distillation_data; "
             f"generate_distillation_data(DistillDataConfig(target={target!r}, out={str(out)!r}, prompts={prompts!r}, "
-            "max_new_tokens=24, batch_size=1, shard_size=2, dtype='float32', temperature=1.0), progress=False)")
+            "max_new_tokens=24, batch_size=1, shard_size=2, dtype='float32', temperature=1.0, device='cpu'), "
+            "progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline and len(list(out.glob("shard-*.jsonl"))) < 2:
@@ -119,7 +120,7 @@ def test_torchrun_two_ranks_split_prompts_exactly_once(target, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            "-m", "specdraft.cli", "distill-data", "--target", target, "--out", str(out), "--prompts", prompts,
-           "--shard-size", "2", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "0"]
+           "--shard-size", "2", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "0", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -175,3 +176,34 @@ def test_native_engine_samples_reproducibly_and_stops_rows_at_eos(target, tmp_pa
 def test_native_engine_refuses_on_policy_data(target, tmp_path):
     with pytest.raises(SpecdraftError, match="--engine native"):
         _config(target, "sharegpt", tmp_path / "o", engine="native", policy="draft", draft=target)
+
+
+def test_answers_made_elsewhere_become_the_usual_records_with_the_targets_top_k(target, tmp_path):
+    """distill-data --answers: the prompts and answer ids of a .jsonl.gz give the records the target would have
+    written itself (greedy, fp32), its top-k added by teacher forcing; an edited file is refused on rerun."""
+    import gzip
+
+    prompts = _prompt_file(tmp_path / "p.jsonl", 7)
+    generate_distillation_data(_config(target, prompts, tmp_path / "made", top_logprobs=3), progress=False)
+    made = _records(tmp_path / "made")
+    answers = tmp_path / "answers.jsonl.gz"
+    lines = [json.dumps({"prompt": r["messages"][0]["content"], "answer_ids": r["response_token_ids"]}) for r in made]
+    answers.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    config = _config(target, "sharegpt", tmp_path / "given", answers=str(answers), top_logprobs=3)
+    manifest = generate_distillation_data(config, progress=False)
+    given = _records(tmp_path / "given")
+    assert manifest["complete"] and manifest["records"] == 7 and manifest["config"]["answers"] == str(answers)
+    for a, b in zip(given, made, strict=True):
+        for key in ("messages", "prompt_token_ids", "response_token_ids", "finish_reason", "response_text", "top_ids"):
+            assert a[key] == b[key], key
+        assert (torch.tensor(a["top_logprobs"]) - torch.tensor(b["top_logprobs"])).abs().max() < 1e-3
+    lines[0] = json.dumps({"prompt": "w1 w2", "answer_ids": [3, 4]})
+    answers.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    with pytest.raises(SpecdraftError, match="prompts"):
+        generate_distillation_data(config, progress=False)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "w1", "answer_ids": []}) + "\n")
+    with pytest.raises(SpecdraftError, match="answer_ids"):
+        generate_distillation_data(_config(target, "sharegpt", tmp_path / "bad", answers=str(tmp_path / "bad.jsonl")),
+                                   progress=False)
+    with pytest.raises(SpecdraftError, match="--answers"):
+        _config(target, prompts, tmp_path / "both", answers=str(answers))

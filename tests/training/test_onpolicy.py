@@ -119,7 +119,7 @@ def test_torchrun_two_ranks_make_the_same_mixed_data_as_one_process(models, tmp_
            "-m", "specdraft.cli", "distill-data", "--target", target, "--out", str(tmp_path / "ranks"), "--prompts",
            prompts, "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "6", "--dtype", "float32",
            "--temperature", "0", "--top-logprobs", "4", "--policy", "mixed", "--mix-fraction", "0.5", "--draft",
-           draft, "--seed", "3"]
+           draft, "--seed", "3", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, single = _run(target, prompts, tmp_path / "one", policy="mixed", mix_fraction=0.5, draft=draft, seed=3,

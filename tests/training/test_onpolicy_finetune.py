@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.finetune import DistillDataset, FinetuneConfig, collate_distill, finetune, make_kd_loss
+from specdraft.training.batches import DistillDataset, collate_distill
+from specdraft.training.distillation import make_kd_loss
+from specdraft.training.finetune import FinetuneConfig, finetune
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data
 from specdraft.training.losses import forward_kl
 from specdraft.training.onpolicy import mismatched

@@ -9,12 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
 from specdraft.training import generation, runs
-from specdraft.training.finetune import load_distill_records
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+from specdraft.training.records import load_distill_records
 from toys import WORDS, save_tiny_checkpoint
 
 PIPELINE = """
@@ -353,18 +354,40 @@ def test_auto_dtype_is_resolved_and_logged_in_the_runs_config(target, tmp_path, 
 
     monkeypatch.setattr(hardware, "cpu_bf16", lambda: (False, "test machine without bf16"))
     prompts = _prompts(tmp_path / "p.jsonl", _texts(4))
-    generate_distillation_data(_data(target, prompts, tmp_path / "x", dtype="auto"), progress=False)
+    generate_distillation_data(_data(target, prompts, tmp_path / "x", dtype="auto", device="cpu"), progress=False)
     saved = json.loads((tmp_path / "x" / "distill_config.json").read_text())
     assert saved["dtype"] == "float32" and saved["dtype_choice"]["reason"] == "auto: test machine without bf16"
+    assert saved["device_choice"] == {"device": "cpu", "reason": "set explicitly"} and "device" not in saved
 
 
 def test_training_stages_resolve_bf16_auto_and_record_why(pipeline, tmp_path, monkeypatch):
     from specdraft import hardware
 
     monkeypatch.setattr(hardware, "cpu_bf16", lambda: (False, "test machine without bf16"))
-    assert _stage_cli(pipeline, "pretrain", tmp_path / "run", "--steps", 2) == 0
+    assert _stage_cli(pipeline, "pretrain", tmp_path / "run", "--steps", 2, "--device", "cpu") == 0
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["precision"] == {"dtype": "float32", "reason": "auto: test machine without bf16"}
     assert record["settings"]["bf16"] is False and record["finished"] is True
-    assert _stage_cli(pipeline, "pretrain", tmp_path / "on", "--steps", 2, "--bf16") == 0
+    assert record["device"] == {"device": "cpu", "asked": "cpu"} and "device" not in record["settings"]
+    assert _stage_cli(pipeline, "pretrain", tmp_path / "on", "--steps", 2, "--bf16", "--device", "cpu") == 0
     assert json.loads((tmp_path / "on" / "run.json").read_text())["precision"]["reason"] == "set explicitly"
+
+
+def test_a_run_resumes_on_another_device_and_records_where(pipeline, tmp_path):
+    """The device is where a run trains, not what it trains: a run stopped on one device continues under another
+    --device (here auto, the CPU in tests) with no refusal, and run.json records the device of the session."""
+    out = tmp_path / "run"
+    assert _stage_cli(pipeline, "pretrain", out, "--steps", 4, "--stop-after", 2, "--device", "cpu", "--no-bf16") == 0
+    assert json.loads((out / "run.json").read_text())["device"]["asked"] == "cpu"
+    assert _stage_cli(pipeline, "pretrain", out, "--steps", 4, "--resume", "--device", "auto", "--no-bf16") == 0
+    record = json.loads((out / "run.json").read_text())
+    assert record["finished"] and record["device"] == {"device": "cpu", "asked": "auto"}
+
+
+def test_a_device_that_is_not_there_is_refused_before_anything_is_written(pipeline, tmp_path, capsys):
+    assert _stage_cli(pipeline, "pretrain", tmp_path / "run", "--steps", 2, "--device", "tpu") == 2
+    assert "device must be auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert _stage_cli(pipeline, "pretrain", tmp_path / "run", "--steps", 2, "--device", "cuda:0") == 2
+        assert "no CUDA device is visible" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

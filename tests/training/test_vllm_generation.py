@@ -1,7 +1,8 @@
 """``distill-data --engine vllm`` without vLLM: a stand-in ``vllm`` package computing with transformers
 (tests/fake_vllm) checks that the records are the native engine's (fields, tokens, top-k), that sampling is
 seeded per prompt, that resume, fingerprints and refusals work as for the other engines, and that a kill -9
-leaves no engine behind and a rerun answers every prompt once. tests/engines/test_vllm.py runs the real engine."""
+leaves no engine behind and a rerun answers every prompt once. tests/engines/test_vllm_exports.py runs the
+real engine."""
 
 import json
 import os

@@ -39,6 +39,7 @@ class BenchConfig:
     dtype: str = field(default="auto", metadata={
         "help": "auto (a GGUF target's own blocks, else bfloat16), float32 or bfloat16 (dense target and drafters)"})
     quantize: str = field(default="auto", metadata={"help": "target weights: auto, none, gguf, int8 or int4"})
+    device: str = field(default="cpu", metadata={"help": "where the target and draft models run (cpu, cuda:N)"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     top_k: int = field(default=0, metadata={"help": "0 = off"})
     top_p: float = field(default=1.0, metadata={"help": "1 = off"})
@@ -77,6 +78,8 @@ class BenchConfig:
         """The fields a resumed run must share with the run it continues (all but ``out``)."""
         fields = asdict(self)
         del fields["out"]
+        if fields["device"] == "cpu":  # runs made before the option stay resumable
+            del fields["device"]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
 
 

@@ -157,7 +157,7 @@ class HFMethod:
     @torch.inference_mode()
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         kwargs = self._kwargs(config, generator)
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, N)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.model.device)  # (1, N)
         self.calls = 0
         start = time.perf_counter()
         out = self.model.generate(ids, **kwargs)
@@ -200,10 +200,16 @@ class VllmMethod:
     is γ when the engine speculates."""
 
     name: str
-    engine: object  # a specdraft.engines.vllm.VllmEngine
+    worker: object  # a specdraft.engines.vllm.VllmEngine
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+
+    @property
+    def engine(self) -> dict:
+        """The vLLM engine's version and settings, recorded with each answer."""
+        return {"name": "vllm", "version": self.worker.version, "speculative": self.worker.settings.speculative,
+                "dtype": self.worker.settings.dtype}
 
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         from specdraft.bench.vllm import sampling_fields, turn_result
@@ -211,7 +217,7 @@ class VllmMethod:
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
         fields = sampling_fields(config.max_new_tokens, config.eos_token_ids, config.sampling, seed)
         start = time.perf_counter()
-        answer = self.engine.generate([prompt_ids], [fields])
+        answer = self.worker.generate([prompt_ids], [fields])
         wall = time.perf_counter() - start
         return turn_result(answer, wall, config.eos_token_ids, self.num_draft_tokens is not None, TurnResult)
 
@@ -226,11 +232,12 @@ class BuildContext:
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)
     speculations: tuple[str, ...] = ("adaptive",)  # policies every speculative method runs with
+    device: str = "cpu"  # where the models run
 
     def hf_target(self):
         """The target's weights as a transformers model (loaded once, shared by ``hf`` and ``hf-assisted``)."""
         if "hf" not in self.cache:
-            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf").model
+            self.cache["hf"] = load_model(self.target_name, self.dtype, backend="hf", device=self.device).model
         return self.cache["hf"]
 
     def param_ratio(self, draft_model) -> float:

@@ -112,10 +112,12 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
     sha = None if config.questions in GENERATED_SOURCES else file_sha256(config.questions)
     run_info = _run_info(config, sha, command)
     check_out(out, run_info, overwrite)
-    precision = choose_precision(config.target, config.dtype, config.quantize, torch.bfloat16)
+    quantize = "none" if config.device != "cpu" and config.quantize == "auto" else config.quantize  # blocks: CPU
+    precision = choose_precision(config.target, config.dtype, quantize, torch.bfloat16)
     run_info["precision"] = precision.describe()
-    target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize)
-    ctx = BuildContext(target, tokenizer, config.target, precision.draft_dtype, speculations=config.speculation)
+    target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize, device=config.device)
+    ctx = BuildContext(target, tokenizer, config.target, precision.draft_dtype, speculations=config.speculation,
+                       device=config.device)
     methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)
     run_info["cost_curve"] = cost_curve(target, log=lambda line: print(line, file=sys.stderr, flush=True)).to_dict()
     gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, config.sampling,

@@ -108,6 +108,16 @@ def _eagle3(target, tokenizer, options: dict[str, str]) -> Drafter:
     return build(Eagle3Drafter, _with_folder_defaults(options))
 
 
+def _glide(target, tokenizer, options: dict[str, str]) -> Drafter:
+    from specdraft.drafters.glide import GlideDrafter
+    from specdraft.errors import SpecdraftError
+
+    if "heads" not in options:
+        raise SpecdraftError("glide needs --drafter-option heads=PATH (a folder made by `specdraft train-heads "
+                             "--kind glide`)")
+    return build(GlideDrafter, _with_folder_defaults(options))
+
+
 def _with_folder_defaults(options: dict[str, str]) -> dict[str, str]:
     """``options`` over the defaults shipped in the heads folder (``drafter_options.json``), if any."""
     from specdraft.drafters.options import folder_options
@@ -127,6 +137,7 @@ NAMED_DRAFTERS: dict[str, DrafterFactory] = {
     "eagle": _eagle,
     "eagle3": _eagle3,
     "medusa": _medusa,
+    "glide": _glide,
 }
 
 __all__ = [

@@ -8,17 +8,21 @@ how verification went. How many tokens a step drafts is decided by the speculati
 (:func:`specdraft.speculation.propose`), never by the decoding loop or the drafter: a drafter proposes up to what it is
 given. A new drafting method is a new file behind this interface.
 
-Two capabilities are optional, each a protocol of its own that a drafter states by implementing it:
+Three capabilities are optional, each a protocol of its own that a drafter states by implementing it:
 
 - :class:`ReadsTargetFeatures` (Medusa, EAGLE, EAGLE-3): ``target_features()`` names the target features the drafter
   reads (:class:`TargetFeatures`, valid from the end of ``begin``). The loop then asks the verify forward for them and
   passes, in ``result.hidden`` (F, D), those of the F tokens fed this step and committed (the uncached context tail,
   then the accepted draft tokens), in order: the final-normed hidden states, or with ``layers`` (EAGLE-3) the
   residual stream entering those target layers, concatenated (F, k*D).
+- :class:`ReadsTargetCache` (GliDe): ``read_target_cache(cache)`` is called right after ``begin`` with the target's
+  cache as a :class:`~specdraft.models.base.ReadableKVCache`: at every ``propose`` it holds the keys and values of
+  every context token but the last (the verify forward of the last step wrote them, at no extra target cost). A
+  decoding path whose cache is not readable refuses such a drafter with a clear error (:func:`share_target_cache`).
 - :class:`HintsDraftKind`: ``draft_kind(context, sampling)`` says what the drafter would draft from ``context`` before
   it drafts, so a speculation policy prices different kinds of step apart.
 
-The loop reads them only through :func:`target_features` and :func:`draft_kind`.
+The loop reads them only through :func:`target_features`, :func:`share_target_cache` and :func:`draft_kind`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.base import CausalLM, KVCache
+from specdraft.models.base import CausalLM, KVCache, ReadableKVCache
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import AuxBranch, check_tree
 from specdraft.verification import VerifyResult
@@ -143,6 +147,16 @@ class ReadsTargetFeatures(Protocol):
 
 
 @runtime_checkable
+class ReadsTargetCache(Protocol):
+    """Optional capability: the drafter reads the target's KV cache (module docstring)."""
+
+    def read_target_cache(self, cache: ReadableKVCache) -> None:
+        """This generation's target cache, to read at every ``propose`` (never to write or crop); called right after
+        ``begin``."""
+        ...
+
+
+@runtime_checkable
 class HintsDraftKind(Protocol):
     """Optional capability: the drafter says what it would draft before drafting (module docstring)."""
 
@@ -156,6 +170,17 @@ class HintsDraftKind(Protocol):
 def target_features(drafter: Drafter) -> TargetFeatures | None:
     """The features ``drafter`` reads (:class:`ReadsTargetFeatures`), or None."""
     return drafter.target_features() if isinstance(drafter, ReadsTargetFeatures) else None
+
+
+def share_target_cache(drafter: Drafter, cache: KVCache) -> None:
+    """Give a drafter that reads the target's cache (:class:`ReadsTargetCache`) read access to ``cache``; a cache
+    without that access is a clear error naming the drafter. Other drafters are left alone."""
+    if not isinstance(drafter, ReadsTargetCache):
+        return
+    if not callable(getattr(type(cache), "layer_kv", None)):  # the type's, so a stand-in's __getattr__ is not asked
+        raise SpecdraftError(f"drafter {drafter.name!r} reads the target's KV cache, which this decoding path does "
+                             f"not expose ({type(cache).__name__}); use batch-1 decoding (specdraft generate)")
+    drafter.read_target_cache(cache)
 
 
 def draft_kind(drafter: Drafter, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:

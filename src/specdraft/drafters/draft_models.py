@@ -82,17 +82,19 @@ def load_draft_model(
     target: CausalLM, target_tokenizer, draft: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
     quantize: str | None = None,
 ) -> CausalLM:
-    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint); one that
-    shares the target's token embeddings gets them from ``target``. ``quantize`` (``int8``, ``int4``) rounds a
-    native Llama draft model's weights to blocks at load (:class:`~specdraft.models.quantized_llama.QuantizedLlama`).
+    """A draft model, checked against the target (vocabulary, special tokens, tokenizer fingerprint), on the
+    target's device; one that shares the target's token embeddings gets them from ``target``. ``quantize`` (``int8``,
+    ``int4``) rounds a native Llama draft model's weights to blocks at load
+    (:class:`~specdraft.models.quantized_llama.QuantizedLlama`).
     """
     from specdraft.models.registry import resolve
     from specdraft.models.shared_embeddings import embeddings_for, shared_embeddings
 
     folder = resolve(draft)
     shared = isinstance(folder, Path) and shared_embeddings(folder) is not None
+    device = getattr(target, "device", None) or "cpu"  # an HFCausalLM on CUDA: its drafter decodes there too
     model = load_model(draft, torch.float32 if quantize else dtype, backend,
-                       embeddings_for(folder, target, draft) if shared else None)
+                       embeddings_for(folder, target, draft) if shared else None, device=device)
     if quantize:
         model = quantize_draft(model, quantize)
     try:

@@ -27,6 +27,9 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 def eagle3_tensors(head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's weights under the engines' names (floating tensors in ``dtype``, d2t int64, t2d bool)."""
+    if getattr(head, "sampling", None) is not None:
+        raise SpecdraftError("these EAGLE-3 heads were trained with FSPAD's feature sampling (fspad_sampling), which "
+                             "the engines' EAGLE-3 format has no place for: they run in specdraft only")
     layer, sizes = head.layer, head.sizes
     q_rows = sizes["num_attention_heads"] * sizes["head_dim"]
     kv_rows = sizes["num_key_value_heads"] * sizes["head_dim"]

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.heads.fspad import FeatureSampling, parse_fspad, partial_smooth_l1
 from specdraft.models.native_llama import DecoderLayer, LayerStep, StaticKVCache, causal_mask, rope_table
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -89,13 +90,15 @@ class _EagleLayer(DecoderLayer):
 
 
 class EagleHead(nn.Module):
-    """fc (2D -> D) and one decoder layer; predicts the next feature from (feature, next token embedding) pairs."""
+    """fc (2D -> D) and one decoder layer; predicts the next feature from (feature, next token embedding) pairs.
+    ``sampling`` = M > 0 adds FSPAD's feature sampling in front (:class:`specdraft.heads.fspad.FeatureSampling`)."""
 
-    def __init__(self, sizes: dict) -> None:
+    def __init__(self, sizes: dict, sampling: int = 0) -> None:
         super().__init__()
         self.sizes = dict(sizes)
         self.config = llama_config(sizes)
         hidden = sizes["hidden_size"]
+        self.sampling = FeatureSampling(hidden, sampling) if sampling else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         nn.init.normal_(self.fc.weight, 0.0, 0.02)
         nn.init.zeros_(self.fc.bias)
@@ -135,6 +138,8 @@ class EagleHead(nn.Module):
             cache = self.new_cache(steps, batch, torch.get_autocast_dtype(device) if autocast else self.dtype)
         cache.ensure_room(steps)
         step = self._step(cache.length, steps, positions, attention_mask)
+        if self.sampling is not None:
+            features = self.sampling(features.to(self.dtype), next_embeds)  # (B, T, D): FSPAD's sampled features
         hidden = self.fc(torch.cat([features, next_embeds], dim=-1).to(self.dtype))  # (B, T, D)
         hidden = self.layer(hidden, cache, 0, step)  # (B, T, D)
         cache.advance(steps)
@@ -151,12 +156,14 @@ def num_parameters(head: EagleHead) -> int:
 
 def eagle_loss(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
                embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, cls_weight: float = 0.1,
-               reg_weight: float = 1.0, noise: float = 0.0,
+               reg_weight: float = 1.0, noise: float = 0.0, partial_alignment: float = 0.0,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
     """EAGLE's training loss, L = reg_weight * L_reg + cls_weight * L_cls (Li et al. 2024: 1.0 and 0.1).
 
     Pair t = (f_t, x_{t+1}) is trained to predict f_{t+1}: L_reg = SmoothL1(g_t, f_{t+1}) (mean over features),
     L_cls = -sum_v softmax(W_lm f_{t+1})_v log softmax(W_lm g_t)_v; both averaged over the pairs where ``mask``.
+    ``partial_alignment`` R in (0, 1) aligns only the first ceil(R*D) features in L_reg (FSPAD's partial alignment
+    distillation, :mod:`specdraft.heads.fspad`); 0 or 1 aligns all.
 
     Args:
         features: (B, T + 1, D) the frozen target's final-normed features of ``tokens`` (no gradient).
@@ -171,14 +178,16 @@ def eagle_loss(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, ma
         raise SpecdraftError("eagle_loss needs features (B, T+1, D), tokens (B, T+1) and mask (B, T)")
     inputs, targets = features[:, :-1].detach(), features[:, 1:].detach()  # (B, T, D) each
     if noise > 0:
-        inputs = inputs + (torch.rand(inputs.shape, generator=generator, device=inputs.device) * 2 - 1) * noise
+        where = inputs.device if generator is None else generator.device  # drawn where the generator lives
+        uniform = torch.rand(inputs.shape, generator=generator, device=where).to(inputs.device)  # (B, T, D)
+        inputs = inputs + (uniform * 2 - 1) * noise
     embeds = F.embedding(tokens[:, 1:], embed_weight.detach())  # (B, T, D)
     predicted = head(inputs, embeds)[mask].float()  # (n, D)
     truth = targets[mask].float()  # (n, D)
     count = int(truth.shape[0])
     if count == 0:
         return predicted.sum() * 0.0, 0
-    regression = F.smooth_l1_loss(predicted, truth)
+    regression = partial_smooth_l1(predicted, truth, partial_alignment)
     lm_head = lm_head_weight.detach().float()
     with torch.no_grad():
         p = torch.softmax(F.linear(truth, lm_head), dim=-1)  # (n, V)
@@ -189,15 +198,17 @@ def eagle_loss(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, ma
 
 # --- the spec: sizes and loss settings, as stored in heads.json --------------------------------------------------
 
-LOSS_OPTIONS = {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0}
+LOSS_OPTIONS = {"cls_weight": 0.1, "reg_weight": 1.0, "noise": 0.0, "partial_alignment": 0.0}
 
 
 def eagle_spec(target_config, config, options: dict[str, str]) -> dict:
-    """The head's sizes (from the target) and loss settings (``--options 'cls_weight=0.1;reg_weight=1;noise=0'``)."""
-    unknown = sorted(set(options) - set(LOSS_OPTIONS))
+    """The head's sizes (from the target), loss settings (``--options 'cls_weight=0.1;reg_weight=1;noise=0'``) and
+    FSPAD's options (``fspad_sampling=M``, ``partial_alignment=R``: :mod:`specdraft.heads.fspad`)."""
+    known = [*LOSS_OPTIONS, "fspad_sampling"]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise SpecdraftError(f"unknown eagle option {', '.join(unknown)}; eagle takes: {', '.join(LOSS_OPTIONS)}")
-    settings = {}
+        raise SpecdraftError(f"unknown eagle option {', '.join(unknown)}; eagle takes: {', '.join(known)}")
+    settings = parse_fspad(options, "eagle")
     for name, default in LOSS_OPTIONS.items():
         try:
             settings[name] = float(options.get(name, default))
@@ -211,7 +222,7 @@ def eagle_spec(target_config, config, options: dict[str, str]) -> dict:
 def build_eagle(spec: dict) -> EagleHead:
     """A fresh head from a spec (``heads.json``'s ``spec``); the loss settings ride along as attributes."""
     try:
-        head = EagleHead({key: spec[key] for key in (*_SIZE_KEYS, "rope_theta")})
+        head = EagleHead({key: spec[key] for key in (*_SIZE_KEYS, "rope_theta")}, int(spec.get("fspad_sampling", 0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecdraftError(f"bad EAGLE head spec {spec!r}: {exc}") from None
     head.loss_settings = {name: float(spec.get(name, default)) for name, default in LOSS_OPTIONS.items()}

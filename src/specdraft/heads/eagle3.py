@@ -37,6 +37,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import llama_config, step_layout
+from specdraft.heads.fspad import FeatureSampling
 from specdraft.models.native_llama import DecoderLayer, LayerStep, StaticKVCache, rope_table, rotate
 
 
@@ -84,16 +85,19 @@ class Eagle3Layer(DecoderLayer):
         """One draft step on the head's KV cache: (B, T, D) embeddings and features -> (B, T, D) next features."""
         return self._finish(features, self._attention(self._inputs(embeds, features), cache, 0, step))
 
-    def unroll(self, embeds: list[torch.Tensor], features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> list[torch.Tensor]:
+    def unroll(self, embeds: list[torch.Tensor], features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               sample=None) -> list[torch.Tensor]:
         """Training-time test over whole sequences: step i reads ``embeds[i]`` (B, T, D) (the tokens x_{t+1+i})
         and step i-1's outputs (step 0: ``features`` (B, T, D)); returns every step's outputs (B, T, D).
-        ``cos``, ``sin``: (T + steps, hd/2) rotary tables from position 0. See the module docstring for the mask."""
+        ``cos``, ``sin``: (T + steps, hd/2) rotary tables from position 0. See the module docstring for the mask.
+        ``sample(features, embeds)``: FSPAD's feature sampling applied to each step's input features (None: off)."""
         batch, length = features.shape[:2]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         causal = torch.ones(length, length, dtype=torch.bool, device=features.device).tril()  # (T, T)
         keys, values, outputs = [], [], []
         for i, embed in enumerate(embeds):
+            if sample is not None:
+                features = sample(features, embed)  # (B, T, D)
             qkv = F.linear(self._inputs(embed, features), self.qkv_weight, self.qkv_bias)
             qkv = qkv.view(batch, length, heads + 2 * kv_heads, hd)  # (B, T, H+2K, hd)
             angle_cos, angle_sin = cos[i : i + length, None], sin[i : i + length, None]  # (T, 1, hd/2)
@@ -122,13 +126,14 @@ class Eagle3Head(nn.Module):
     ``draft_vocab_size``; ``draft_token_ids`` (N,), when given, sets d2t and t2d (else they come from the weights).
     """
 
-    def __init__(self, sizes: dict, draft_token_ids: torch.Tensor | None = None) -> None:
+    def __init__(self, sizes: dict, draft_token_ids: torch.Tensor | None = None, sampling: int = 0) -> None:
         super().__init__()
         self.sizes = dict(sizes)
         self.config = llama_config(sizes)
         hidden, vocab, draft = sizes["hidden_size"], sizes["vocab_size"], sizes["draft_vocab_size"]
         self.aux_layers = [int(i) for i in sizes["aux_layers"]]
         self.fc = nn.Linear(len(self.aux_layers) * hidden, hidden, bias=False)
+        self.sampling = FeatureSampling(hidden, sampling) if sampling else None  # FSPAD (heads.fspad)
         nn.init.normal_(self.fc.weight, 0.0, 0.02)
         self.layer = Eagle3Layer(self.config)
         self.norm = nn.Parameter(torch.ones(hidden))
@@ -175,7 +180,10 @@ class Eagle3Head(nn.Module):
         steps = features.shape[1]
         cache.ensure_room(steps)
         step = self._step(cache.length, steps, positions, attention_mask)
-        out = self.layer(embeds.to(self.dtype), features.to(self.dtype), cache, step)  # (B, T, D)
+        features, embeds = features.to(self.dtype), embeds.to(self.dtype)
+        if self.sampling is not None:
+            features = self.sampling(features, embeds)  # (B, T, D): FSPAD's sampled features
+        out = self.layer(embeds, features, cache, step)  # (B, T, D)
         cache.advance(steps)
         return out
 
@@ -186,7 +194,7 @@ class Eagle3Head(nn.Module):
         if length > self.rope_cos.shape[0]:
             raise SpecdraftError(f"EAGLE-3 training sequences must be shorter than {self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[:length].to(self.dtype), self.rope_sin[:length].to(self.dtype)
-        return self.layer.unroll([e.to(self.dtype) for e in embeds], self.fuse(aux), cos, sin)
+        return self.layer.unroll([e.to(self.dtype) for e in embeds], self.fuse(aux), cos, sin, self.sampling)
 
     def _step(self, start: int, steps: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> LayerStep:
         return step_layout(self, start, steps, positions, mask, "EAGLE-3")
@@ -198,7 +206,7 @@ def build_eagle3(spec: dict, draft_token_ids: torch.Tensor | None = None) -> Eag
             "head_dim", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "rope_theta",
             "aux_layers", "draft_vocab_size")
     try:
-        head = Eagle3Head({key: spec[key] for key in keys}, draft_token_ids)
+        head = Eagle3Head({key: spec[key] for key in keys}, draft_token_ids, int(spec.get("fspad_sampling", 0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecdraftError(f"bad EAGLE-3 head spec: {exc!r}") from None
     head.train_settings = {k: v for k, v in spec.items() if k not in keys}

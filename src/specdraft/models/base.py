@@ -39,6 +39,22 @@ class KVCache(Protocol):
 
 
 @runtime_checkable
+class ReadableKVCache(Protocol):
+    """Optional capability of a :class:`KVCache`: read access to the keys and values it holds (GliDe's draft
+    cross-attends to the target's cache, :mod:`specdraft.drafters.glide`). Slot p holds position p: a tree step's
+    rollback (``compact``) moves the accepted nodes into place before anyone reads."""
+
+    @property
+    def length(self) -> int:
+        ...
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of decoder layer ``layer`` (negative counts from the last) at the ``length`` valid
+        positions, each (B, K, length, hd), keys with their rotary angles applied: views to read, never to write."""
+        ...
+
+
+@runtime_checkable
 class CausalLM(Protocol):
     """A causal language model with an explicit cache.
 

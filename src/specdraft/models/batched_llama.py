@@ -14,6 +14,8 @@ free as in the batch-1 static cache: a row's length moves back, stale slots are 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -168,7 +170,8 @@ def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int, groups: int
 def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_new: list[int],
                     first_row: int | list[int] = 0, offsets: torch.Tensor | None = None,
                     local_mask: torch.Tensor | None = None, return_hidden: bool = False, want_logits: bool = True,
-                    last_only: bool = False, logits_weight: torch.Tensor | None = None):
+                    last_only: bool = False, logits_weight: torch.Tensor | None = None,
+                    hidden_layers: Sequence[int] = ()):
     """A ragged forward of rows ``first_row .. first_row + n - 1`` (or of the given list of rows: dense rows attend
     views of the cache, scattered rows gathered copies, cheap only for a small model such as a draft model).
 
@@ -178,6 +181,9 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
         offsets: (n, T) position of each token minus its row's length, default ``0 .. T-1`` (a tree gives depths).
         local_mask: (n, T, T) bool among the new tokens, default causal; padding rows should stay causal.
         return_hidden: also return the final-normed hidden states (n, T, D).
+        hidden_layers: with ``return_hidden``, also the residual stream entering each of these layers (EAGLE-3's
+            features, as :meth:`~specdraft.models.native_llama.NativeLlama.forward` returns them): then a pair
+            (final-normed (n, T, D), entering ``hidden_layers`` concatenated (n, T, k*D)) in place of the states.
         want_logits: False skips the LM head (a prefill) and returns None in place of the logits.
         last_only: logits of each row's last real token only, (n, 1, V).
         logits_weight: (N, D) replaces the LM head (a draft vocabulary's rows), as in the batch-1 forward.
@@ -202,10 +208,18 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
     mask = _full_mask(lengths, local_mask, cache._end, groups).to(model.rope_cos.device)
     rope = _rope(model, positions.to(model.rope_cos.device))
     hidden = model.embed_tokens(input_ids)  # (n, T, D)
+    taps, aux = set(hidden_layers), []
+    if sorted(taps) != list(hidden_layers) or any(not 0 <= i < len(model.layers) for i in taps):
+        raise SpecdraftError(f"hidden_layers must be increasing indices in 0 .. {len(model.layers) - 1}, "
+                             f"got {list(hidden_layers)}")
     for index, layer in enumerate(model.layers):
+        if index in taps:
+            aux.append(hidden)  # (n, T, D)
         hidden = _layer(layer, hidden, cache, index, rope, mask)
     cache.end_forward(num_new)
     hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
     head_in = hidden[torch.arange(batch), torch.tensor(num_new) - 1][:, None] if last_only else hidden  # (n, 1|T, D)
     logits = model.lm_head(head_in, logits_weight, prepacked=False) if want_logits else None  # (n, 1 or T, V)
-    return (logits, hidden) if return_hidden else logits
+    if not return_hidden:
+        return logits
+    return (logits, (hidden, torch.cat(aux, dim=-1))) if taps else (logits, hidden)  # aux: (n, T, k*D)

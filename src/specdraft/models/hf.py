@@ -1,7 +1,9 @@
 """Any transformers causal LM behind the :class:`~specdraft.models.base.CausalLM` interface.
 
 Rollback uses ``DynamicCache.crop``, as transformers' own assisted generation does. This is the path for
-architectures the native implementation does not cover.
+architectures the native implementation does not cover, and for decoding on CUDA: the model and its cache live on
+the model's device, while ids, positions and masks come in from the decoding loop on the CPU and logits and hidden
+states go back to it there (one copy per forward), so drafters and verification never see another device.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ class HFCache:
         if length < self.length:
             self.cache.crop(length - self.length)  # transformers 5 crops by a negative count of tokens to drop
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys (rotated, as transformers caches them) and values, each (B, K, length, hd)
+        (:class:`~specdraft.models.base.ReadableKVCache`)."""
+        layers = self.cache.layers
+        if not -len(layers) <= layer < len(layers) or getattr(layers[layer], "keys", None) is None:
+            raise SpecdraftError(f"layer {layer} of this transformers cache holds no keys ({len(layers)} layers)")
+        return layers[layer].keys, layers[layer].values
+
     def compact(self, start: int, slots: list[int]) -> None:
         """Keep positions ``0 .. start - 1`` plus the given slots moved after them (the accepted tree path)."""
         length = self.length
@@ -54,6 +64,7 @@ class HFCausalLM:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30) or 1 << 30)
         self.dtype = model.dtype
+        self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters  # else: slice after
 
     def new_cache(self, capacity: int, batch_size: int = 1) -> HFCache:
@@ -89,17 +100,19 @@ class HFCausalLM:
                 seen[:, start:] = local
             mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill(~seen, torch.finfo(self.dtype).min)
             mask = mask[None, None]  # (1, 1, T, S)
+        device = self.device
         out = self.model(
-            input_ids=input_ids, past_key_values=cache.cache, use_cache=True,
-            position_ids=(slots if positions is None else positions).unsqueeze(0), cache_position=slots,
-            attention_mask=mask, output_hidden_states=return_hidden,
+            input_ids=input_ids.to(device), past_key_values=cache.cache, use_cache=True,
+            position_ids=(slots if positions is None else positions).unsqueeze(0).to(device),
+            cache_position=slots.to(device), attention_mask=None if mask is None else mask.to(device),
+            output_hidden_states=return_hidden,
             **({"logits_to_keep": logits_to_keep} if logits_to_keep and self._keeps_logits else {}),
         )
         logits = out.logits.float()  # (B, T, V), or (B, k, V) when the model took logits_to_keep
         if logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]  # (B, k, V) either way
         if not return_hidden:
-            return logits
+            return logits.cpu()
         if hidden_layers is not None:  # (B, T, k*D): the residual stream entering each given layer
-            return logits, torch.cat([out.hidden_states[int(i)] for i in hidden_layers], dim=-1)
-        return logits, out.hidden_states[-1]  # (B, T, D), final-normed
+            return logits.cpu(), torch.cat([out.hidden_states[int(i)] for i in hidden_layers], dim=-1).cpu()
+        return logits.cpu(), out.hidden_states[-1].cpu()  # (B, T, D), final-normed

@@ -151,6 +151,13 @@ class StaticKVCache:
             raise SpecdraftError(f"cannot crop a KV cache of length {self._length} to {length}")
         self._length = length
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys (rotated) and values of the valid positions, each (B, K, length, hd), views
+        (:class:`~specdraft.models.base.ReadableKVCache`)."""
+        if not -len(self.keys) <= layer < len(self.keys):
+            raise SpecdraftError(f"layer {layer} out of range for a KV cache of {len(self.keys)} layers")
+        return self.keys[layer][:, :, : self._length], self.values[layer][:, :, : self._length]
+
     def ensure_room(self, num_new: int) -> None:
         """Raise unless ``num_new`` more positions fit."""
         if self._length + num_new > self._capacity:

@@ -62,16 +62,50 @@ def package_dir(package: str) -> Path:
 
 
 def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
-    """Dequantise the GGUF into a plain safetensors Llama checkpoint (plus tokenizer) at ``out``, atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+    """Dequantise the built-in's packaged GGUF into ``out`` (:func:`convert_gguf`)."""
     src = package_dir(builtin.package)
     if not (src / builtin.gguf_file).is_file():
         raise SpecdraftError(f"missing {builtin.gguf_file} in {src}")
-    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=builtin.gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=builtin.gguf_file)
+    convert_gguf(src / builtin.gguf_file, out, {"gguf": builtin.gguf_file, "package": builtin.package})
+
+
+GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                       "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """The special token ids a GGUF file names in its metadata (``bos_token``, ``eos_token``, ``pad_token``)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    found = {}
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        if key in fields:
+            field = fields[key]
+            found[name] = int(field.parts[field.data[0]][0])
+    return found
+
+
+def set_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    """Give ``tokenizer`` the special tokens ``ids`` names: transformers' GGUF tokenizer conversion does not always
+    keep the file's own (5.17 makes SmolLM2's end of turn ``<|im_start|>`` and drops its padding token)."""
+    for name, token_id in ids.items():
+        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+
+
+def convert_gguf(path: Path, out: Path, source: dict | None = None) -> None:
+    """Dequantise the GGUF ``path`` into a plain safetensors Llama checkpoint (plus tokenizer, with the special
+    tokens the file names) at ``out``, atomically; ``source`` is recorded in ``specdraft_source.json``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    set_special_tokens(tokenizer, gguf_special_token_ids(path))
     config = gguf_model.config.to_dict()
     config.pop("quantization_config", None)
+    config |= {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
     model = LlamaForCausalLM(LlamaConfig(**config))
     model.load_state_dict(gguf_model.state_dict())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +114,7 @@ def _convert_gguf(builtin: BuiltinModel, out: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdraft_source.json").write_text(json.dumps({"gguf": builtin.gguf_file, "package": builtin.package}))
+        (tmp / "specdraft_source.json").write_text(json.dumps(source or {"gguf": str(path)}))
         if out.exists():  # another process finished first: keep its copy
             return
         os.replace(tmp, out)
@@ -229,16 +263,21 @@ def choose_precision(target: str, dtype: str = "auto", quantize: str = "auto",
 
 def load_model(
     name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
-    embeddings: torch.Tensor | None = None, quantize: str | None = None,
+    embeddings: torch.Tensor | None = None, quantize: str | None = None, device: str | torch.device = "cpu",
 ) -> CausalLM:
     """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers.
 
     A checkpoint that shares its target's token embeddings (:mod:`specdraft.models.shared_embeddings`) needs that
     table as ``embeddings`` (V, D); :func:`specdraft.drafters.draft_models.load_draft_model` passes the target's.
     ``quantize`` (``gguf``, ``int8``, ``int4``; see :class:`Precision`) loads block-quantized weights
-    (:mod:`specdraft.models.quantized_llama`) for the native Llama.
+    (:mod:`specdraft.models.quantized_llama`) for the native Llama, on the CPU. ``device`` (``cpu``, ``cuda``,
+    ``cuda:N`` or ``auto``) is where the weights go; on CUDA ``auto`` loads the transformers model (the native Llama
+    decodes one sequence on the CPU; on CUDA it serves the batched data engine, :mod:`specdraft.models.static_batch`).
     """
+    device = _device(device)
     if quantize not in (None, "none"):
+        if device.type != "cpu":
+            raise SpecdraftError(f"quantized weights ({quantize}) run on the CPU; on {device} use --quantize none")
         return _load_quantized(name_or_path, quantize, backend, embeddings)
     from transformers import AutoConfig
 
@@ -258,8 +297,11 @@ def load_model(
         raise SpecdraftError(f"{name_or_path} shares its target's token embeddings ({SHARED_EMBEDDINGS_FILE}): "
                              "load it as a drafter of that target (--draft), not on its own")
     extra = {EMBEDDING_KEY: embeddings} if shared else None
-    if backend == "native" or (backend == "auto" and isinstance(where, Path) and supports(config)):
+    native_ok = isinstance(where, Path) and supports(config) and device.type == "cpu"
+    if backend == "native" or (backend == "auto" and native_ok):
         model = NativeLlama.from_pretrained(where, dtype=dtype, name=name_or_path, extra_tensors=extra)
+        if device.type != "cpu":
+            return model.to(device)
         model.prepack()  # weights packed for the row kernels or oneDNN: k-token verifies cost far less (models.packed)
         return model
     model = _load_hf(where, name_or_path, dtype)
@@ -267,17 +309,29 @@ def load_model(
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(embeddings)
         model.tie_weights()
-    return HFCausalLM(model, name=name_or_path)
+    return HFCausalLM(model.to(device), name=name_or_path)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device (``auto`` resolved: :func:`specdraft.hardware.resolve_device`)."""
+    from specdraft.hardware import resolve_device
+
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return resolve_device(device).device
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
 
 
 def _load_quantized(name_or_path: str, quantize: str, backend: str, embeddings: torch.Tensor | None) -> CausalLM:
-    from specdraft.models import quantized
     from specdraft.models.native_llama import NativeLlama, read_config, supports
+    from specdraft.models.quantized import available as quantized_available
     from specdraft.models.quantized_llama import QuantizedLlama
 
     if backend == "hf":
         raise SpecdraftError("quantized weights run on the native backend: use --backend auto or native")
-    if not quantized.available():
+    if not quantized_available():
         raise SpecdraftError("quantized weights need specdraft's int8 kernels, which cannot run here (an x86 CPU with "
                              "AVX2, FMA and F16C and a C++ compiler): give --dtype float32 or bfloat16")
     if embeddings is not None:
@@ -327,9 +381,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, backend: str = "auto",
-                quantize: str | None = None):
-    """The target model and its tokenizer (``quantize``: see :class:`Precision`)."""
-    return load_model(name_or_path, dtype, backend, quantize=quantize), load_tokenizer(name_or_path)
+                quantize: str | None = None, device: str | torch.device = "cpu"):
+    """The target model (on ``device``) and its tokenizer (``quantize``: see :class:`Precision`)."""
+    return load_model(name_or_path, dtype, backend, quantize=quantize, device=device), load_tokenizer(name_or_path)
 
 
 def eos_token_ids(tokenizer, model_name: str | None = None) -> tuple[int, ...]:

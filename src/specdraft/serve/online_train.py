@@ -11,7 +11,7 @@ import copy
 import torch
 
 from specdraft.models.native_llama import NativeLlama
-from specdraft.training.finetune import (
+from specdraft.training.batches import (
     DistillDataset,
     collate_distill,
     dense_from_topk,

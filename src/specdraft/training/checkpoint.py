@@ -21,10 +21,12 @@ import torch
 
 from specdraft.errors import SpecdraftError, naming
 from specdraft.files import build_folder
+from specdraft.models.registry import DTYPES, load_tokenizer
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng", "data")
 EXPORT_FILES = ("config.json", "model.safetensors", "generation_config.json", "README.md")
+EXPORT_DTYPES = DTYPES  # float32 | bfloat16, the same names as --dtype
 
 
 # --- training checkpoints --------------------------------------------------------------------------------------------
@@ -70,6 +72,11 @@ def load_training_state(path: str | Path) -> dict:
 # --- Hugging Face export ---------------------------------------------------------------------------------------------
 
 
+def export_path(out: str | Path) -> Path:
+    """Where a run folder keeps its exported model."""
+    return Path(out) / "model"
+
+
 def is_complete_export(path: str | Path) -> bool:
     """Whether ``path`` is a finished export (every file of :data:`EXPORT_FILES` present)."""
     return all((Path(path) / name).is_file() for name in EXPORT_FILES)
@@ -101,8 +108,6 @@ def export_hf(model, out: str | Path, target: str, card: dict, dtype: torch.dtyp
             was trained for), overridden by options given at load time.
     """
     from transformers import GenerationConfig
-
-    from specdraft.models.registry import load_tokenizer
 
     def fill(tmp: Path) -> None:
         copy = type(model)(model.config)

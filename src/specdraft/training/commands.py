@@ -1,5 +1,6 @@
 """The draft-training subcommands of ``specdraft`` (Goel et al. 2024, arXiv 2403.00858): ``pretrain``,
-``distill-data``, ``finetune``, and ``train-drafter`` that runs all three from one JSON or TOML file.
+``distill-data``, ``finetune``, and ``train-drafter`` that runs a whole recipe from one JSON or TOML file
+(:mod:`specdraft.training.recipe`).
 
 Each subcommand's flags are generated from its config dataclass (one flag per field, its help text from the
 field's metadata, ``--x/--no-x`` for booleans), so the CLI and the library cannot drift apart. A handler builds
@@ -10,24 +11,20 @@ library function. Register them with :func:`add_training_commands`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shlex
-import tomllib
-from dataclasses import MISSING, fields, replace
-from pathlib import Path
+from dataclasses import MISSING, fields
 
-from specdraft.errors import SpecdraftError
-from specdraft.training.drafter_config import InitDrafterConfig
-from specdraft.training.finetune import FinetuneConfig, data_folders, finetune
-from specdraft.training.generation import DistillDataConfig, distill_changes, generate_distillation_data
-from specdraft.training.pretrain import PretrainConfig, export_path, pretrain, source_inputs
-from specdraft.training.stages import data_inputs
+from specdraft.training.drafter_config import InitDrafterConfig, init_drafter
+from specdraft.training.finetune import FinetuneConfig, finetune
+from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+from specdraft.training.heads import HeadsConfig, train_heads
+from specdraft.training.pretrain import PretrainConfig, pretrain
+from specdraft.training.recipe import load_pipeline_file, train_drafter
+from specdraft.training.task_prompts import build_task_prompts, write_task_prompts
 from specdraft.training.teacher import TeacherTopkConfig, annotate_topk
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
-STAGES = ("pretrain", "distill_data", "finetune")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -68,8 +65,6 @@ def _run_distill_topk(args: argparse.Namespace) -> None:
 
 
 def _run_init_drafter(args: argparse.Namespace) -> None:
-    from specdraft.training.drafter_config import init_drafter
-
     print(init_drafter(config_from_args(InitDrafterConfig, args), command=command_line(args)), flush=True)
 
 
@@ -87,8 +82,6 @@ def _run_distill_data(args: argparse.Namespace) -> None:
 def _run_task_prompts(args: argparse.Namespace) -> None:
     from collections import Counter
 
-    from specdraft.training.task_prompts import build_task_prompts, write_task_prompts
-
     prompts = build_task_prompts(args.per_task, args.seed)
     counts = Counter(p.category for p in prompts)
     print(f"task-prompts: {len(prompts)} prompts ({', '.join(f'{k} {v}' for k, v in counts.items())}) -> "
@@ -100,14 +93,16 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
 
 def _run_train_heads(args: argparse.Namespace) -> None:
-    from specdraft.training.heads import HeadsConfig, train_heads
-
     print(train_heads(config_from_args(HeadsConfig, args), command=command_line(args)), flush=True)
 
 
 def _run_train_drafter(args: argparse.Namespace) -> None:
-    print(train_drafter(load_pipeline_file(args.config), command=command_line(args), overwrite=args.overwrite),
-          flush=True)
+    only = tuple(part.strip() for part in (args.stages or "").split(",") if part.strip())
+    exports = train_drafter(load_pipeline_file(args.config), command=command_line(args), overwrite=args.overwrite,
+                            only=only)
+    print(exports["drafter"], flush=True)
+    if "heads" in exports:
+        print(exports["heads"], flush=True)
 
 
 def add_training_commands(sub) -> None:
@@ -136,111 +131,19 @@ def add_training_commands(sub) -> None:
     add_config_arguments(p, FinetuneConfig)
     p.set_defaults(run=_run_finetune, subcommand="finetune")
     _add_train_heads(sub)
-    p = sub.add_parser("train-drafter", help="pretrain, distill-data and finetune from one JSON or TOML file")
-    p.add_argument("--config", required=True, help="file with sections pretrain, distill_data, finetune")
+    p = sub.add_parser("train-drafter", help="the whole recipe from one TOML or JSON file: data, drafter, "
+                                             "distillation phases, heads")
+    p.add_argument("--config", required=True, help="file with sections distill_data, heldout_data, pretrain or "
+                                                   "init_drafter, finetune (one or several phases), heads")
     p.add_argument("--overwrite", action="store_true", help="rebuild the stages whose settings or inputs changed "
                                                             "(each built beside its old run, swapped in when done)")
+    p.add_argument("--stages", help="run only these sections, comma-separated (the others' outputs are still "
+                                    "their inputs)")
     p.set_defaults(run=_run_train_drafter, subcommand="train-drafter")
 
 
 def _add_train_heads(sub) -> None:
     """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.training.heads`)."""
-    from specdraft.training.heads import HeadsConfig
-
     p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle, eagle3) on a frozen target")
     add_config_arguments(p, HeadsConfig)
     p.set_defaults(run=_run_train_heads, subcommand="train-heads")
-
-
-# --- the whole pipeline ----------------------------------------------------------------------------------------------
-
-
-def load_pipeline_file(path: str | Path) -> dict:
-    """The sections of a pipeline file: ``.toml`` (tomllib) or JSON; an optional top-level ``target`` applies to
-    every stage."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-        spec = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except OSError as exc:
-        raise SpecdraftError(f"cannot read pipeline file {path}: {exc.strerror}") from None
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise SpecdraftError(f"malformed pipeline file {path}: {exc}") from None
-    if not isinstance(spec, dict):
-        raise SpecdraftError(f"{path}: expected a table of sections {', '.join(STAGES)}")
-    unknown = sorted(set(spec) - {*STAGES, "target"})
-    if unknown or not all(isinstance(spec.get(s, {}), dict) for s in STAGES):
-        raise SpecdraftError(f"{path}: unknown key {unknown[0]!r}" if unknown else f"{path}: sections must be tables")
-    return spec
-
-
-def _build(cls: type, section: str, values: dict):
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise SpecdraftError(f"[{section}] has no setting {unknown[0]!r}; known: {', '.join(sorted(names))}")
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise SpecdraftError(f"[{section}]: {exc}") from None
-
-
-def pipeline_configs(spec: dict) -> tuple[PretrainConfig, DistillDataConfig, FinetuneConfig]:
-    """The three stage configs; finetune's drafter and data default to the outputs of the stages before it."""
-    for stage in STAGES:
-        if stage not in spec:
-            raise SpecdraftError(f"pipeline file lacks the [{stage}] section")
-    shared = {"target": spec["target"]} if "target" in spec else {}
-    pre = _build(PretrainConfig, "pretrain", shared | spec["pretrain"])
-    data = _build(DistillDataConfig, "distill_data", shared | spec["distill_data"])
-    defaults = {"drafter": str(export_path(pre.out)), "data": data.out}
-    fine = _build(FinetuneConfig, "finetune", shared | defaults | spec["finetune"])
-    return pre, data, fine
-
-
-def train_drafter(spec: dict, command: str | None = None, overwrite: bool = False) -> Path:
-    """Run pretrain -> distill-data -> finetune; returns the fine-tuned drafter's folder. Every config is validated
-    before any stage starts.
-
-    A stage whose folder holds a run of the same settings and inputs is continued, or reused when finished (its
-    shards or export checked first); a stage whose settings or inputs changed (a later stage's inputs include the
-    earlier stages' outputs) is refused naming what changed, or with ``overwrite`` rebuilt beside the old run and
-    swapped in."""
-    pre, data, fine = pipeline_configs(spec)
-    _training_stage("pretrain", pretrain, pre, lambda: source_inputs(pre), overwrite, command)
-    with _section("distill_data"):
-        data_overwrite = overwrite and bool(distill_changes(data))
-        generate_distillation_data(data, overwrite=data_overwrite, progress=fine.progress)
-    _training_stage("finetune", finetune, fine,
-                    lambda: data_inputs(data_folders(fine.data), drafter=fine.drafter), overwrite, command)
-    return export_path(fine.out)
-
-
-@contextlib.contextmanager
-def _section(name: str):
-    """Name the pipeline file's section in a stage's error."""
-    try:
-        yield
-    except SpecdraftError as exc:
-        raise SpecdraftError(f"[{name}] {exc}") from None
-
-
-def _training_stage(name: str, run, config, inputs, overwrite: bool, command: str | None) -> None:
-    """Run one training stage of the pipeline: fresh, continued, reused, or (``overwrite``, when its settings or
-    inputs changed) replaced."""
-    from specdraft.hardware import resolve_bf16
-    from specdraft.training.runs import stage_changes
-
-    with _section(name):
-        held = Path(config.out).exists()
-        if held and overwrite:
-            resolved = replace(config, bf16=resolve_bf16(config.bf16).bf16)
-            if hasattr(resolved, "with_budget"):
-                resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
-            defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-            changed = stage_changes(resolved, inputs(), export_path("").name, defaults)
-            if changed:
-                run(replace(config, resume=False, overwrite=True), command=command)
-                return
-        resume = stage_changes(config, {}, export_path("").name, {}) is not None
-        run(replace(config, resume=resume, overwrite=False), command=command)

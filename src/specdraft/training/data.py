@@ -264,7 +264,8 @@ def _text_pieces(files: list[Path]) -> Iterator[str]:
 
 
 def _iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, record) for each non-blank line; malformed lines raise with the file and line number."""
+    """(line number, record) for each non-blank line (a ``.gz`` file is read through gzip); malformed lines raise
+    with the file and line number."""
     path = _existing(path)
     count = 0
     for number, line in text_lines(path):  # a folder, or bytes that are not UTF-8, named with the line
@@ -292,6 +293,20 @@ def prompts_from_jsonl(path: str | Path) -> list[list[dict[str, str]]]:
     ``"prompt"`` (a string: one user turn), ``"messages"`` (a chat; trailing assistant turns are dropped so that
     the prompt ends with the user), or ``"turns"`` (Spec-Bench's list of user turns: the first one is used)."""
     return [_record_prompt(record, f"{path}:{number}") for number, record in _iter_jsonl(path)]
+
+
+def answers_from_jsonl(path: str | Path) -> list[tuple[list[dict[str, str]], list[int]]]:
+    """(chat prompt, answer token ids) pairs from a JSON Lines file (``.gz`` too) of answers made elsewhere: each
+    record a prompt (``"prompt"``, ``"messages"`` or ``"turns"``, as :func:`prompts_from_jsonl`) and
+    ``"answer_ids"``, the target's answer as token ids (a non-empty list of ids >= 0)."""
+    pairs = []
+    for number, record in _iter_jsonl(path):
+        where = f"{path}:{number}"
+        ids = record.get("answer_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise SpecdraftError(f"{where}: 'answer_ids' must be a non-empty list of token ids")
+        pairs.append((_record_prompt(record, where), ids))
+    return pairs
 
 
 def _record_prompt(record: dict, where: str) -> list[dict[str, str]]:

@@ -31,17 +31,21 @@ import torch.nn.functional as F
 from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import Eagle3Head, build_eagle3, default_aux_layers
+from specdraft.heads.fspad import parse_fspad, partial_smooth_l1
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.training.head_kinds import HeadKind
 from specdraft.training.losses import forward_kl, tvd, tvd_plus_plus
+from specdraft.training.records import load_distill_records, split_by_prompt
 
 LOSS_NAMES = ("fkl", "tvd", "tvdpp")
-_OPTIONS = {"loss": "fkl", "ttt_steps": "7", "decay": "0.8", "draft_vocab": "8192", "aux_layers": ""}
+_OPTIONS = {"loss": "fkl", "ttt_steps": "7", "decay": "0.8", "draft_vocab": "8192", "aux_layers": "",
+            "fspad_sampling": "0", "partial_alignment": "0", "align_weight": "1"}
 
 
 def parse_settings(options: dict[str, str], num_layers: int, vocab_size: int) -> dict:
-    """The ``--options`` of ``--kind eagle3`` (loss, ttt_steps, decay, draft_vocab, aux_layers='2,15,27'),
-    checked, with their defaults."""
+    """The ``--options`` of ``--kind eagle3`` (loss, ttt_steps, decay, draft_vocab, aux_layers='2,15,27', and
+    FSPAD's fspad_sampling, partial_alignment with its align_weight: :mod:`specdraft.heads.fspad`), checked, with
+    their defaults."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise SpecdraftError(f"unknown eagle3 option {', '.join(unknown)}; eagle3 takes: {', '.join(_OPTIONS)}")
@@ -59,15 +63,21 @@ def parse_settings(options: dict[str, str], num_layers: int, vocab_size: int) ->
     if not layers or any(not 0 <= i < num_layers for i in layers) or layers != sorted(set(layers)):
         raise SpecdraftError(f"eagle3 aux_layers must be increasing layer indices in 0 .. {num_layers - 1}, "
                              f"got {layers}")
+    fspad = parse_fspad(raw, "eagle3")
+    try:
+        weight = float(raw["align_weight"])
+    except ValueError:
+        weight = -1.0
+    if not 0 <= weight < float("inf"):
+        raise SpecdraftError(f"eagle3 option align_weight must be a finite number >= 0, got {raw['align_weight']!r}")
     return {"loss": raw["loss"], "ttt_steps": steps, "decay": decay, "aux_layers": layers,
-            "draft_vocab_size": min(vocab, vocab_size)}
+            "draft_vocab_size": min(vocab, vocab_size)} | fspad | {"align_weight": weight}
 
 
 def _spec(target_config, config, options: dict[str, str]) -> dict:
     """Sizes from the target, settings from ``options`` and, under ``draft_token_ids`` (consumed by ``build``),
     the draft vocabulary: the most frequent tokens of the training split of ``config.data``."""
     from specdraft.draft_vocab import rank_tokens
-    from specdraft.training.finetune import load_distill_records, split_by_prompt
 
     sizes = head_config(target_config)
     settings = parse_settings(options, target_config.num_hidden_layers, sizes["vocab_size"])
@@ -116,11 +126,12 @@ def _shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-def unrolled(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: bool = False):
+def unrolled(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: bool = False, align: bool = False):
     """The teacher and the head's TTT unroll on a collated distill batch, for the T = L - 1 pairs of the sequences.
     Returns per step i (lists of length ``steps``) the counted positions (B, T) bool and, at those n_i positions
     only (the LM heads skip the prompt), the draft logits (n_i, N), the target's restricted logits (n_i, N) and,
-    with ``greedy``, its greedy tokens (n_i,) (else None)."""
+    with ``greedy``, its greedy tokens (n_i,) (else None); then, with ``align``, step 0's outputs g_t and the
+    target's next fused features fc(a_{t+1}) (detached) at its counted positions, (n_0, D) each (else None)."""
     head = getattr(module, "module", module)
     if head is not module:
         raise SpecdraftError("eagle3 heads train in one process (its unroll bypasses DistributedDataParallel)")
@@ -134,7 +145,8 @@ def unrolled(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: 
     draft = [head.logits(out[mask]) for out, mask in zip(outputs, masks, strict=True)]  # (n_i, N) each
     target = [_shift(p_logits[:, 1:], i, 0.0)[mask] for i, mask in enumerate(masks)]  # (n_i, N) each
     tops = [_shift(top[:, 1:], i, -1)[mask] if greedy else None for i, mask in enumerate(masks)]  # (n_i,) each
-    return masks, draft, target, tops
+    aligned = (outputs[0][masks[0]], head.fuse(aux[:, 1:]).detach()[masks[0]]) if align else None  # (n_0, D) each
+    return masks, draft, target, tops, aligned
 
 
 def ttt_loss(name: str, decay: float, draft: list[torch.Tensor], target: list[torch.Tensor],
@@ -149,10 +161,22 @@ def ttt_loss(name: str, decay: float, draft: list[torch.Tensor], target: list[to
     return total, int(draft[0].shape[0])
 
 
+def alignment_loss(settings: dict, aligned: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | float:
+    """FSPAD's partial alignment for EAGLE-3 (:mod:`specdraft.heads.fspad`): ``align_weight`` times the smooth L1
+    of the first ceil(R*D) coordinates of step 0's outputs and the next fused features; 0 when R = 0."""
+    if aligned is None or not aligned[0].shape[0]:
+        return 0.0
+    predicted, truth = aligned
+    return settings["align_weight"] * partial_smooth_l1(predicted.float(), truth.float(),
+                                                        settings["partial_alignment"])
+
+
 def _loss(module, target_model, batch: dict, generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
     settings = module.train_settings
-    _, draft, target, _ = unrolled(module, target_model, batch, settings["ttt_steps"])
-    return ttt_loss(settings["loss"], settings["decay"], draft, target, generator)
+    align = settings.get("partial_alignment", 0.0) > 0
+    _, draft, target, _, aligned = unrolled(module, target_model, batch, settings["ttt_steps"], align=align)
+    loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target, generator)
+    return loss + alignment_loss(settings, aligned), count
 
 
 @torch.no_grad()
@@ -160,10 +184,11 @@ def _metrics(module: Eagle3Head, target_model, batch: dict) -> dict[str, tuple[f
     """Held-out loss, per-step top-1 agreement with the target's greedy token, and the τ estimates."""
     settings = module.train_settings
     steps = settings["ttt_steps"]
-    masks, draft, target, tops = unrolled(module, target_model, batch, steps, greedy=True)
+    align = settings.get("partial_alignment", 0.0) > 0
+    masks, draft, target, tops, aligned = unrolled(module, target_model, batch, steps, greedy=True, align=align)
     loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target)
     ids = module.draft_token_ids
-    metrics = {"heldout_loss": (float(loss) * count, count)}
+    metrics = {"heldout_loss": (float(loss + alignment_loss(settings, aligned)) * count, count)}
     right = []  # (B, T) each: step i's draft token is the target's greedy token
     for i, (q, top, mask) in enumerate(zip(draft, tops, masks, strict=True)):
         hits = ids[q.argmax(-1)] == top  # (n_i,)

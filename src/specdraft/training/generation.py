@@ -35,10 +35,12 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import check_device_name
 from specdraft.sampling import SamplingConfig
 from specdraft.training import onpolicy, runs
 from specdraft.training.data import MANIFEST_FILE
-from specdraft.training.native_generation import generate_rows
+from specdraft.training.native_generation import StaticEngine, generate_rows
+from specdraft.training.scoring import given_responses
 
 CONFIG_FILE = "distill_config.json"
 ENGINES = ("hf", "native", "vllm")
@@ -71,12 +73,19 @@ class DistillDataConfig:
     mix_fraction: float = field(default=0.5, metadata={"help": "mixed: share of prompts the drafter answers (λ)"})
     draft: str | None = field(default=None, metadata={"help": "drafter that answers under --policy draft or mixed"})
     greedy_response: bool = field(default=False, metadata={"help": "add a greedy response beside the sampled ones"})
+    answers: str = field(default="", metadata={
+        "help": "answers made elsewhere instead of generating: a jsonl (or .jsonl.gz) of {prompt | messages | turns, "
+                "answer_ids}; the target adds its top-k by teacher forcing (--top-logprobs); replaces --prompts"})
     engine: str = field(default="hf", metadata={
         "help": "hf (transformers' generate, left-padded batches), native (specdraft's Llama: each prompt "
-                "prefilled on its own row, rows decoded together; Llama-family targets, --policy target) or vllm "
-                "(vLLM's offline engine in its own environment, built by `make engines`; --policy target)"})
+                "prefilled on its own row, rows decoded together; on CUDA a static cache and CUDA graphs; "
+                "Llama-family targets, --policy target) or vllm (vLLM's offline engine in its own environment, built "
+                "by `make engines`; --policy target)"})
     tensor_parallel: int = field(default=1, metadata={
         "help": "vllm: GPUs the target is sharded over (vLLM's tensor_parallel_size)"})
+    device: str = field(default="auto", metadata={
+        "help": "where the target runs: auto (CUDA when visible, else the CPU), cpu, cuda or cuda:N (under "
+                "torchrun each process takes cuda:LOCAL_RANK); not part of the run's fingerprint"})
 
     def __post_init__(self) -> None:
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates the sampling values
@@ -92,6 +101,14 @@ class DistillDataConfig:
         onpolicy.check_policy(self)
         if self.engine not in ENGINES:
             raise SpecdraftError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        try:
+            check_device_name(self.device)
+        except ValueError as exc:
+            raise SpecdraftError(str(exc)) from None
+        if self.answers and (self.prompts != "sharegpt" or self.policy != "target" or self.engine != "hf"
+                             or self.responses_per_prompt != 1 or self.greedy_response):
+            raise SpecdraftError("--answers gives the prompts and one answer each: drop --prompts, --policy, "
+                                 "--engine, --responses-per-prompt and --greedy-response")
         if self.engine != "hf" and self.policy != "target":
             raise SpecdraftError(f"--engine {self.engine} generates the target's answers only: use --policy target, "
                                  "or --engine hf for on-policy data")
@@ -101,39 +118,51 @@ class DistillDataConfig:
 
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
-        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "tensor_parallel"}
+        skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "tensor_parallel",
+                "device", "answers"}
         engine = {"engine": self.engine} if self.engine != "hf" else {}  # runs made before the option stay valid
+        engine |= {"answers": self.answers} if self.answers else {}
         return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self) | engine
 
 
-def load_prompts(config: DistillDataConfig) -> list[tuple[str, list[dict]]]:
-    """(prompt id, chat messages) pairs in a fixed order (:mod:`specdraft.training.prompt_sources`)."""
+def load_prompts(config: DistillDataConfig) -> list[tuple]:
+    """(prompt id, chat messages) pairs in a fixed order (:mod:`specdraft.training.prompt_sources`); with
+    ``answers``, (prompt id, chat messages, answer ids) triples of that file."""
+    from specdraft.training.data import answers_from_jsonl
     from specdraft.training.prompt_sources import load_prompt_sources
 
-    return load_prompt_sources(config.prompts, config.split, config.limit)
+    if not config.answers:
+        return load_prompt_sources(config.prompts, config.split, config.limit)
+    pairs = answers_from_jsonl(config.answers)[: config.limit]
+    return [(f"{Path(config.answers).name}:{i}", messages, ids) for i, (messages, ids) in enumerate(pairs)]
 
 
 def resolve_config(config: DistillDataConfig) -> tuple[DistillDataConfig, dict]:
-    """``config`` with ``dtype`` auto resolved (:func:`specdraft.hardware.resolve_dtype`), and the decision."""
-    from specdraft.hardware import resolve_dtype
+    """``config`` with ``device`` and ``dtype`` auto resolved (:func:`specdraft.hardware.resolve_device`,
+    :func:`~specdraft.hardware.resolve_dtype` on that device), and the decisions, as the run's config records them
+    (``dtype_choice``, ``device_choice``)."""
+    from specdraft.hardware import resolve_device, resolve_dtype
 
     try:
-        choice = resolve_dtype(config.dtype)
+        device = resolve_device(config.device)
+        choice = resolve_dtype(config.dtype, device.device)
     except ValueError as exc:
         raise SpecdraftError(str(exc)) from None
-    return replace(config, dtype=choice.dtype), choice.to_dict()
+    resolved = replace(config, dtype=choice.dtype, device=device.name)
+    return resolved, {"dtype_choice": choice.to_dict(), "device_choice": device.to_dict()}
 
 
-def prompts_fingerprint(prompts: list[tuple[str, list[dict]]]) -> str:
-    """Content digest of the prompts in order (ids and messages): an edited prompts file changes it."""
-    return runs.digest_json([[prompt_id, messages] for prompt_id, messages in prompts])
+def prompts_fingerprint(prompts: list[tuple]) -> str:
+    """Content digest of the prompts in order (ids and messages, and answers made elsewhere): an edited prompts or
+    answers file changes it."""
+    return runs.digest_json([list(prompt) for prompt in prompts])
 
 
 def _holds_data(folder: Path) -> bool:
     return (folder.is_dir() and any(folder.glob("shard-*.jsonl"))) or (folder / CONFIG_FILE).is_file()
 
 
-def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, dtype_choice: dict, overwrite: bool) -> Path:
+def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, choices: dict, overwrite: bool) -> Path:
     """The folder to write: ``out`` (fresh, or the same run continued), or with ``overwrite`` and data in ``out`` a
     staging folder beside it that replaces ``out`` when complete. A run of other settings or prompts is refused."""
     runs.recover(out)
@@ -154,7 +183,7 @@ def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, dtype_c
             runs.note(f"{work}: made before input fingerprints were recorded (legacy); its shards' prompts match "
                       "the current prompts, so it is continued and its fingerprint recorded")
     work.mkdir(parents=True, exist_ok=True)
-    runs.atomic_write(work / CONFIG_FILE, json.dumps(current | {"dtype_choice": dtype_choice}, indent=1))
+    runs.atomic_write(work / CONFIG_FILE, json.dumps(current | choices, indent=1))
     return work
 
 
@@ -195,7 +224,8 @@ def _saved_config(folder: Path) -> dict | None:
 def _config_changes(saved: dict, current: dict, config: DistillDataConfig) -> list[str]:
     """What differs between a saved run's config and this one (a setting added since counts at its default)."""
     defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-    old = {k: v for k, v in saved.items() if k != "dtype_choice" and (k != "inputs" or "inputs" in current)}
+    old = {k: v for k, v in saved.items()
+           if k not in ("dtype_choice", "device_choice") and (k != "inputs" or "inputs" in current)}
     if "inputs" not in saved:  # legacy: the prompts are checked against the shards instead
         old["inputs"] = current["inputs"]
     changed = runs.changes({k: v for k, v in old.items() if k != "inputs"},
@@ -260,16 +290,16 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
     messages) pairs) and ``models`` ((target, tokenizer, drafter or None), transformers models already loaded)
     replace ``config.prompts`` and loading by name (``finetune --regenerate-every``)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    config, dtype_choice = resolve_config(config)
+    config, choices = resolve_config(config)
     out = Path(config.out)
     prompts = load_prompts(config) if prompts is None else prompts  # validated before anything is written
     shards = [prompts[i : i + config.shard_size] for i in range(0, len(prompts), config.shard_size)]
     entries: dict[str, tuple[int, str]] = {}
     if rank == 0:
-        work = _prepare_folder(config, out, prompts, dtype_choice, overwrite)
+        work = _prepare_folder(config, out, prompts, choices, overwrite)
         runs.clear_leftovers(work)  # temp files of a killed run: never part of the data
         entries = _check_present_shards(work, shards, config)
-    _barrier(world)
+    _barrier(world, config.device)
     if rank != 0:
         work = runs.staging_path(out) if overwrite and runs.staging_path(out).is_dir() else out
     todo = [i for i in range(len(shards)) if i % world == rank and not shard_path(work, i).is_file()]
@@ -277,7 +307,7 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
         update = (lambda: write_manifest(work, len(shards), config, entries)) if rank == 0 else None
         _generate_shards(config, out=work, shards=shards, todo=todo, progress=progress and rank == 0,
                          after_shard=update, models=models, entries=entries)
-    _barrier(world)
+    _barrier(world, config.device)
     if rank != 0:
         return {}
     manifest = write_manifest(work, len(shards), config, entries)
@@ -286,12 +316,14 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
     return manifest
 
 
-def _barrier(world: int) -> None:
+def _barrier(world: int, device: str) -> None:
+    """Wait for every rank; the process group is the training stages' (nccl on CUDA, gloo on the CPU)."""
     if world > 1:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
+        from specdraft.training.trainer import init_distributed
+
+        init_distributed(device)
         dist.barrier()
 
 
@@ -310,9 +342,11 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
         models = engine, load_tokenizer(config.target), None
     elif models is None:
         native = config.engine == "native"
-        target = load_model(config.target, parse_dtype(config.dtype), backend="native" if native else "hf")
+        target = load_model(config.target, parse_dtype(config.dtype), backend="native" if native else "hf",
+                            device=config.device)
         tokenizer = load_tokenizer(config.target)
-        models = (target if native else target.model), tokenizer, onpolicy.load_drafter(config, target, tokenizer)
+        model = target.model if not native else StaticEngine(target) if config.device != "cpu" else target
+        models = model, tokenizer, onpolicy.load_drafter(config, target, tokenizer)
     try:
         _write_shards(config, out, shards, todo, progress, after_shard, models, entries)
     finally:
@@ -331,8 +365,9 @@ def _write_shards(config: DistillDataConfig, out: Path, shards: list, todo: list
                desc="distill-data")
     for index in todo:
         started = time.perf_counter()
-        records = onpolicy.generate_shard(model, tokenizer, shards[index], config, config.seed * 100_003 + index,
-                                          generate_shard, drafter)
+        seed = config.seed * 100_003 + index
+        records = (generate_shard(model, tokenizer, shards[index], config, seed) if config.answers
+                   else onpolicy.generate_shard(model, tokenizer, shards[index], config, seed, generate_shard, drafter))
         text = "".join(json.dumps(r) + "\n" for r in records)
         runs.atomic_write(shard_path(out, index), text)
         if entries is not None:
@@ -365,16 +400,21 @@ def write_manifest(out: Path, num_shards: int, config: DistillDataConfig,
 @torch.inference_mode()
 def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], config: DistillDataConfig,
                    seed: int) -> list[dict]:
-    """Responses for one shard, batched (vLLM: the whole shard at once; it batches itself); records in prompt
-    order."""
-    encoded = [_encode(tokenizer, messages) for _, messages in prompts]
+    """Responses for one shard, batched (vLLM: the whole shard at once; it batches itself), or the answers given,
+    scored; records in prompt order."""
+    encoded = [_encode(tokenizer, prompt[1]) for prompt in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     records: dict[int, list[dict]] = {}
     step = len(order) if config.engine == "vllm" else config.batch_size
     for start in range(0, len(order), step):
         batch = order[start : start + step]
-        responses = _respond(config.engine)(model, tokenizer, [encoded[i] for i in batch], config,
-                                            seed * 1_000 + start)
+        if config.answers:  # made elsewhere: the target's top-k added (scoring.given_responses)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            responses = given_responses(model, [encoded[i] for i in batch], [prompts[i][2] for i in batch],
+                                        config.max_new_tokens, tokenizer.eos_token_id, config.top_logprobs, pad)
+        else:
+            responses = _respond(config.engine)(model, tokenizer, [encoded[i] for i in batch], config,
+                                                seed * 1_000 + start)
         for slot, i in enumerate(batch):
             mine = responses[slot * config.responses_per_prompt : (slot + 1) * config.responses_per_prompt]
             records[i] = [_record(prompts[i], encoded[i], r, k, config, tokenizer) for k, r in enumerate(mine)]
@@ -396,9 +436,14 @@ def _encode(tokenizer, messages: list[dict]) -> list[int]:
 
 def _generate_batch_native(model, tokenizer, batch: list[list[int]], config: DistillDataConfig, seed: int
                            ) -> list[dict]:
-    """The same through the native Llama's batched rows (:mod:`specdraft.training.native_generation`)."""
+    """The same through the native Llama's batched rows (:mod:`specdraft.training.native_generation`): ragged rows
+    on the CPU, a :class:`StaticEngine` (static cache, CUDA graphs) on CUDA."""
     rows = [ids for ids in batch for _ in range(config.responses_per_prompt)]
     sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+    if isinstance(model, StaticEngine):
+        generator = torch.Generator(model.model.embed_weight.device).manual_seed(seed)
+        return model.generate(rows, config.max_new_tokens, sampling, tokenizer.eos_token_id, config.top_logprobs,
+                              generator)
     return generate_rows(model, rows, config.max_new_tokens, sampling, tokenizer.eos_token_id, config.top_logprobs,
                          torch.Generator().manual_seed(seed))
 
@@ -436,7 +481,7 @@ def _response(tokens: torch.Tensor, logits: torch.Tensor | None, eos: int, confi
 
 
 def _record(prompt, prompt_ids: list[int], response: dict, index: int, config: DistillDataConfig, tokenizer) -> dict:
-    prompt_id, messages = prompt
+    prompt_id, messages = prompt[0], prompt[1]
     record = {
         "prompt_id": prompt_id, "messages": messages, "prompt_token_ids": prompt_ids,
         "response_token_ids": response["ids"], "response_index": index, "finish_reason": response["finish_reason"],

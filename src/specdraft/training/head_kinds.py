@@ -34,7 +34,7 @@ class HeadKind:
     build(spec) -> nn.Module: a fresh module (deterministic under ``torch.manual_seed``).
     init(module, target_model): copy what starts from the frozen transformers target (e.g. its LM head).
     loss(module, target_model, batch) -> (scalar loss, counted positions): ``batch`` as
-        :func:`specdraft.training.finetune.collate_distill` makes it; teacher features come from
+        :func:`specdraft.training.batches.collate_distill` makes it; teacher features come from
         :func:`teacher_hidden` (no gradient).
     metrics(module, target_model, batch) -> {name: (sum, count)}: held-out statistics, pooled over batches as
         sum / count by the evaluator.
@@ -124,7 +124,7 @@ def _eagle_loss(module, target_model, batch: dict,
     features, tokens, mask = _eagle_pairs(module, target_model, batch)
     embed, lm_head = target_weights(target_model)
     return eagle_loss(module, features, tokens, mask, embed, lm_head, settings["cls_weight"], settings["reg_weight"],
-                      settings["noise"], generator)
+                      settings["noise"], settings.get("partial_alignment", 0.0), generator)
 
 
 @torch.no_grad()

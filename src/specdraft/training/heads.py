@@ -29,10 +29,12 @@ from specdraft.drafters.options import parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
 from specdraft.models.registry import eos_token_ids
-from specdraft.training.checkpoint import hardware, model_card
+from specdraft.training.batches import DistillDataset, collate_distill
+from specdraft.training.checkpoint import EXPORT_DTYPES, hardware, model_card
 from specdraft.training.eagle3 import EAGLE3
+from specdraft.training.glide import GLIDE
 from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
-from specdraft.training.pretrain import EXPORT_DTYPES
+from specdraft.training.records import check_token_ids, load_distill_records, split_by_prompt
 from specdraft.training.runs import owns_out
 from specdraft.training.stages import begin_stage, data_inputs, end_stage
 from specdraft.training.trainer import (
@@ -48,6 +50,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "medusa": MEDUSA,
     "eagle": EAGLE,
     "eagle3": EAGLE3,
+    "glide": GLIDE,
 }
 
 HEADS_FOLDER = "heads"
@@ -64,7 +67,7 @@ def get_kind(name: str) -> HeadKind:
 class HeadsConfig(TrainerConfig):
     """Settings of ``specdraft train-heads``."""
 
-    kind: str = field(metadata={"help": "heads kind: medusa, eagle or eagle3"})
+    kind: str = field(metadata={"help": "heads kind: medusa, eagle, eagle3 or glide"})
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id), kept frozen"})
     data: str = field(metadata={"help": "distill-data output folder (the target's responses)"})
     num_heads: int = field(default=4, metadata={"help": "number of heads (medusa: draft depth)"})
@@ -73,7 +76,10 @@ class HeadsConfig(TrainerConfig):
     options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8, "
                                                           "distill=0|1; eagle: cls_weight=0.1, reg_weight=1, noise=0; "
                                                           "eagle3: loss=fkl|tvd|tvdpp, ttt_steps=7, decay=0.8, "
-                                                          "draft_vocab=8192, aux_layers=2,15,27)"})
+                                                          "draft_vocab=8192, aux_layers=2,15,27, align_weight=1; "
+                                                          "eagle and eagle3, FSPAD: fspad_sampling=0, "
+                                                          "partial_alignment=0; glide: layers=1, glimpse_layer=-1, "
+                                                          "ttt_steps=3, decay=0.8)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
     max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
@@ -85,6 +91,8 @@ class HeadsConfig(TrainerConfig):
     export_dtype: str = field(default="float32", metadata={"help": "dtype of the exported heads' weights"})
     init_heads: str = field(default="", metadata={"help": "start from these heads (a heads folder of the same kind "
                                                           "and architecture) instead of a fresh initialisation"})
+    eval_data: str = field(default="", metadata={"help": "evaluate on this distill-data folder instead of the "
+                                                         "held-out split (e.g. the target's answers to Spec-Bench)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,8 +130,7 @@ def heads_block_efficiency(kind: HeadKind, module, target, prompts, config: Head
 def make_evaluate(config: HeadsConfig, kind: HeadKind, target_model, target, heldout: list[dict], pad_id: int,
                   eos: tuple):
     """evaluate(module) for the trainer: the kind's pooled held-out metrics and, if it drafts, τ."""
-    from specdraft.training.finetune import DistillDataset, collate_distill
-
+    heldout = load_distill_records(config.eval_data, allow_incomplete=True) if config.eval_data else heldout
     dataset = DistillDataset(heldout, config.max_seq_len)
     batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), config.batch_size)]
@@ -162,14 +169,6 @@ def load_target(config: HeadsConfig):
 @owns_out
 def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     """Train heads of ``config.kind`` on the frozen target and export them; returns ``<out>/heads``."""
-    from specdraft.training.finetune import (
-        DistillDataset,
-        check_token_ids,
-        collate_distill,
-        load_distill_records,
-        split_by_prompt,
-    )
-
     kind = get_kind(config.kind)
     records = load_distill_records(config.data, config.allow_incomplete)
     train_records, heldout = split_by_prompt(records, config.heldout_every)
@@ -187,7 +186,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
         return Path(config.out) / HEADS_FOLDER
     config = replace(config, bf16=run_config.bf16)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rank, _, device = init_distributed()
+    rank, _, device = init_distributed(config.device)
     target_model.to(device)
     evaluate = make_evaluate(config, kind, target_model, target, heldout, pad_id,
                              eos_token_ids(tokenizer, config.target))

@@ -166,7 +166,8 @@ def tvd_plus_plus(
         weighting: "q" or "sample".
         normalization: "none", "vocab" or "batch".
         eps: added to the std before dividing.
-        generator: the randomness for ``weighting="sample"``, on the logits' device.
+        generator: the randomness for ``weighting="sample"``; the draw is made on its device (a CPU generator
+            with CUDA logits draws on the CPU, so a run's draws resume on any device).
     Shapes as in :func:`cross_entropy`; returns a float32 scalar.
     """
     if weighting not in WEIGHTINGS:
@@ -181,7 +182,7 @@ def tvd_plus_plus(
     if weighting == "q":
         advantage = _q_advantage(reward, q, normalization, eps)  # (n, V)
         return _mean(-(q * advantage * log_q).sum(-1))
-    tokens = torch.multinomial(q, 1, generator=generator)  # (n, 1), x ∼ q
+    tokens = torch.multinomial(q.to(generator.device), 1, generator=generator).to(q.device)  # (n, 1), x ∼ q
     advantage = _sampled_advantage(reward, q, tokens, normalization, eps)  # (n,)
     return _mean(-advantage * log_q.gather(-1, tokens).squeeze(-1))
 

@@ -61,3 +61,77 @@ def generate_rows(model, prompts: list[list[int]], max_new_tokens: int, sampling
         fed = torch.tensor([[tokens[row]] for row in alive])  # (m, 1)
         logits = batched_forward(model, cache, fed, [1] * len(alive), 0)[:, 0]  # (m, V)
     return responses
+
+
+class StaticEngine:
+    """The native target and the :class:`~specdraft.models.static_batch.StaticBatch` it decodes in, kept across
+    calls (its CUDA graphs with it): a new batch is allocated only when a call needs more rows or slots. The engine
+    of ``distill-data --engine native`` on CUDA."""
+
+    def __init__(self, model, graphs: bool = True) -> None:
+        self.model, self.graphs, self.batch = model, graphs, None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
+                 top_logprobs: int, generator: torch.Generator | None) -> list[dict]:
+        """As :func:`generate_rows` (``generator`` on the model's device)."""
+        from specdraft.models.static_batch import StaticBatch
+
+        rows, capacity = len(prompts), max(len(ids) for ids in prompts) + max_new_tokens
+        if self.batch is None or self.batch.rows < rows or self.batch.capacity < capacity:
+            rows = max(rows, self.batch.rows if self.batch is not None else 0)
+            self.batch = None  # its cache is freed before the new one is allocated
+            if self.model.embed_weight.device.type == "cuda":
+                torch.cuda.empty_cache()
+            capacity = min(self.model.max_context, -(-capacity // 256) * 256)  # fewer reallocations
+            self.batch = StaticBatch(self.model, rows, capacity, self.graphs)
+        return generate_rows_static(self.batch, prompts, max_new_tokens, sampling, eos, top_logprobs, generator)
+
+
+@torch.inference_mode()
+def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
+                         top_logprobs: int, generator: torch.Generator | None, check_every: int = 16) -> list[dict]:
+    """:func:`generate_rows` in a static batch: every row decodes each step (no host sync per token); every
+    ``check_every`` steps the rows that reached EOS are counted, the loop ends when none is left, and when at most
+    half of the rows run still live they move to the front and a smaller batch runs on."""
+    n, device = len(prompts), batch.device
+    logits = batch.prefill(prompts)  # (n, V)
+    out = torch.full((n, max_new_tokens), -1, dtype=torch.long, device=device)  # (n, M) -1 = not written
+    top = (torch.zeros(n, max_new_tokens, top_logprobs, dtype=torch.long, device=device),
+           torch.zeros(n, max_new_tokens, top_logprobs, dtype=torch.float32, device=device)) if top_logprobs else None
+    owner = torch.arange(n, device=device)  # (live,) the response each live row writes
+    lengths = torch.tensor([len(ids) for ids in prompts])  # (n,) on the CPU
+    live = run = n  # rows 0 .. live-1 hold answers; rows live .. run-1 run along, ignored
+    longest = int(lengths.max())
+    for step in range(max_new_tokens):
+        chosen = logits[:live].argmax(-1) if sampling.greedy else sample(warp(logits[:live], sampling), generator)
+        out[owner, step] = chosen  # (live,)
+        if top is not None:
+            best = torch.log_softmax(logits[:live].float(), -1).topk(top_logprobs, dim=-1)  # (live, k)
+            top[0][owner, step], top[1][owner, step] = best.indices, best.values
+        if step + 1 == max_new_tokens:
+            break
+        if (step + 1) % check_every == 0:
+            keep = (out[owner, : step + 1] != eos).all(-1).nonzero()[:, 0]  # (m,) rows still answering
+            if keep.numel() == 0:
+                break
+            if keep.numel() <= run // 2:
+                batch.keep_rows(keep)
+                owner, chosen, live = owner[keep], chosen[keep], keep.numel()
+                run = min(run, 1 << (live - 1).bit_length())  # a power of two: few distinct shapes
+                longest = int(lengths[owner.cpu()].max())
+        fed = chosen if run == live else torch.cat([chosen, chosen.new_zeros(run - live)])  # (run,)
+        logits = batch.decode(fed, run, longest + step + 1)  # (run, V)
+    return _responses(out.cpu(), None if top is None else (top[0].cpu(), top[1].cpu()), eos)
+
+
+def _responses(out: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, eos: int) -> list[dict]:
+    """Per row of ``out`` (n, M) (-1 where never written): ids up to and including the first EOS, the finish
+    reason, and the top-k (R, k) of those positions."""
+    responses = []
+    for row, ids in enumerate(out.tolist()):
+        length = ids.index(eos) + 1 if eos in ids else ids.index(-1) if -1 in ids else len(ids)
+        response = {"ids": ids[:length], "finish_reason": "eos" if eos in ids[:length] else "length"}
+        if top is not None:
+            response |= {"top_ids": top[0][row, :length].tolist(), "top_logprobs": top[1][row, :length].tolist()}
+        responses.append(response)
+    return responses

@@ -84,7 +84,8 @@ def load_drafter(config, target, tokenizer):
 
     if config.policy == "target":
         return None
-    model = load_draft_model(target, tokenizer, config.draft, parse_dtype(config.dtype), backend="hf").model.eval()
+    model = load_draft_model(target, tokenizer, config.draft, parse_dtype(config.dtype), backend="hf").model
+    model = model.to(config.device).eval()  # where the target runs (config.device is resolved)
     folder = resolve(config.draft)
     vocab = folder_options(folder).get("draft_vocab")
     keep = draft_subset(str(folder), model.config.vocab_size, vocab) if vocab else None  # (N,) or None

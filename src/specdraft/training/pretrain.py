@@ -19,8 +19,16 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import DTYPES
-from specdraft.training.checkpoint import export_hf, hardware
+from specdraft.models.registry import load_model, load_tokenizer, resolve
+from specdraft.training.checkpoint import EXPORT_DTYPES, export_hf, export_path, hardware
+from specdraft.training.data import (
+    NAMED_SOURCES,
+    PackedDataset,
+    pack_documents,
+    sharegpt_path,
+    text_source,
+    tokenize_documents,
+)
 from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
 from specdraft.training.losses import distillation_loss
 from specdraft.training.runs import owns_out, text_source_fingerprint
@@ -32,8 +40,6 @@ from specdraft.training.trainer import (
     check_ints,
     train,
 )
-
-EXPORT_DTYPES = DTYPES  # float32 | bfloat16, the same names as --dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +86,6 @@ class PretrainConfig(TrainerConfig):
         return replace(self, steps=steps, stop_after=None if self.stop_after is None else min(self.stop_after, steps))
 
 
-def export_path(out: str | Path) -> Path:
-    """Where a run folder keeps its exported model."""
-    return Path(out) / "model"
-
-
 def lm_loss(model, batch, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """Next-token cross-entropy of a packed batch ``(input_ids, labels)``, each (B, T)."""
     input_ids, labels = batch
@@ -113,8 +114,6 @@ def load_corpus(config: PretrainConfig, tokenizer, world: int = 1) -> tuple[torc
     world`` training rows and ``max_eval_rows`` held-out rows (every ``heldout_every``-th document is held out); a
     smaller corpus is used whole (and repeated by the epochs of training)."""
     from itertools import islice
-
-    from specdraft.training.data import pack_documents, text_source, tokenize_documents
 
     rows = config.steps * config.batch_size * config.grad_accum * world
     need = (rows * config.seq_len + 1, config.max_eval_rows * config.seq_len + 1)  # tokens: train, held out
@@ -147,8 +146,6 @@ def build_drafter(config: PretrainConfig):
     """A freshly initialised transformers drafter for ``config.target`` (seeded with ``config.seed``)."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from specdraft.models.registry import load_model, resolve
-
     torch.manual_seed(config.seed)
     model = LlamaForCausalLM(config.drafter().llama_config(AutoConfig.from_pretrained(resolve(config.target))))
     if config.init_from_target:
@@ -159,8 +156,6 @@ def build_drafter(config: PretrainConfig):
 
 def source_inputs(config: PretrainConfig) -> dict[str, tuple[str, str]]:
     """The run's input fingerprint: the content of its text source (:mod:`specdraft.training.runs`)."""
-    from specdraft.training.data import NAMED_SOURCES, sharegpt_path
-
     fingerprint = text_source_fingerprint(config.source, NAMED_SOURCES)
     if config.source == "sharegpt":
         path = sharegpt_path()
@@ -171,9 +166,6 @@ def source_inputs(config: PretrainConfig) -> dict[str, tuple[str, str]]:
 @owns_out
 def pretrain(config: PretrainConfig, command: str | None = None) -> Path:
     """Run stage 1 and export the drafter; returns the exported folder ``<out>/model``."""
-    from specdraft.models.registry import load_tokenizer
-    from specdraft.training.data import PackedDataset
-
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = config.with_budget(world)
     plan, run_config = begin_stage("pretrain", config, source_inputs(config), export_path("").name)

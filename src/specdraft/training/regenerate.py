@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig
 from specdraft.training import onpolicy
+from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state
 from specdraft.training.data import MANIFEST_FILE, read_jsonl
 from specdraft.training.generation import DistillDataConfig, generate_distillation_data
 
 
 def check_regeneration(config) -> None:
     """Validate ``finetune``'s on-policy settings (``only_mismatched``, ``regenerate_*``)."""
-    from specdraft.sampling import SamplingConfig
-
     if config.only_mismatched and config.loss == "ce":
         raise SpecdraftError("--only-mismatched compares q with p: use a distillation loss, not ce")
     for name, minimum in (("regenerate_every", 0), ("regenerate_prompts", 1), ("regenerate_max_new_tokens", 1)):
@@ -37,8 +37,6 @@ def regenerator(config, records: list[dict], need_topk: bool, target_model, toke
                 keep: torch.Tensor | None = None) -> Regenerator | None:
     """``finetune``'s pool (appended to ``records``), refilled as of the checkpoint on resume; None when
     ``regenerate_every`` is 0."""
-    from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state
-
     if not config.regenerate_every:
         return None
     topk = len(records[0]["top_ids"][0]) if need_topk else 0

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError, utf8_error
 from specdraft.files import owning, remove_leftovers, write_text_atomic
+from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export, load_training_state
 from specdraft.training.data import MANIFEST_FILE
 
 RUN_FILE = "run.json"
@@ -309,11 +310,12 @@ def rewind_log(path: Path, step: int) -> None:
 
 # --- training runs ---------------------------------------------------------------------------------------------------
 
-# Settings that never change a training run's weights: how it is watched, saved, evaluated and exported.
+# Settings that never change a training run's weights: how it is watched, saved, evaluated and exported, and the
+# device it runs on (another device rounds differently but trains the same run: it may resume there).
 OPERATIONAL = frozenset({
     "out", "resume", "overwrite", "stop_after", "progress", "log_every", "checkpoint_every", "eval_every",
     "eval_prompts", "eval_max_new_tokens", "eval_num_draft_tokens", "max_eval_rows", "export_dtype",
-    "allow_incomplete",
+    "allow_incomplete", "device", "eval_data",
 })
 
 
@@ -337,8 +339,6 @@ class RunPlan:
 def _held_run(folder: Path, export: str) -> dict | None:
     """The record of the run a folder holds (``run.json``; for a run made before records existed, its checkpoint's
     config, marked legacy), or None when it holds no run."""
-    from specdraft.training.checkpoint import CHECKPOINT_FILE
-
     path = folder / RUN_FILE
     if path.is_file():
         try:
@@ -346,8 +346,6 @@ def _held_run(folder: Path, export: str) -> dict | None:
         except ValueError:
             raise SpecdraftError(f"{path} is damaged; pass --overwrite to replace the run") from None
     if (folder / CHECKPOINT_FILE).is_file():
-        from specdraft.training.checkpoint import load_training_state
-
         config = load_training_state(folder / CHECKPOINT_FILE).get("config", {})
         return {"settings": training_settings(config), "legacy": True}
     if (folder / export).exists() or (folder / "train_log.csv").is_file():
@@ -365,8 +363,6 @@ def _run_changes(held: dict, record: dict, defaults: dict) -> list[str]:
 
 
 def _state(folder: Path, held: dict, export: str) -> str:
-    from specdraft.training.checkpoint import is_complete_export
-
     if held.get("finished") or (held.get("legacy") and is_complete_export(folder / export)):
         return "finished"
     return "interrupted"
@@ -383,8 +379,6 @@ def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str
         defaults: the config's field defaults (a setting added since a run was made counts at its default).
     """
     from dataclasses import asdict
-
-    from specdraft.training.checkpoint import CHECKPOINT_FILE
 
     out = Path(config.out)
     settings = training_settings(_plain(asdict(config)))
@@ -425,14 +419,16 @@ def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defau
     return _run_changes(held, record, defaults)
 
 
-def start_run(plan: RunPlan, precision: dict) -> None:
+def start_run(plan: RunPlan, precision: dict, device: dict | None = None) -> None:
     """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, what killed writes left is
-    removed, and ``run.json`` written."""
+    removed, and ``run.json`` written (with the precision and the device of this session of the run: a resumed run
+    records where it continued)."""
     if plan.record["fresh"] and plan.work != plan.out and plan.work.exists():
         shutil.rmtree(plan.work)
     plan.work.mkdir(parents=True, exist_ok=True)
     clear_leftovers(plan.work)
     record = {k: v for k, v in plan.record.items() if k != "fresh"} | {"precision": precision, "finished": False}
+    record |= {"device": device} if device is not None else {}
     atomic_write(plan.work / RUN_FILE, json.dumps(record, indent=1))
 
 

@@ -1,6 +1,6 @@
 """The target's teacher-forced top-k log-probabilities at response tokens: what distillation data stores as its
-approximation of p (``top_ids``, ``top_logprobs``), for responses of the target (``distill-topk``) and of the drafter
-(on-policy data, :mod:`specdraft.training.onpolicy`)."""
+approximation of p (``top_ids``, ``top_logprobs``), for responses of the target (``distill-topk``), of the drafter
+(on-policy data, :mod:`specdraft.training.onpolicy`) and answers made elsewhere (``distill-data --answers``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ def topk_logprobs(model, sequences: list[list[int]], starts: list[int], k: int, 
     return out
 
 
-
 def score_records(target_model, records: list[dict], k: int, pad_id: int, batch_size: int) -> None:
     """Add the target's teacher-forced top-k log-probs (``top_ids``, ``top_logprobs``: (R, k) per record) to
     ``records`` in place: one forward over prompt + response per record, ``batch_size`` records per forward, in
@@ -42,3 +41,21 @@ def score_records(target_model, records: list[dict], k: int, pad_id: int, batch_
         for i, (top_ids, top_logprobs) in zip(batch, topk_logprobs(target_model, sequences, starts, k, pad_id),
                                               strict=True):
             records[i]["top_ids"], records[i]["top_logprobs"] = top_ids, top_logprobs
+
+
+@torch.inference_mode()
+def given_responses(target_model, prompts: list[list[int]], answers: list[list[int]], max_new_tokens: int, eos: int,
+                    k: int, pad_id: int) -> list[dict]:
+    """Responses of answers made elsewhere (token ids), cut to ``max_new_tokens``: ids, finish reason ("eos" when
+    the answer ends with ``eos``, else "length") and, with ``k`` > 0, the target's teacher-forced top-k at each
+    answer token (one forward over all the prompts + answers)."""
+    responses = []
+    for ids in answers:
+        ids = list(ids[:max_new_tokens])
+        responses.append({"ids": ids, "finish_reason": "eos" if ids[-1] == eos else "length"})
+    if k:
+        sequences = [prompt + r["ids"] for prompt, r in zip(prompts, responses, strict=True)]
+        scored = topk_logprobs(target_model, sequences, [len(prompt) for prompt in prompts], k, pad_id)
+        for response, (top_ids, top_logprobs) in zip(responses, scored, strict=True):
+            response["top_ids"], response["top_logprobs"] = top_ids, top_logprobs
+    return responses

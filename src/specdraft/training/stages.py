@@ -1,22 +1,30 @@
-"""The start and end of a training stage (``pretrain``, ``finetune``, ``train-heads``) in its run folder: bf16 auto
-resolved, the folder checked against the run's settings and inputs (:mod:`specdraft.training.runs`), and a
-replacement swapped in at the end."""
+"""The start and end of a training stage (``pretrain``, ``finetune``, ``train-heads``) in its run folder: the device
+and bf16 auto resolved (the device recorded in ``run.json``, never part of the run's fingerprint), the folder
+checked against the run's settings and inputs (:mod:`specdraft.training.runs`), and a replacement swapped in at
+the end."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import MISSING, fields, replace
 
-from specdraft.training.runs import RunPlan, finish_run, plan_run, recover, start_run
+from specdraft.hardware import resolve_bf16
+from specdraft.models.registry import resolve, resolve_heads
+from specdraft.training.runs import (
+    RunPlan,
+    data_fingerprint,
+    finish_run,
+    folder_fingerprint,
+    plan_run,
+    recover,
+    start_run,
+)
 from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed
 
 
 def data_inputs(folders: list[str], drafter: str = "", init_heads: str = "") -> dict[str, tuple[str, str]]:
     """Content fingerprints of a distillation stage's data folders (their shards' checksums, verified), and of the
     drafter or heads it starts from, if any."""
-    from specdraft.models.registry import resolve, resolve_heads
-    from specdraft.training.runs import data_fingerprint, folder_fingerprint
-
     inputs = {f"data:{folder}": (folder, data_fingerprint(folder)) for folder in folders}
     if drafter:
         inputs["drafter"] = (drafter, folder_fingerprint(resolve(drafter)))
@@ -25,14 +33,17 @@ def data_inputs(folders: list[str], drafter: str = "", init_heads: str = "") -> 
     return inputs
 
 
+def device_record(asked: str, device) -> dict[str, str]:
+    """What a run records of its device: the one it runs on and what was asked (``auto``, ``cpu``, ``cuda:N``)."""
+    return {"device": str(device), "asked": asked}
+
+
 def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, str]],
                 export: str) -> tuple[RunPlan, TrainerConfig]:
     """Resolve ``bf16`` auto, check the run folder (:func:`specdraft.training.runs.plan_run`: refuse a run of other
     settings or inputs, continue or replace one) and prepare it; returns the plan and the config to train with
     (``out`` the working folder, ``resume`` set). Every process calls it."""
-    from specdraft.hardware import resolve_bf16
-
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(config.device)
     choice = resolve_bf16(config.bf16, device)
     config = replace(config, bf16=choice.bf16)
     defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
@@ -42,7 +53,7 @@ def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, 
     plan = plan_run(stage, config, inputs, export, defaults)
     barrier(world)
     if rank == 0 and not plan.finished:
-        start_run(plan, choice.to_dict())
+        start_run(plan, choice.to_dict(), device_record(config.device, device))
     barrier(world)
     return plan, replace(config, out=str(plan.work), resume=plan.resume, overwrite=False)
 

@@ -20,8 +20,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.data import MANIFEST_FILE
-from specdraft.training.runs import owns_out
+from specdraft.hardware import check_device_name, resolve_device, resolve_dtype
+from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
+from specdraft.training import runs
+from specdraft.training.data import MANIFEST_FILE, read_jsonl
+from specdraft.training.records import load_distill_records
+from specdraft.training.runs import atomic_write, count_and_hash, owns_out
 from specdraft.training.scoring import score_records
 
 
@@ -39,6 +43,8 @@ class TeacherTopkConfig:
     allow_incomplete: bool = field(default=False, metadata={"help": "annotate an unfinished distill-data folder"})
     overwrite: bool = field(default=False, metadata={"help": "replace a run in --out made from other data or "
                                                              "settings (built beside it, swapped in when complete)"})
+    device: str = field(default="auto", metadata={"help": "where the target runs: auto (CUDA when visible, else the "
+                                                          "CPU), cpu, cuda or cuda:N; not part of the fingerprint"})
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.batch_size < 1:
@@ -47,6 +53,10 @@ class TeacherTopkConfig:
             raise SpecdraftError("distill-topk writes a new folder: --out must differ from --data")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise SpecdraftError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        try:
+            check_device_name(self.device)
+        except ValueError as exc:
+            raise SpecdraftError(str(exc)) from None
 
 
 def annotate_shard(model, records: list[dict], config: TeacherTopkConfig, pad_id: int) -> list[dict]:
@@ -61,14 +71,12 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     """Annotate every shard of ``config.data`` into ``config.out``; returns the output manifest."""
     from tqdm import tqdm
 
-    from specdraft.hardware import resolve_dtype
-    from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
-    from specdraft.training import runs
-    from specdraft.training.data import read_jsonl
-    from specdraft.training.finetune import load_distill_records
-
-    choice = resolve_dtype(config.dtype)
-    config = replace(config, dtype=choice.dtype)
+    try:
+        device = resolve_device(config.device)
+        choice = resolve_dtype(config.dtype, device.device)
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
+    config = replace(config, dtype=choice.dtype, device=device.name)
     load_distill_records(config.data, config.allow_incomplete)  # checks the folder, its shards and every record
     source = runs.read_manifest(config.data)
     source_sums = runs.verify_shards(config.data, source)
@@ -85,7 +93,7 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
                disable=not progress)
     for name in todo:
         if model is None:
-            model = load_model(config.target, parse_dtype(config.dtype), backend="hf").model
+            model = load_model(config.target, parse_dtype(config.dtype), backend="hf", device=config.device).model
             tokenizer = load_tokenizer(config.target)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         started = time.perf_counter()
@@ -93,12 +101,12 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
         text = "".join(json.dumps(r) + "\n" for r in records)
         runs.atomic_write(work / name, text)
         entries[name] = (len(records), runs.digest_bytes(text.encode()), source_sums[name])
-        _write_manifest(work, source, entries, settings, choice.to_dict())
+        _write_manifest(work, source, entries, settings, choice.to_dict(), device.to_dict())
         tokens = sum(len(r["response_token_ids"]) for r in records)
         bar.update(1)
         bar.set_postfix(response_tokens_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
     bar.close()
-    manifest = _write_manifest(work, source, entries, settings, choice.to_dict())
+    manifest = _write_manifest(work, source, entries, settings, choice.to_dict(), device.to_dict())
     if work != out and manifest["complete"]:
         runs.swap_in(work, out)
     return manifest
@@ -109,8 +117,6 @@ def _check_out_folder(out: Path, settings: dict, source_sums: dict[str, str], da
     """(records, sha256, source sha256) of the output shards that can be kept; a run of other settings or on other
     source shards is refused (or, in a staging folder, discarded); a damaged shard is set aside and redone."""
     import shutil
-
-    from specdraft.training import runs
 
     if not out.is_dir():
         return {}
@@ -144,8 +150,6 @@ def _check_out_folder(out: Path, settings: dict, source_sums: dict[str, str], da
 
 
 def _source_count(data: Path, name: str) -> int:
-    from specdraft.training.runs import count_and_hash
-
     return count_and_hash(data / name)[0] if (data / name).is_file() else -1
 
 
@@ -161,15 +165,14 @@ def _annotates(path: Path, source: Path) -> bool:
         k: v for k, v in original.items() if k not in ("top_ids", "top_logprobs")}
 
 
-def _write_manifest(out: Path, source: dict, entries: dict, settings: dict, dtype_choice: dict) -> dict:
-    from specdraft.training.runs import atomic_write
-
+def _write_manifest(out: Path, source: dict, entries: dict, settings: dict, dtype_choice: dict,
+                    device_choice: dict) -> dict:
     names = sorted(entries)
     manifest = {"num_shards": source["num_shards"],
                 "complete": bool(source.get("complete")) and len(names) == len(source["shards"]),
                 "shards": {n: entries[n][0] for n in names}, "sha256": {n: entries[n][1] for n in names},
                 "source_sha256": {n: entries[n][2] for n in names}, "records": sum(entries[n][0] for n in names),
                 "config": {**source.get("config", {}), "top_logprobs": settings["k"]},
-                "teacher": settings | {"dtype_choice": dtype_choice}}
+                "teacher": settings | {"dtype_choice": dtype_choice, "device_choice": device_choice}}
     atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest

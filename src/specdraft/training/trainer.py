@@ -11,6 +11,9 @@ Resuming continues to exactly the weights of an uninterrupted run: the data orde
 epoch (seed and position are in the checkpoint), and the torch RNG, the loss's generator, the optimizer and the
 schedule are restored. Evaluation runs under a forked RNG so it never changes what training draws.
 
+``device`` (auto: CUDA when visible) is not a setting of the weights: a run checkpointed on one device resumes on
+another. The loss's generator stays on the CPU; the CUDA generator's state is checkpointed when training on CUDA.
+
 Distributed: under ``torchrun`` (``WORLD_SIZE > 1``) the process group is initialised (gloo on CPU, nccl on CUDA),
 the model is wrapped in ``DistributedDataParallel``, each global micro-batch of ``batch_size * world`` indices is
 split by rank, and only rank 0 evaluates and writes logs and checkpoints.
@@ -42,12 +45,14 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import check_device_name, resolve_device
 from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
 from specdraft.training.runs import rewind_log
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
 EvalFn = Callable[[nn.Module], dict[str, float]]
+CPU = torch.device("cpu")
 StepHook = Callable[[int, nn.Module], None]  # after_step(step, model): e.g. refresh data in place (same size)
 
 
@@ -79,6 +84,9 @@ class TrainerConfig:
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     fsdp: bool = field(default=False, metadata={"help": "under torchrun, shard the model, gradients and optimizer "
                                                         "state with FSDP2 instead of replicating it with DDP"})
+    device: str = field(default="auto", metadata={
+        "help": "where to train: auto (CUDA when visible, else the CPU), cpu, cuda or cuda:N; under torchrun each "
+                "process takes cuda:LOCAL_RANK (nccl), or the CPU (gloo)"})
 
     def __post_init__(self) -> None:
         check_ints(self, ("steps", "batch_size", "grad_accum", "log_every"), 1)
@@ -89,6 +97,7 @@ class TrainerConfig:
         check_field(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
         check_field(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
         check_field(self, "bf16", lambda v: v is None or isinstance(v, bool), "True, False or unset (auto)")
+        check_field(self, "device", lambda v: check_device_name(v) is None, "auto, cpu, cuda or cuda:N")  # exists?
         if self.resume and self.overwrite:
             raise SpecdraftError("resume and overwrite exclude each other: continue the run or replace it")
         check_field(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps,
@@ -102,7 +111,7 @@ def check_field(config, name: str, ok: Callable[[object], bool], what: str) -> N
     value = getattr(config, name)
     try:
         good = ok(value)
-    except TypeError:
+    except (TypeError, ValueError):
         good = False
     if not good:
         raise SpecdraftError(f"{name} must be {what}, got {value!r}")
@@ -179,20 +188,26 @@ class BatchStream:
         self.epoch, self.offset = state["epoch"], state["offset"]
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device); initialises the process group under torchrun (gloo on CPU, nccl on CUDA)."""
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world size, torch device) for ``device`` (auto, cpu, cuda, cuda:N); under torchrun, initialises the
+    process group: nccl when the processes run on CUDA (each on cuda:LOCAL_RANK), gloo on the CPU."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available()
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), os.environ.get("LOCAL_RANK", "0")
+    if world > 1 and ":" in str(device) and str(device) != f"cuda:{local}":
+        raise SpecdraftError(f"device {device!r}: under torchrun each process uses cuda:LOCAL_RANK; pass --device cuda "
+                             "(or auto) and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    try:
+        chosen = resolve_device(device).device
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
     if world <= 1:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
+        return 0, 1, chosen
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local)
-    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu")
+        dist.init_process_group("nccl" if chosen.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), chosen
 
 
 def barrier(world: int) -> None:
@@ -254,6 +269,7 @@ class _Run:
     tokens: int = 0
     wall_seconds: float = 0.0
     full: nn.Module | None = None
+    device: torch.device = CPU
 
     def state_dict(self, config: TrainerConfig) -> dict:
         """The checkpoint; under FSDP a collective (every rank calls it) whose model and optimizer state are full
@@ -262,7 +278,8 @@ class _Run:
             **self._weights_state(), "scheduler": self.scheduler.state_dict(), "step": self.step,
             "tokens": self.tokens, "wall_seconds": self.wall_seconds, "data": self.stream.state_dict(),
             "config": _plain(asdict(config)),
-            "rng": {"torch": torch.get_rng_state(), "loss": self.generator.get_state()},
+            "rng": {"torch": torch.get_rng_state(), "loss": self.generator.get_state()}
+            | ({"cuda": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
         }
 
     def _weights_state(self) -> dict:
@@ -292,6 +309,8 @@ class _Run:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":  # a run resumed on the CPU has no CUDA draws
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.generator.set_state(state["rng"]["loss"])
         self.step, self.tokens, self.wall_seconds = state["step"], state["tokens"], state["wall_seconds"]
 
@@ -304,14 +323,15 @@ def _plain(value):
 
 
 def _new_run(model: nn.Module, size: int, config: TrainerConfig, rank: int, world: int,
-             full: nn.Module | None = None) -> _Run:
+             full: nn.Module | None = None, device: torch.device = CPU) -> _Run:
     trainable = [p for p in model.parameters() if p.requires_grad]  # frozen tables (finetune --freeze-embeddings)
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     schedule = lambda step: lr_factor(step, config.warmup_steps, config.steps, config.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     stream = BatchStream(size, config.batch_size, config.seed, rank, world)
-    return _Run(model, optimizer, scheduler, stream, torch.Generator().manual_seed(config.seed), full=full)
+    return _Run(model, optimizer, scheduler, stream, torch.Generator().manual_seed(config.seed), full=full,
+                device=device)
 
 
 def fully_shard_copy(model: nn.Module, device: torch.device) -> nn.Module:
@@ -413,7 +433,7 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
           evaluate: EvalFn | None = None, after_step: StepHook | None = None) -> TrainResult:
     """Train ``model`` in place on ``dataset`` (indexable) with ``loss_fn``; see the module docstring.
     ``after_step(step, model)`` runs on every process after each optimizer step, before evaluation and checkpoint."""
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(config.device)
     if config.bf16 is None:  # auto: callers that skip begin_stage get the machine's choice too
         from dataclasses import replace
 
@@ -425,9 +445,9 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
     sharded = config.fsdp and world > 1
     model.to("cpu" if sharded else device).train()
     if sharded:
-        run = _new_run(fully_shard_copy(model, device), len(dataset), config, rank, world, full=model)
+        run = _new_run(fully_shard_copy(model, device), len(dataset), config, rank, world, full=model, device=device)
     else:
-        run = _new_run(model, len(dataset), config, rank, world)
+        run = _new_run(model, len(dataset), config, rank, world, device=device)
     if config.resume:  # a missing or damaged checkpoint is a SpecdraftError
         run.load_state_dict(load_training_state(out / CHECKPOINT_FILE))
     wrapped = run.model

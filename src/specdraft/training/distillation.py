@@ -1,0 +1,175 @@
+"""The knowledge-distillation objective of ``specdraft finetune`` and its evaluation (Goel et al. 2024, arXiv
+2403.00858, stage 2).
+
+The loss counts only the positions whose label is a response token, against the target's p computed on the fly
+under ``torch.no_grad()`` or, with ``use_stored_topk``, rebuilt from the stored top-k (an approximation); with a
+draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856) q and p are both restricted to its N tokens, p
+renormalised. OSD's ``only_mismatched`` (:mod:`specdraft.training.onpolicy`) keeps only the positions greedy
+verification would reject.
+
+Evaluation reports the held-out loss, TVD (1 − TVD is the expected acceptance rate) and forward KL against the real
+target, and the block efficiency τ of greedy speculative decoding with the real decoder
+(:func:`specdraft.decoding.generate`); on the target's greedy answers also the exact greedy τ
+(:mod:`specdraft.training.exact_tau`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdraft.decoding import GenerationConfig, generate
+from specdraft.draft_vocab import DraftVocab
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.models.native_llama import NativeLlama, supports
+from specdraft.training import onpolicy
+from specdraft.training.batches import (
+    DistillDataset,
+    collate_distill,
+    dense_from_topk,
+    response_logits,
+    subset_from_topk,
+    subset_labels,
+    target_logits,
+)
+from specdraft.training.exact_tau import greedy_tau, response_ranks
+from specdraft.training.finetune_config import FinetuneConfig
+from specdraft.training.losses import distillation_loss, forward_kl, tvd
+from specdraft.training.records import greedy_answers
+
+
+def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None = None):
+    """loss_fn(model, batch, generator) for the trainer: the chosen loss on response positions only; with ``keep``
+    (N,) on the draft vocabulary (q and p both over those N tokens, p renormalised by the loss's softmax)."""
+    vocab_size = target_model.config.vocab_size
+
+    def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+        mask = batch["mask"]  # (B, T)
+        draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
+        target = None
+        if config.loss != "ce" and config.use_stored_topk:
+            top_ids, top_logprobs = batch["top_ids"][mask], batch["top_logprobs"][mask]  # (n, k)
+            target = (dense_from_topk(top_ids, top_logprobs, vocab_size) if keep is None
+                      else subset_from_topk(top_ids, top_logprobs, keep, vocab_size))
+        elif config.loss != "ce":
+            target = target_logits(target_model, batch)[mask]  # (n, V)
+            target = target if keep is None else target[:, keep]  # (n, N)
+        labels = batch["labels"][mask]  # (n,)
+        if config.only_mismatched:  # OSD: only the positions whose draft greedy verification would reject
+            draft, target, labels = onpolicy.mismatched(draft, target, labels)
+            if draft.shape[0] == 0:
+                return draft.sum(), 0
+        return _kd_value(config, draft, target, labels, keep, vocab_size, generator), draft.shape[0]
+
+    return kd_loss
+
+
+def _kd_value(config: FinetuneConfig, draft: torch.Tensor, target: torch.Tensor | None, labels: torch.Tensor,
+              keep: torch.Tensor | None, vocab_size: int, generator: torch.Generator | None) -> torch.Tensor:
+    """The configured loss of ``draft`` (n, N or V) against ``target`` (same columns) or ``labels`` (n,); with a
+    draft vocabulary ``keep``, "ce" counts only the labels inside it (the others cannot be drafted)."""
+    counted = None
+    if config.loss == "ce" and keep is not None:
+        labels, counted = subset_labels(labels, keep, vocab_size)
+    return distillation_loss(config.loss, draft, target, labels, counted, **config.loss_options(generator))
+
+
+def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneConfig,
+                    keep: torch.Tensor | None = None) -> dict[str, float]:
+    """On held-out response positions, against the real target (never the stored top-k): the training loss, TVD
+    (1 − TVD is the expected acceptance rate) and forward KL, each a mean over positions.
+
+    With a draft vocabulary ``keep`` (N,), TVD is the exact one of the drafter as run (q = 0 outside ``keep``,
+    against the full p), while the loss and forward KL compare q with p restricted to ``keep`` and renormalised
+    (the training objective; the full KL would be infinite), and ``heldout_coverage`` is p's mass inside ``keep``.
+    """
+    device = next(model.parameters()).device
+    vocab_size = target_model.config.vocab_size
+    vocab = None if keep is None else DraftVocab(torch.empty(vocab_size, 0, device=device), keep)
+    sums, count = {"heldout_loss": 0.0, "heldout_tvd": 0.0, "heldout_fkl": 0.0}, 0
+    if keep is not None:
+        sums["heldout_coverage"] = 0.0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        mask = batch["mask"]  # (B, T)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
+            target = target_logits(target_model, batch)[mask]  # (n, V)
+        n = int(mask.sum())
+        kept = target if keep is None else target[:, keep]  # (n, N or V)
+        generator = torch.Generator(device=device).manual_seed(0)
+        loss = _kd_value(config, draft, kept, batch["labels"][mask], keep, vocab_size, generator)
+        if keep is not None:
+            sums["heldout_coverage"] += float(torch.softmax(target.float(), -1)[:, keep].sum(-1).sum())
+        sums["heldout_loss"] += float(loss) * n
+        as_run = draft if vocab is None else vocab.expand(draft)  # (n, V): q = 0 outside keep, as drafted
+        sums["heldout_tvd"] += float(tvd(as_run, target)) * n
+        sums["heldout_fkl"] += float(forward_kl(draft, kept)) * n
+        count += n
+    return {k: v / max(count, 1) for k, v in sums.items()}
+
+
+def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], num_draft_tokens: int,
+                     max_new_tokens: int, eos_token_ids: tuple[int, ...] = (),
+                     keep: torch.Tensor | None = None) -> float:
+    """τ = new tokens / target forwards of greedy speculative decoding over ``prompts``, pooled.
+
+    Args:
+        target: a :class:`~specdraft.models.base.CausalLM`.
+        drafter_model: a transformers causal LM (copied to the native fp32 implementation when it is a Llama).
+        keep: (N,) the draft vocabulary, or None for the whole vocabulary.
+    """
+    from specdraft.models.hf import HFCausalLM  # transformers' generation code: loaded when used (CLI start)
+
+    if supports(drafter_model.config):
+        draft = NativeLlama.from_hf(drafter_model, torch.float32)  # a CPU fp32 copy
+    else:
+        draft = HFCausalLM(drafter_model)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, speculation="fixed",
+                              eos_token_ids=tuple(eos_token_ids))
+    keep = None if keep is None else keep.cpu()
+    new_tokens, forwards = 0, 0
+    for prompt in prompts:
+        stats = generate(target, list(prompt), DraftModelDrafter(draft, keep=keep), config).stats
+        new_tokens, forwards = new_tokens + stats.new_tokens, forwards + stats.target_forward_calls
+    return new_tokens / max(forwards, 1)
+
+
+def draft_logits_fn(model, keep: torch.Tensor | None, bf16: bool):
+    """batch -> the drafter's logits at the batch's response positions (:func:`response_logits`), the batch moved to
+    the drafter's device and run under bf16 autocast when ``bf16`` (for :mod:`specdraft.training.exact_tau`)."""
+    device = next(model.parameters()).device
+
+    def logits(batch: dict) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            return response_logits(model, {k: v.to(device) for k, v in batch.items()}, keep)
+
+    return logits
+
+
+def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[dict], pad_id: int, eos: tuple,
+                  keep: torch.Tensor | None = None):
+    """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ; with
+    ``eval_data``, those on its records, and on the target's greedy answers the exact greedy τ
+    (:mod:`specdraft.training.exact_tau`)."""
+    heldout, exact = greedy_answers(config.eval_data) if config.eval_data else (heldout, False)
+    longest = max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in heldout)
+    dataset = DistillDataset(heldout, longest if config.eval_data else config.max_seq_len)  # eval_data: whole, as run
+    batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
+               for s in range(0, len(dataset), config.batch_size)]
+    prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]
+
+    def evaluate(model) -> dict[str, float]:
+        metrics = heldout_metrics(model, target_model, batches, config, keep)
+        if exact:
+            ranks = response_ranks(draft_logits_fn(model, keep, config.bf16), batches, keep, top=1)
+            metrics |= greedy_tau(ranks, list(config.num_draft_tokens()))
+        for k in config.num_draft_tokens():
+            if prompts:
+                metrics[f"block_efficiency@{k}"] = block_efficiency(target, model, prompts, k,
+                                                                    config.eval_max_new_tokens, eos, keep)
+        return metrics
+
+    return evaluate
+

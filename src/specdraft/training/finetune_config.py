@@ -1,0 +1,98 @@
+"""The settings of ``specdraft finetune`` (stage 2 of Goel et al. 2024, arXiv 2403.00858), checked when built;
+shared by the stage (:mod:`specdraft.training.finetune`) and its loss and evaluation
+(:mod:`specdraft.training.distillation`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.training import regenerate
+from specdraft.training.checkpoint import EXPORT_DTYPES
+from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS
+from specdraft.training.trainer import TrainerConfig, check_choices, check_ints
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig(TrainerConfig):
+    """Settings of ``specdraft finetune``."""
+
+    drafter: str = field(metadata={"help": "pretrained drafter checkpoint folder"})
+    target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
+    data: str = field(metadata={"help": "distill-data output folder, or several, comma-separated (their records are "
+                                        "pooled)"})
+    loss: str = field(default="fkl", metadata={"help": f"loss: {', '.join(LOSSES)}"})
+    beta: float = field(default=0.5, metadata={"help": "jsd: weight of p in the mixture"})
+    weighting: str = field(default="q", metadata={"help": f"tvdpp: {' or '.join(WEIGHTINGS)}"})
+    normalization: str = field(default="batch", metadata={"help": f"tvdpp: {', '.join(NORMALIZATIONS)}"})
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate"})
+    use_stored_topk: bool = field(default=False, metadata={"help": "p from the stored top-k (an approximation)"})
+    allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
+    max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
+    heldout_every: int = field(default=20, metadata={"help": "hold out every N-th prompt for evaluation"})
+    eval_prompts: int = field(default=8, metadata={"help": "held-out prompts decoded for block efficiency"})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per evaluation prompt"})
+    eval_num_draft_tokens: str = field(default="3,5", metadata={"help": "γ values evaluated, comma-separated"})
+    target_dtype: str = field(default="float32", metadata={"help": "target weights: float32 or bfloat16"})
+    export_dtype: str = field(default="float32", metadata={"help": "exported weights: float32 or bfloat16"})
+    freeze_embeddings: bool = field(default=False, metadata={"help": "keep the (tied) token embeddings fixed"})
+    draft_vocab: int = field(default=0, metadata={
+        "help": "train q over the N most frequent response tokens only, as drafted with the draft_vocab=N option "
+                "(FR-Spec; 0 = the whole vocabulary)"})
+    draft_vocab_from: str = field(default="", metadata={
+        "help": "rank the draft vocabulary as this drafter does (its stored token ranking) instead of by the "
+                "training responses: runs on different data then train the same N tokens"})
+    share_embeddings: bool = field(default=False, metadata={
+        "help": "export without the embeddings, which must be the target's: the drafter then loads them from the "
+                "target (needs --freeze-embeddings)"})
+    only_mismatched: bool = field(default=False, metadata={
+        "help": "train only where argmax q differs from argmax p (OSD: the drafts greedy verification rejects)"})
+    regenerate_every: int = field(default=0, metadata={
+        "help": "every N steps the current drafter answers a pool of training prompts (on-policy; 0 = never)"})
+    regenerate_prompts: int = field(default=256, metadata={"help": "prompts in the regenerated pool"})
+    regenerate_temperature: float = field(default=1.0, metadata={"help": "drafter sampling when regenerating"})
+    regenerate_max_new_tokens: int = field(default=128, metadata={"help": "response cap when regenerating"})
+    eval_data: str = field(default="", metadata={
+        "help": "evaluate on this distill-data folder instead of the held-out split (e.g. the target's greedy answers "
+                "to Spec-Bench questions); on greedy target answers also the exact greedy τ at each γ"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.share_embeddings and not self.freeze_embeddings:
+            raise SpecdraftError("--share-embeddings needs --freeze-embeddings (the exported drafter uses the "
+                                 "target's table, so training must not change its copy)")
+        if not 0.0 <= self.beta <= 1.0:
+            raise SpecdraftError(f"beta must be in [0, 1], got {self.beta}")
+        check_choices(self, ("loss",), LOSSES)
+        check_choices(self, ("weighting",), WEIGHTINGS)
+        check_choices(self, ("normalization",), NORMALIZATIONS)
+        check_ints(self, ("max_seq_len", "eval_max_new_tokens"), 1)
+        check_ints(self, ("eval_prompts", "draft_vocab"), 0)
+        check_ints(self, ("heldout_every",), 2)
+        check_choices(self, ("target_dtype", "export_dtype"), EXPORT_DTYPES)
+        regenerate.check_regeneration(self)
+        self.num_draft_tokens()
+
+    def num_draft_tokens(self) -> tuple[int, ...]:
+        """The γ values of ``eval_num_draft_tokens``."""
+        try:
+            values = tuple(int(v) for v in self.eval_num_draft_tokens.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise SpecdraftError(f"eval_num_draft_tokens must be comma-separated integers >= 1, "
+                                 f"got {self.eval_num_draft_tokens!r}")
+        return values
+
+    def loss_options(self, generator: torch.Generator | None) -> dict:
+        """Keyword options of the chosen loss."""
+        if self.loss == "jsd":
+            return {"beta": self.beta}
+        if self.loss == "tvdpp":
+            extra = {"generator": generator} if self.weighting == "sample" else {}
+            return {"weighting": self.weighting, "normalization": self.normalization} | extra
+        return {}
+

@@ -1,0 +1,184 @@
+"""``train-drafter`` as a whole recipe on a tiny target: training answers and held-out greedy answers, a drafter
+copied from the target's layers, two distillation phases (forward KL, then TVD++) evaluated by their exact greedy τ on
+the held-out answers at every checkpoint, EAGLE-3 heads on the same data, time budgets and ``--stages``."""
+
+import csv
+import json
+import random
+
+import pytest
+
+from specdraft.cli import main
+from specdraft.errors import SpecdraftError
+from specdraft.training.recipe import load_pipeline_file, pipeline_configs
+from toys import save_tiny_checkpoint
+
+RECIPE = """
+target = "{root}/target"
+device = "cpu"
+
+[distill_data]
+out = "{root}/data"
+prompts = "{root}/prompts.jsonl"
+max_new_tokens = 16
+temperature = 0.0
+batch_size = 16
+shard_size = 32
+dtype = "float32"
+engine = "native"
+
+[heldout_data]
+out = "{root}/heldout"
+prompts = "{root}/questions.jsonl"
+max_new_tokens = 16
+dtype = "float32"
+
+[init_drafter]
+out = "{root}/init"
+layers = "0"
+
+[[finetune]]
+out = "{root}/fkl"
+loss = "fkl"
+steps = 30
+batch_size = 8
+lr = 3e-3
+bf16 = false
+heldout_every = 8
+eval_prompts = 0
+eval_num_draft_tokens = "2,3"
+freeze_embeddings = true
+share_embeddings = true
+draft_vocab = 48
+progress = false
+evals = 2
+
+[[finetune]]
+out = "{root}/tvdpp"
+loss = "tvdpp"
+steps = 6
+batch_size = 8
+lr = 1e-3
+bf16 = false
+heldout_every = 8
+eval_prompts = 0
+eval_num_draft_tokens = "3"
+freeze_embeddings = true
+share_embeddings = true
+draft_vocab = 48
+progress = false
+
+[heads]
+out = "{root}/eagle3"
+steps = {head_steps}
+batch_size = 4
+lr = 1e-2
+bf16 = false
+heldout_every = 8
+eval_prompts = 0
+options = "ttt_steps=2;draft_vocab=40"
+progress = false
+evals = 2
+budget_s = {head_budget}
+"""
+
+
+def _write(root, head_steps=40, head_budget=1e6):
+    (root / "recipe.toml").write_text(RECIPE.format(root=root, head_steps=head_steps, head_budget=head_budget))
+    return root / "recipe.toml"
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe")
+    save_tiny_checkpoint(root / "target", seed=0, layers=4, hidden=32)
+    rng = random.Random(0)
+    lines = [json.dumps({"prompt": " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randint(1, 6)))})
+             for _ in range(96)]
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    questions = [json.dumps({"turns": [" ".join(f"w{rng.randrange(60)}" for _ in range(4))]}) for _ in range(12)]
+    (root / "questions.jsonl").write_text("\n".join(questions) + "\n")
+    assert main(["train-drafter", "--config", str(_write(root))]) == 0
+    return root
+
+
+def _rows(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_the_recipe_exports_a_drafter_and_heads_with_a_learning_curve_of_exact_tau(recipe):
+    assert (recipe / "tvdpp" / "model" / "model.safetensors").is_file()
+    assert (recipe / "eagle3" / "heads" / "heads.json").is_file()
+    curve = _rows(recipe / "fkl" / "eval_log.csv")
+    assert [int(r["step"]) for r in curve] == [15, 30]  # evals = 2: the learning curve
+    for row in curve:
+        assert 1.0 <= float(row["greedy_tau@2"]) <= 3.0 and 1.0 <= float(row["greedy_tau@3"]) <= 4.0
+        assert 0.0 <= float(row["greedy_first_accept@3"]) <= 1.0 and "heldout_tvd" in row
+    assert float(curve[-1]["greedy_first_accept@3"]) > float(curve[0]["greedy_first_accept@3"]) - 0.05
+    second = json.loads((recipe / "tvdpp" / "run.json").read_text())
+    assert second["sources"]["drafter"] == str(recipe / "fkl" / "model")  # the phases chain
+    assert "greedy_tau@3" in _rows(recipe / "tvdpp" / "eval_log.csv")[-1]
+    heads = _rows(recipe / "eagle3" / "eval_log.csv")
+    assert [int(r["step"]) for r in heads] == [20, 40] and "heldout_tau_est@2" in heads[-1]
+    held = json.loads((recipe / "heldout" / "distill_config.json").read_text())
+    assert held["temperature"] == 0.0 and held["device_choice"]["device"] == "cpu"
+
+
+def test_exact_tau_equals_the_tau_of_decoding_the_held_out_questions(recipe):
+    """The learning curve's τ is exact: greedy speculative decoding of the held-out questions with the exported
+    drafter (fp32, its draft vocabulary, fixed γ) makes the same tokens per target forward."""
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.drafters.loading import load_drafter
+    from specdraft.models.registry import load_target
+    from specdraft.training.records import load_distill_records
+
+    target, tokenizer = load_target(str(recipe / "target"))
+    drafter = load_drafter(target, tokenizer, draft=str(recipe / "tvdpp" / "model"))
+    tokens = forwards = 0
+    for record in load_distill_records(recipe / "heldout"):
+        config = GenerationConfig(16, 3, speculation="fixed", eos_token_ids=(tokenizer.eos_token_id,))
+        stats = generate(target, record["prompt_token_ids"], drafter, config).stats
+        tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forward_calls
+    logged = float(_rows(recipe / "tvdpp" / "eval_log.csv")[-1]["greedy_tau@3"])
+    assert tokens / forwards == pytest.approx(logged, abs=1e-3)
+
+
+def test_a_rerun_reuses_every_stage_and_stages_reruns_only_those_named(recipe, capsys):
+    files = [recipe / name / "manifest.json" for name in ("data", "heldout")] + [
+        recipe / "init" / "model.safetensors", recipe / "fkl" / "model" / "model.safetensors",
+        recipe / "tvdpp" / "model" / "model.safetensors", recipe / "eagle3" / "heads" / "heads.safetensors"]
+    before = [f.stat().st_mtime_ns for f in files]
+    assert main(["train-drafter", "--config", str(recipe / "recipe.toml")]) == 0
+    assert [f.stat().st_mtime_ns for f in files] == before
+    printed = capsys.readouterr().out.split()
+    assert printed[-2:] == [str(recipe / "tvdpp" / "model"), str(recipe / "eagle3" / "heads")]
+    _write(recipe, head_steps=50)
+    assert main(["train-drafter", "--config", str(recipe / "recipe.toml"), "--stages", "heads", "--overwrite"]) == 0
+    assert [f.stat().st_mtime_ns for f in files[:-1]] == before[:-1]
+    assert "50 steps" in (recipe / "eagle3" / "heads" / "README.md").read_text()
+
+
+def test_a_time_budget_lowers_the_steps_after_timing_the_first_ones(recipe, tmp_path, capsys):
+    root = tmp_path
+    for name in ("target", "prompts.jsonl", "questions.jsonl", "data", "heldout"):
+        source = recipe / name
+        (root / name).symlink_to(source, target_is_directory=source.is_dir())
+    config = _write(root, head_steps=400, head_budget=0.001)
+    assert main(["train-drafter", "--config", str(config), "--stages", "heads"]) == 0
+    assert "started again" in capsys.readouterr().err
+    card = (root / "eagle3" / "heads" / "README.md").read_text()
+    assert "21 steps" in card  # the 20 timed steps, then the fewest that a new run may take
+    assert [int(r["step"]) for r in _rows(root / "eagle3" / "eval_log.csv")] == [11, 21]
+
+
+def test_bad_recipes_are_refused_naming_the_section(recipe, capsys):
+    spec = load_pipeline_file(recipe / "recipe.toml")
+    with pytest.raises(SpecdraftError, match="one of \\[pretrain\\] and \\[init_drafter\\]"):
+        pipeline_configs({k: v for k, v in spec.items() if k != "init_drafter"})
+    with pytest.raises(SpecdraftError, match="budget_s"):
+        pipeline_configs(spec | {"heads": spec["heads"] | {"budget_s": -1}})
+    with pytest.raises(SpecdraftError, match="\\[finetune\\] has no setting 'colour'"):
+        pipeline_configs(spec | {"finetune": [spec["finetune"][0] | {"colour": 1}]})
+    assert main(["train-drafter", "--config", str(recipe / "recipe.toml"), "--stages", "pretraining"]) == 2
+    assert "unknown stage 'pretraining'" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""The static-batch data engine (``distill-data --engine native`` on CUDA): the same greedy answers and log-probs as
+the ragged CPU engine in float32, rows that end and shrink the batch never disturb the others, and the CUDA-graph path
+equals the eager one. Each test runs on the CPU and, where one is visible, on CUDA (fp32, TF32 off)."""
+
+import pytest
+import torch
+
+from specdraft.models.registry import load_model
+from specdraft.models.static_batch import StaticBatch
+from specdraft.sampling import SamplingConfig
+from specdraft.training.native_generation import StaticEngine, generate_rows, generate_rows_static
+from toys import save_tiny_checkpoint
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+EOS = 38  # with the toy target, most rows end at it early and one runs to the length cap
+PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [5, 6, 7], [20, 21], [30, 31, 32, 33], [40], [41, 42, 43, 44, 45, 46],
+           [50], [51, 52]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("target") / "t", seed=0))
+
+
+def _static(target, device, prompts, eos, top, check_every=2, graphs=True, sampling=None, generator=None):
+    model = load_model(target, torch.float32, backend="native", device=device)
+    batch = StaticBatch(model, len(prompts), max(map(len, prompts)) + 12, graphs=graphs)
+    return generate_rows_static(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator, check_every)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_engine_answers_as_the_ragged_engine_in_float32(target, device):
+    reference = generate_rows(load_model(target, backend="native"), PROMPTS, 12, SamplingConfig(), eos=EOS,
+                              top_logprobs=3, generator=None)
+    static = _static(target, device, PROMPTS, eos=EOS, top=3)
+    assert {r["finish_reason"] for r in reference} == {"eos", "length"}  # some rows leave early, some run on
+    assert [r["ids"] for r in static] == [r["ids"] for r in reference]
+    assert [r["finish_reason"] for r in static] == [r["finish_reason"] for r in reference]
+    for a, b in zip(static, reference, strict=True):
+        assert a["top_ids"] == b["top_ids"]
+        assert (torch.tensor(a["top_logprobs"]) - torch.tensor(b["top_logprobs"])).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_leaving_and_the_batch_shrinking_never_disturb_the_others(target, device, monkeypatch):
+    kept = []
+    keep_rows = StaticBatch.keep_rows
+    monkeypatch.setattr(StaticBatch, "keep_rows", lambda self, keep: kept.append(len(keep)) or keep_rows(self, keep))
+    together = _static(target, device, PROMPTS, eos=EOS, top=0, check_every=1)
+    assert kept and any(k & (k - 1) for k in kept)  # the batch shrank, to a count that runs beside ignored rows
+    alone = [_static(target, device, [p], eos=EOS, top=0)[0] for p in PROMPTS]
+    assert together == alone
+
+
+def test_sampling_is_reproducible_and_stops_at_eos(target):
+    sampling = SamplingConfig(temperature=1.0)
+    runs = [_static(target, "cpu", PROMPTS, eos=5, top=2, sampling=sampling,
+                    generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    for response in runs[0]:
+        ids = response["ids"]
+        assert 1 <= len(ids) <= 12 and len(response["top_ids"]) == len(ids)
+        assert (response["finish_reason"] == "eos") == (ids[-1] == 5) and 5 not in ids[:-1]
+
+
+def test_an_engine_keeps_its_batch_until_a_call_needs_more(target):
+    engine = StaticEngine(load_model(target, torch.float32, backend="native"))
+    first = engine.generate(PROMPTS[:4], 12, SamplingConfig(), 5, 0, None)
+    batch = engine.batch
+    assert engine.generate(PROMPTS[:4], 12, SamplingConfig(), 5, 0, None) == first and engine.batch is batch
+    engine.generate(PROMPTS, 12, SamplingConfig(), 5, 0, None)
+    assert engine.batch is not batch and engine.batch.rows == len(PROMPTS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_graphs_replay_the_eager_step(target):
+    assert _static(target, "cuda", PROMPTS, eos=5, top=3) == _static(target, "cuda", PROMPTS, eos=5, top=3,
+                                                                     graphs=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_smollm2_static_engine_answers_as_transformers_in_float32(device):
+    """The real target: the static batch (eager on the CPU, CUDA graphs on CUDA) gives transformers' greedy answers
+    to chat prompts of different lengths, in one batch."""
+    from specdraft.models.registry import SMOLLM2, load_tokenizer
+
+    tokenizer = load_tokenizer(SMOLLM2)
+    texts = ["What is the capital of France?", "Give me two tips for sleeping well, and say why each one works.",
+             "Translate German to English: Das Wetter ist heute schön.", "2+2?"]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]) for t in texts]
+    engine = StaticEngine(load_model(SMOLLM2, torch.float32, backend="native", device=device))
+    static = engine.generate(prompts, 24, SamplingConfig(), tokenizer.eos_token_id, 0, None)
+    hf = load_model(SMOLLM2, torch.float32, backend="hf", device=device).model
+    for prompt, response in zip(prompts, static, strict=True):
+        ids = torch.tensor([prompt], device=hf.device)
+        out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
+        assert response["ids"] == out[: out.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in out
+                                      else len(out)]
