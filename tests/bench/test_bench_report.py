@@ -101,6 +101,9 @@ def test_greedy_equal_false_and_null():
     records = draft_records(ids_q2=[[7] * 7 + [8]])  # last token of q2 differs from ar's
     m = metrics(records, ar_records(), greedy=True)
     assert m["greedy_equal"] is False and m["greedy_equal_answers"] == {"equal": 1, "compared": 2}
+    assert m["greedy_prefix_agreement"] == pytest.approx((16 + 7) / 24)  # q2 agrees up to its 8th token
+    assert metrics(draft_records(), ar_records(), greedy=True)["greedy_prefix_agreement"] == 1.0
+    assert metrics(records, ar_records(), greedy=False)["greedy_prefix_agreement"] is None
     summary = summarize(ar_records() + records, GREEDY_RUN)["methods"]["draft"]
     assert summary["subtasks"]["mt_bench"]["greedy_equal"] is True
     assert summary["subtasks"]["qa"]["greedy_equal"] is False
@@ -175,6 +178,7 @@ def test_best_num_draft_tokens_and_markdown():
     text = render_markdown(summary)
     assert "| method | γ | n | τ |" in text and "| pl@γ=2 | 2 | 2 | 2.00 |" in text
     # greedy equal, with the count of equal answers: q1's pl answer (8 tokens) differs from ar's (10 + 6)
-    assert text.count("| yes (2/2) |") == 1 and text.count("| no (1/2) |") == 2
+    # and the share of ar's tokens (8 + 8 of 24) they match before the first difference
+    assert text.count("| yes (2/2) |") == 1 and text.count("| no (1/2; prefix 0.67) |") == 2
     assert "| pl | 2 |" in text  # best γ table
     assert "| ar | 1.00x | 1.00x | 1.00x |" in text  # speed-up by subtask: mt_bench, qa, overall

@@ -19,7 +19,9 @@ Metrics of a method over a set of answers (``M`` in summary.json), all sums over
   DistillSpec and Goel et al. 2024). A training-free drafter reads no weights: c = 0, so its value is τ.
   A method that drafts nothing (``ar``, ``hf``) has γ = 0 and mbsu = τ (= 1).
 - ``greedy_equal``: under greedy decoding, whether every answer's token ids equal ``ar``'s for the same question;
-  null under sampling, or when no answer could be compared. ``greedy_equal_answers`` = {"equal", "compared"}.
+  null under sampling, or when no answer could be compared. ``greedy_equal_answers`` = {"equal", "compared"};
+  ``greedy_prefix_agreement`` = Σ tokens equal to ``ar``'s before each answer's first difference ÷ Σ ``ar``'s tokens
+  (how far a lossy method, BiLD, follows plain decoding).
 - ``num_draft_tokens`` (γ, null for methods that draft nothing) and ``n`` (questions answered).
 - ``engine_counters``: another engine's own counters summed over the answers (vLLM's speculative-decoding
   metrics: ``drafts``, ``draft_tokens``, ``accepted_tokens``, ``accepted_tokens_per_pos``), with
@@ -134,10 +136,9 @@ def speedup(records: Sequence[dict], baseline: Sequence[dict], decode_only: bool
     return _ratio(mine, base)
 
 
-def greedy_comparison(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> dict | None:
-    """``{"equal": k, "compared": n}``: answers whose token ids equal the baseline's answer to the same question
-    (its first repeat). None under sampling, or when nothing could be compared (no baseline answer, or a method
-    without token ids)."""
+def _compared(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> list[tuple[list, list]] | None:
+    """(token ids, the baseline's token ids for the same question (its first repeat)) per answer; None under
+    sampling, or when nothing could be compared (no baseline answer, or a method without token ids)."""
     if not greedy:
         return None
     reference = {}
@@ -147,7 +148,32 @@ def greedy_comparison(records: Sequence[dict], baseline: Sequence[dict], greedy:
     compared = [(mine, theirs) for mine, theirs in compared if theirs is not None]
     if not compared or any(mine is None for mine, _ in compared):
         return None
+    return compared
+
+
+def greedy_comparison(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> dict | None:
+    """``{"equal": k, "compared": n}``: answers whose token ids equal the baseline's answer to the same question
+    (its first repeat). None under sampling, or when nothing could be compared (no baseline answer, or a method
+    without token ids)."""
+    compared = _compared(records, baseline, greedy)
+    if compared is None:
+        return None
     return {"equal": sum(mine == theirs for mine, theirs in compared), "compared": len(compared)}
+
+
+def greedy_prefix_agreement(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> float | None:
+    """Σ tokens equal to the baseline's before an answer's first difference ÷ Σ the baseline's tokens, over the
+    answers :func:`greedy_comparison` compares (1.0 when every answer is equal); None when it compares none."""
+    compared = _compared(records, baseline, greedy)
+    if compared is None:
+        return None
+    agreed = reference = 0
+    for mine, theirs in compared:  # per-turn lists of ids; a turn after a difference follows another context
+        mine, theirs = [t for turn in mine for t in turn], [t for turn in theirs for t in turn]
+        shared = min(len(mine), len(theirs))
+        agreed += next((i for i in range(shared) if mine[i] != theirs[i]), shared)
+        reference += len(theirs)
+    return _ratio(agreed, reference)
 
 
 def greedy_equal(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> bool | None:
@@ -214,6 +240,7 @@ def metrics(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> 
         "mbsu": mbsu(tau, gamma, cost),
         "greedy_equal": greedy_equal(records, baseline, greedy),
         "greedy_equal_answers": greedy_comparison(records, baseline, greedy),
+        "greedy_prefix_agreement": greedy_prefix_agreement(records, baseline, greedy),
         "num_draft_tokens": gamma,
         "n": len(_by_question(records)),
         "mbsu_param_ratio": mbsu(tau, gamma, param_ratio),
@@ -313,8 +340,12 @@ def _fmt(value, digits: int = 2, suffix: str = "") -> str:
     return str(value)
 
 
-def _equal_count(counts: dict | None) -> str:
-    return "" if counts is None else f" ({counts['equal']}/{counts['compared']})"
+def _equal_count(counts: dict | None, prefix: float | None) -> str:
+    """" (k/n)", with the prefix agreement when some answer differs: " (k/n; prefix 0.87)"."""
+    if counts is None:
+        return ""
+    differ = prefix is not None and counts["equal"] < counts["compared"]
+    return f" ({counts['equal']}/{counts['compared']}" + (f"; prefix {prefix:.2f})" if differ else ")")
 
 
 def _overall_table(methods: dict) -> list[str]:
@@ -322,11 +353,12 @@ def _overall_table(methods: dict) -> list[str]:
             "| MBSU (c = params) | greedy equal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in methods.items():
         o = m["overall"]
+        equal = _equal_count(o["greedy_equal_answers"], o.get("greedy_prefix_agreement"))
         rows.append(f"| {name} | {_fmt(o['num_draft_tokens'])} | {o['n']} | {_fmt(o['block_efficiency'])} "
                     f"| {_fmt(o['acceptance_rate'])} | {_fmt(o['tokens_per_second'], 1)} "
                     f"| {_fmt(o['speedup'], 2, 'x')} | {_fmt(o.get('decode_speedup'), 2, 'x')} "
                     f"| {_fmt(o['mbsu'])} | {_fmt(o['mbsu_param_ratio'])} "
-                    f"| {_fmt(o['greedy_equal'])}{_equal_count(o['greedy_equal_answers'])} |")
+                    f"| {_fmt(o['greedy_equal'])}{equal} |")
     return rows
 
 
