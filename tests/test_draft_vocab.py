@@ -44,3 +44,20 @@ def test_subset_logits_equal_the_full_ones_inside_and_are_minus_inf_outside():
     outside[keep] = False
     assert torch.isneginf(sub[:, outside]).all()
     assert DraftVocab(lm_head, torch.arange(50)).keep is None  # the whole vocabulary: no restriction
+
+
+def test_int8_rows_round_the_draft_logits_only_slightly():
+    from specdraft.models import quantized
+
+    if not quantized.available():
+        pytest.skip("specdraft's int8 kernels do not run here")
+    torch.manual_seed(0)
+    weight, features = torch.randn(40, 64), torch.randn(3, 64)
+    dense = DraftVocab(weight, torch.tensor([1, 5, 9])).logits(features)
+    rounded = DraftVocab(weight, torch.tensor([1, 5, 9]), quantize="int8")
+    assert rounded.packed is not None
+    got = rounded.logits(features)  # (3, 40), -inf outside the subset
+    assert torch.equal(torch.isinf(got), torch.isinf(dense))
+    finite = torch.isfinite(dense)
+    torch.testing.assert_close(got[finite], dense[finite], atol=0.2, rtol=0.02)
+    assert not torch.equal(got[finite], dense[finite])

@@ -73,15 +73,26 @@ class DraftVocab:
     Args:
         lm_head: (V, D) the target's LM head weight (kept, not copied, when ``keep`` is None).
         keep: (N,) token ids the draft may propose (None: all V).
+        quantize: ``int8`` rounds the (subset's) rows once to Q8_0 blocks and multiplies with specdraft's int8
+            kernels (CPU): a draft-side rounding, so output stays lossless; None (or no kernels here): dense.
     """
 
-    def __init__(self, lm_head: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    def __init__(self, lm_head: torch.Tensor, keep: torch.Tensor | None = None, quantize: str | None = None) -> None:
+        from specdraft.models import quantized
+
         self.vocab_size = int(lm_head.shape[0])
         self.keep = None if keep is None or keep.numel() >= self.vocab_size else keep.to(torch.long)
         self.weight = lm_head if self.keep is None else lm_head[self.keep].contiguous()  # (N, D)
+        usable = quantize is not None and self.weight.device.type == "cpu" and quantized.available()
+        kind = {"int8": "q8_0", "int4": "q4_0"}.get(str(quantize), quantize)
+        self.packed = quantized.quantize(self.weight, kind) if usable else None
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., D) features -> (..., V) float32 logits, -inf outside the subset."""
+        if self.packed is not None:
+            from specdraft.models.quantized import linear
+
+            return self.expand(linear(features.float().contiguous(), self.packed))  # (..., V)
         return self.expand(F.linear(features.to(self.weight.dtype), self.weight))  # (..., V)
 
     def expand(self, logits: torch.Tensor) -> torch.Tensor:

@@ -257,3 +257,19 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     deeper = NativeLlama.from_hf(tiny_llama(1, layers=3))
     with pytest.raises(SpecdraftError, match="2-layer target"):
         generate(deeper, PROMPTS[0], loaded, config)
+
+
+def test_int8_draft_head_keeps_output_and_bad_option_is_refused(trained, tmp_path):
+    """quantize=int8 rounds only the draft's LM head rows: output stays plain greedy decoding's."""
+    from specdraft.models import quantized
+
+    model, head, _ = trained
+    folder = save_heads(head, "glide", glide_spec(model.config, {"ttt_steps": "3"}), tmp_path / "heads", "tiny0")
+    target = NativeLlama.from_hf(model)
+    drafter = NAMED_DRAFTERS["glide"](target, None, {"heads": str(folder), "quantize": "int8"})
+    config = GenerationConfig(20, 4, speculation="fixed")
+    for prompt in PROMPTS:
+        assert generate(target, prompt, drafter, config).token_ids == generate(target, prompt, None, config).token_ids
+    assert (drafter._vocab.packed is not None) == quantized.available()
+    with pytest.raises(SpecdraftError, match="quantize must be none or int8"):
+        NAMED_DRAFTERS["glide"](target, None, {"heads": str(folder), "quantize": "int4x"})

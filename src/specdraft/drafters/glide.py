@@ -69,11 +69,14 @@ class GlideDrafter(ReadsTargetCache):
         cape: CaPE's decreasing confidence thresholds (module docstring); empty: a plain chain.
         max_nodes: most nodes a draft holds, chain first.
         draft_vocab: draft only the N most frequent tokens of the training data (0: the whole vocabulary).
+        quantize: ``int8`` multiplies the draft's LM head rows rounded to int8 blocks (CPU; lossless, drafts only),
+            ``none`` dense.
     """
 
     name = "glide"
 
-    def __init__(self, heads: str, cape: str = "0.6/0.3", max_nodes: int = 16, draft_vocab: int = 0) -> None:
+    def __init__(self, heads: str, cape: str = "0.6/0.3", max_nodes: int = 16, draft_vocab: int = 0,
+                 quantize: str = "none") -> None:
         from specdraft.draft_vocab import draft_subset
         from specdraft.heads import load_heads
 
@@ -81,6 +84,9 @@ class GlideDrafter(ReadsTargetCache):
             raise SpecdraftError("glide needs heads=PATH: a folder made by `specdraft train-heads --kind glide`")
         _, head = load_heads(heads, kind="glide")
         self._setup(head, cape, max_nodes, draft_subset(heads, int(head.sizes["vocab_size"]), draft_vocab))
+        if str(quantize).lower() not in ("none", "int8"):
+            raise SpecdraftError(f"glide quantize must be none or int8, got {quantize!r}")
+        self.quantize = None if str(quantize).lower() == "none" else "int8"
 
     @classmethod
     def from_module(cls, head, cape: str = "0.6/0.3", max_nodes: int = 16, keep: torch.Tensor | None = None
@@ -97,7 +103,7 @@ class GlideDrafter(ReadsTargetCache):
         self.vocab_size = int(head.sizes["vocab_size"])
         self.max_context = int(head.sizes["max_position_embeddings"])
         self._vocab = self._lm_head = self._embed = self._target_cache = self._cache = self._root = None
-        self._fed = 0
+        self._fed, self.quantize = 0, None
 
     def begin(self, target, cache) -> None:
         """A new generation: take the target's frozen embeddings and LM head; forget the draft's cache."""
@@ -116,7 +122,7 @@ class GlideDrafter(ReadsTargetCache):
         if self.head.dtype != lm_head.dtype:
             self.head.to(lm_head.dtype)
         if self._lm_head is None or self._lm_head.data_ptr() != lm_head.data_ptr():
-            self._vocab = DraftVocab(lm_head.detach(), self.keep)  # (N, D) rows copied once per LM head
+            self._vocab = DraftVocab(lm_head.detach(), self.keep, self.quantize)  # (N, D) rows once per LM head
         self._embed, self._lm_head = embed.detach(), lm_head.detach()
         self._target_cache = self._cache = self._root = None
         self._fed = 0
