@@ -18,7 +18,7 @@ from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
 from specdraft.training.batches import collate_distill
-from specdraft.training.eagle3 import EAGLE3, _init, parse_settings, unrolled
+from specdraft.training.eagle3 import EAGLE3, parse_settings, unrolled
 from specdraft.training.heads import HEAD_KINDS
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
@@ -32,7 +32,7 @@ def _head(model, seed: int = 0, draft_vocab: int = 48, **options):
     settings = parse_settings({k: str(v) for k, v in ({"draft_vocab": draft_vocab} | options).items()},
                               model.config.num_hidden_layers, model.config.vocab_size)
     head = build_eagle3(head_config(model.config) | settings, torch.arange(model.config.vocab_size)[-draft_vocab:])
-    _init(head, model)
+    EAGLE3.init(head, model)
     return head
 
 

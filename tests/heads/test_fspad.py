@@ -30,13 +30,12 @@ def _eagle(model, seed: int = 0, **options):
 
 def _eagle3(model, seed: int = 0, **options):
     from specdraft.heads.eagle import head_config
-    from specdraft.training.eagle3 import _init
 
     torch.manual_seed(seed)
     settings = parse_settings({k: str(v) for k, v in ({"draft_vocab": 64} | options).items()},
                               model.config.num_hidden_layers, model.config.vocab_size)
     head = build_eagle3(head_config(model.config) | settings, torch.arange(model.config.vocab_size))
-    _init(head, model)
+    EAGLE3.init(head, model)
     return head
 
 
