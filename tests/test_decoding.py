@@ -1,6 +1,5 @@
 """The decoding loop: lossless greedy (token for token), lossless sampling (chi-square), stopping inside blocks."""
 
-import itertools
 from collections import Counter
 
 import pytest
@@ -10,8 +9,8 @@ from scipy.stats import chisquare
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithChainCopies, WithSiblings
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig, warp
-from toys import PatternDrafter, hf_target, random_bigram
+from specdraft.sampling import SamplingConfig
+from toys import PatternDrafter, bigram_sequence_probs, hf_target, random_bigram
 
 PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]
 
@@ -100,16 +99,6 @@ def test_stats_are_consistent(target):
                                 "decode_seconds", "tokens_per_second"}
 
 
-def _exact_sequence_distribution(target, prompt, length, sampling):
-    probs = {}
-    for seq in itertools.product(range(target.vocab_size), repeat=length):
-        prob, last = 1.0, prompt[-1]
-        for token in seq:
-            prob *= float(warp(target.table[last], sampling)[token])
-            last = token
-        probs[seq] = prob
-    return probs
-
 
 @pytest.mark.parametrize(
     "sampling",
@@ -125,7 +114,7 @@ def test_sampling_distribution_chi_square(sampling, drafter_kind):
     generator = torch.Generator().manual_seed(1234)
     config = GenerationConfig(3, 3, sampling)
     counts = Counter(tuple(generate(target, prompt, drafter, config, generator).token_ids) for _ in range(6000))
-    exact = _exact_sequence_distribution(target, prompt, 3, sampling)
+    exact = bigram_sequence_probs(target, prompt, 3, sampling)
     cells = [seq for seq, p in exact.items() if p * 6000 >= 5]
     observed = [counts[seq] for seq in cells] + [6000 - sum(counts[seq] for seq in cells)]
     expected = [exact[seq] * 6000 for seq in cells]

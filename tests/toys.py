@@ -3,6 +3,7 @@ chosen pattern of positions."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -133,6 +134,21 @@ def distill_records(count: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(3, 61) for _ in range(rng.randint(1, 6))],
              "response_token_ids": [rng.randrange(3, 61) for _ in range(rng.randint(3, 12))]} for _ in range(count)]
+
+
+def bigram_sequence_probs(target: BigramLM, prompt, length: int, sampling) -> dict[tuple[int, ...], float]:
+    """The exact probability of every ``length``-token continuation of ``prompt`` under a bigram target's warped
+    distribution (the reference of the distribution tests)."""
+    from specdraft.sampling import warp
+
+    probs = {}
+    for seq in itertools.product(range(target.vocab_size), repeat=length):
+        prob, last = 1.0, prompt[-1]
+        for token in seq:
+            prob *= float(warp(target.table[last], sampling)[token])
+            last = token
+        probs[seq] = prob
+    return probs
 
 
 def assert_follows(counts, p: torch.Tensor, trials: int) -> None:

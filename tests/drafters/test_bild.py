@@ -2,7 +2,6 @@
 (greedy equality in fp32, chi-square of sampled sequences), a loose setting that does change the answer, and the
 options."""
 
-import itertools
 import math
 from collections import Counter
 
@@ -15,9 +14,9 @@ from specdraft.drafters import NAMED_DRAFTERS, Draft, parse_options
 from specdraft.drafters.bild import BiLDDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
-from specdraft.sampling import SamplingConfig, warp
+from specdraft.sampling import SamplingConfig
 from specdraft.verification import verify, within_rollback
-from toys import random_bigram, tiny_llama
+from toys import bigram_sequence_probs, random_bigram, tiny_llama
 
 GREEDY = SamplingConfig()
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [1, 2, 3, 4], [30, 31, 7, 7, 12]]
@@ -109,16 +108,6 @@ def test_a_loose_rollback_changes_the_answer():
     assert differ == len(PROMPTS)
 
 
-def _sequence_probs(target, prompt, length, sampling) -> dict[tuple[int, ...], float]:
-    probs = {}
-    for seq in itertools.product(range(target.vocab_size), repeat=length):
-        prob, last = 1.0, prompt[-1]
-        for token in seq:
-            prob *= float(warp(target.table[last], sampling)[token])
-            last = token
-        probs[seq] = prob
-    return probs
-
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3)])
 def test_rollback_zero_samples_follow_the_target(sampling):
@@ -131,7 +120,7 @@ def test_rollback_zero_samples_follow_the_target(sampling):
     counts = Counter(tuple(generate(target, [0, 1, 2, 3], drafter, config, generator).token_ids)
                      for _ in range(trials))
     assert drafter.fallbacks > 0
-    exact = _sequence_probs(target, [0, 1, 2, 3], 3, sampling)
+    exact = bigram_sequence_probs(target, [0, 1, 2, 3], 3, sampling)
     assert sum(counts[s] for s, p in exact.items() if p == 0) == 0
     cells = [seq for seq, p in exact.items() if p * trials >= 5]
     observed = [counts[seq] for seq in cells] + [trials - sum(counts[seq] for seq in cells)]

@@ -3,7 +3,6 @@ distributions (a bigram draft model, whose prediction depends on the last token 
 tree mode when nothing merges, losslessness (greedy equality in fp32, chi-square of sampled sequences with merges and
 a binding node budget), and the options."""
 
-import itertools
 from collections import Counter
 
 import pytest
@@ -16,9 +15,9 @@ from specdraft.drafters.combined import draft_model_drafter
 from specdraft.drafters.graph import COPIED, GraphDrafter, TokenGraph
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
-from specdraft.sampling import SamplingConfig, warp
+from specdraft.sampling import SamplingConfig
 from specdraft.trees import children, depths
-from toys import hf_target, random_bigram, tiny_llama
+from toys import bigram_sequence_probs, hf_target, random_bigram, tiny_llama
 
 GREEDY = SamplingConfig()
 PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]
@@ -112,16 +111,6 @@ def test_greedy_equals_plain_decoding_with_merges(kind):
     assert drafter.merged_nodes > 0 and result.stats.block_efficiency > 1.2
 
 
-def _sequence_probs(target, prompt, length, sampling) -> dict[tuple[int, ...], float]:
-    probs = {}
-    for seq in itertools.product(range(target.vocab_size), repeat=length):
-        prob, last = 1.0, prompt[-1]
-        for token in seq:
-            prob *= float(warp(target.table[last], sampling)[token])
-            last = token
-        probs[seq] = prob
-    return probs
-
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3)])
 def test_sampled_sequences_follow_the_target_with_merges_and_a_binding_budget(sampling):
@@ -134,7 +123,7 @@ def test_sampled_sequences_follow_the_target_with_merges_and_a_binding_budget(sa
     counts = Counter(tuple(generate(target, [0, 1, 2, 3], drafter, config, generator).token_ids)
                      for _ in range(trials))
     assert drafter.merged_nodes > trials  # merges happen at most steps
-    exact = _sequence_probs(target, [0, 1, 2, 3], 3, sampling)
+    exact = bigram_sequence_probs(target, [0, 1, 2, 3], 3, sampling)
     assert sum(counts[s] for s, p in exact.items() if p == 0) == 0
     cells = [seq for seq, p in exact.items() if p * trials >= 5]
     observed = [counts[seq] for seq in cells] + [trials - sum(counts[seq] for seq in cells)]

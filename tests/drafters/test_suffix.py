@@ -14,8 +14,8 @@ from specdraft.drafters import NAMED_DRAFTERS, parse_options
 from specdraft.drafters.suffix import GLOBAL, LOCAL, SuffixDrafter, SuffixTree, speculate_path, speculate_tree
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
-from specdraft.sampling import SamplingConfig, warp
-from toys import hf_target, random_bigram, tiny_llama
+from specdraft.sampling import SamplingConfig
+from toys import bigram_sequence_probs, hf_target, random_bigram, tiny_llama
 
 GREEDY = SamplingConfig()
 
@@ -150,16 +150,6 @@ def test_greedy_equals_plain_decoding_and_repeated_answers_are_drafted(target, t
     assert again.stats.block_efficiency > max(2.5, first.stats.block_efficiency)
 
 
-def _sequence_probs(target, prompt, length, sampling) -> dict[tuple[int, ...], float]:
-    probs = {}
-    for seq in itertools.product(range(target.vocab_size), repeat=length):
-        prob, last = 1.0, prompt[-1]
-        for token in seq:
-            prob *= float(warp(target.table[last], sampling)[token])
-            last = token
-        probs[seq] = prob
-    return probs
-
 
 @pytest.mark.parametrize("tree_nodes", [0, 6])
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3)])
@@ -177,7 +167,7 @@ def test_sampled_sequences_follow_the_target(tree_nodes, sampling):
         counts[tuple(result.token_ids)] += 1
         accepted += result.stats.draft_tokens_accepted
     assert accepted > trials / 4  # drafts are accepted often
-    exact = _sequence_probs(target, prompt, 3, sampling)
+    exact = bigram_sequence_probs(target, prompt, 3, sampling)
     assert sum(counts[s] for s, p in exact.items() if p == 0) == 0
     cells = [seq for seq, p in exact.items() if p * trials >= 5]
     observed = [counts[seq] for seq in cells] + [trials - sum(counts[seq] for seq in cells)]
