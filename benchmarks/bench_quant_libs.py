@@ -61,7 +61,8 @@ def _int4pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     return packed, scales_zeros
 
 
-def _timed(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> float:
+    """The median wall time of ``reps`` calls of ``fn``, in ms."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -138,8 +139,8 @@ def compiled_rows(reps: int) -> list[str]:
             start = time.perf_counter()
             fn(x, q8, d, m)
             compile_s = time.perf_counter() - start
-            ms = _timed(lambda: fn(x, q8, d, m), reps)  # noqa: B023
-            ours = _timed(lambda: Q.linear(x, packed), reps)  # noqa: B023
+            ms = median_ms(lambda: fn(x, q8, d, m), reps)  # noqa: B023
+            ours = median_ms(lambda: Q.linear(x, packed), reps)  # noqa: B023
             lines.append(f"| compile {name} {shape[0]}x{shape[1]} | {rows} | {ms:.3f} | specdraft {ours:.3f} | "
                          f"compile {compile_s:.0f} s |")
     return lines
@@ -164,7 +165,7 @@ def main() -> None:
         for _ in range(3):  # interleaved rounds
             for path in paths:
                 for rows in (1, 5):
-                    ms = _timed(lambda: forward(path, paths[path], inputs[rows]), args.reps)  # noqa: B023
+                    ms = median_ms(lambda: forward(path, paths[path], inputs[rows]), args.reps)  # noqa: B023
                     times.setdefault((path, rows), []).append(ms)
         print("\n| path | 1 row ms | 5 rows ms | 5 / 1 | row-invariant |\n|---|---|---|---|---|")
         for path in paths:

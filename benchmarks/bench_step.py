@@ -13,10 +13,9 @@ adaptive speculation pays for a k-token verify in plain steps.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_quant_libs import median_ms
 
 from specdraft.hardware import cpu_capability, cpu_model
 from specdraft.models import packed as packing
@@ -25,15 +24,6 @@ from specdraft.models import rowgemm
 from specdraft.models.registry import SMOLLM2, load_model
 
 ROWS = (1, 2, 5, 9)
-
-
-def _median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def _products(model, rows: int):
@@ -76,9 +66,9 @@ def measure(model, context: int, reps: int) -> list[str]:
                 cache.crop(context)
 
             forward()
-            whole = _median_ms(forward, reps)
-            products = _median_ms(_products(model, rows), reps)
-            attention = _median_ms(_attention(model, cache, rows), reps)
+            whole = median_ms(forward, reps)
+            products = median_ms(_products(model, rows), reps)
+            attention = median_ms(_attention(model, cache, rows), reps)
             step = step or whole
             lines.append(f"| {model.packing} | {rows} | {whole:.2f} | {products:.2f} | {attention:.2f} | "
                          f"{whole - products - attention:.2f} | {whole / step:.2f} |")
