@@ -151,6 +151,19 @@ def bigram_sequence_probs(target: BigramLM, prompt, length: int, sampling) -> di
     return probs
 
 
+def assert_sequences_follow(counts, exact: dict[tuple[int, ...], float], trials: int) -> None:
+    """Sampled sequences never take a probability-0 continuation, and their counts pass a chi-square against
+    ``exact`` (:func:`bigram_sequence_probs`): cells with an expected count >= 5, plus one bucket for the rest."""
+    from scipy.stats import chisquare
+
+    assert sum(counts[s] for s, p in exact.items() if p == 0) == 0  # never a token the warping removed
+    cells = [seq for seq, p in exact.items() if p * trials >= 5]
+    observed = [counts[seq] for seq in cells] + [trials - sum(counts[seq] for seq in cells)]
+    expected = [exact[seq] * trials for seq in cells]
+    expected.append(trials - sum(expected))
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
 def assert_follows(counts, p: torch.Tensor, trials: int) -> None:
     """Chi-square of sampled token counts against p (V,): cells with an expected count >= 5, plus one bucket for
     the rest when it is large enough (else the rest must stay rare)."""

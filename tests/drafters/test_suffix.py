@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import NAMED_DRAFTERS, parse_options
@@ -15,7 +14,7 @@ from specdraft.drafters.suffix import GLOBAL, LOCAL, SuffixDrafter, SuffixTree, 
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from toys import bigram_sequence_probs, hf_target, random_bigram, tiny_llama
+from toys import assert_sequences_follow, bigram_sequence_probs, hf_target, random_bigram, tiny_llama
 
 GREEDY = SamplingConfig()
 
@@ -167,13 +166,7 @@ def test_sampled_sequences_follow_the_target(tree_nodes, sampling):
         counts[tuple(result.token_ids)] += 1
         accepted += result.stats.draft_tokens_accepted
     assert accepted > trials / 4  # drafts are accepted often
-    exact = bigram_sequence_probs(target, prompt, 3, sampling)
-    assert sum(counts[s] for s, p in exact.items() if p == 0) == 0
-    cells = [seq for seq, p in exact.items() if p * trials >= 5]
-    observed = [counts[seq] for seq in cells] + [trials - sum(counts[seq] for seq in cells)]
-    expected = [exact[seq] * trials for seq in cells]
-    expected.append(trials - sum(expected))
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert_sequences_follow(counts, bigram_sequence_probs(target, prompt, 3, sampling), trials)
 
 
 def test_options_by_name_and_bad_values():
