@@ -53,5 +53,6 @@ def test_a_long_prompt_loses_its_start_not_its_response():
     assert batch["top_ids"][batch["mask"]][:, 0].tolist() == [1, 2, 3, 4, 5]
     short = DistillDataset([record], max_seq_len=39)[0]  # fits: unchanged
     assert short["ids"].tolist() == record["prompt_token_ids"] + record["response_token_ids"]
+    assert DistillDataset([record], max_seq_len=11).lengths == [12] and DistillDataset([record], 39).lengths == [35]
     half = DistillDataset([record | {"response_token_ids": list(range(1, 30))}], max_seq_len=19)[0]
     assert half["prompt_len"] == 10 and half["ids"].tolist() == list(range(120, 130)) + list(range(1, 11))

@@ -62,6 +62,37 @@ def test_batch_stream_visits_every_example_once_per_epoch_and_splits_ranks():
         BatchStream(3, 2, seed=0, world=2)
 
 
+def _padded_tokens(stream: BatchStream, lengths: list[int], batches: int) -> int:
+    return sum(stream.batch_size * max(lengths[i] for i in stream.next_indices()) for _ in range(batches))
+
+
+def test_length_grouped_stream_keeps_the_epochs_examples_with_less_padding_and_resumes():
+    lengths = torch.randint(10, 600, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain, grouped = BatchStream(1000, 16, seed=1), BatchStream(1000, 16, seed=1, lengths=lengths)
+    plain_epoch = [i for _ in range(62) for i in plain.next_indices()]
+    grouped_epoch = [i for _ in range(62) for i in grouped.next_indices()]
+    assert sorted(grouped_epoch) == sorted(plain_epoch)  # the same 992 examples (the same tail of 8 skipped)
+    assert len(set(grouped_epoch)) == 992
+    padded_plain = _padded_tokens(BatchStream(1000, 16, seed=1), lengths, 62)
+    padded_grouped = _padded_tokens(BatchStream(1000, 16, seed=1, lengths=lengths), lengths, 62)
+    assert padded_grouped < 0.8 * padded_plain  # a random batch pads to its longest member
+    assert grouped.next_indices() != grouped_epoch[:16]  # a new epoch, a new order
+    resumed = BatchStream(1000, 16, seed=1, lengths=lengths)
+    resumed.load_state_dict(grouped.state_dict())
+    assert resumed.next_indices() == grouped.next_indices()
+    ranks = [BatchStream(1000, 4, seed=1, rank=r, world=2, lengths=lengths) for r in range(2)]
+    first = [r.next_indices() for r in ranks]
+    assert not set(first[0]) & set(first[1])
+    assert min(lengths[i] for i in first[0]) >= max(lengths[i] for i in first[1])  # rank 0: the longer half
+    with pytest.raises(SpecdraftError, match="3 lengths for 1000 examples"):
+        BatchStream(1000, 16, seed=1, lengths=[1, 2, 3])
+
+
+def test_group_by_length_needs_a_dataset_with_lengths(tmp_path):
+    with pytest.raises(SpecdraftError, match="has no per-example lengths"):
+        train(_model(), _dataset(), noisy_loss, _config(tmp_path / "g", group_by_length=True))
+
+
 def test_resume_reaches_exactly_the_uninterrupted_weights(tmp_path):
     straight = _model()
     torch.manual_seed(5)

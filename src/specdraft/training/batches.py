@@ -28,6 +28,11 @@ class DistillDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each example's token count as :meth:`__getitem__` cuts it (for length-grouped batches)."""
+        return [min(len(r["prompt_token_ids"]) + len(r["response_token_ids"]), self.max_len) for r in self.records]
+
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
         prompt, response = record["prompt_token_ids"], record["response_token_ids"]

@@ -41,7 +41,9 @@ from specdraft.training.records import greedy_answers
 
 def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None = None):
     """loss_fn(model, batch, generator) for the trainer: the chosen loss on response positions only; with ``keep``
-    (N,) on the draft vocabulary (q and p both over those N tokens, p renormalised by the loss's softmax)."""
+    (N,) on the draft vocabulary (q and p both over those N tokens, p renormalised by the loss's softmax). The
+    target's LM head, like the drafter's, runs on those positions and rows only (a Llama's full (B, T, V) logits
+    would cost a fifth of its forward and most of the step's memory traffic)."""
     vocab_size = target_model.config.vocab_size
 
     def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -53,8 +55,8 @@ def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None
             target = (dense_from_topk(top_ids, top_logprobs, vocab_size) if keep is None
                       else subset_from_topk(top_ids, top_logprobs, keep, vocab_size))
         elif config.loss != "ce":
-            target = target_logits(target_model, batch)[mask]  # (n, V)
-            target = target if keep is None else target[:, keep]  # (n, N)
+            with torch.no_grad():  # the teacher's head on response positions and kept rows only
+                target = response_logits(target_model, batch, keep)  # (n, N) or (n, V)
         labels = batch["labels"][mask]  # (n,)
         if config.only_mismatched:  # OSD: only the positions whose draft greedy verification would reject
             draft, target, labels = onpolicy.mismatched(draft, target, labels)

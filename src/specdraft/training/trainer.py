@@ -81,6 +81,9 @@ class TrainerConfig:
     overwrite: bool = field(default=False, metadata={"help": "replace the run in the run folder (the new run is "
                                                              "built beside it and swapped in when finished)"})
     stop_after: int | None = field(default=None, metadata={"help": "stop after this step (schedule keeps `steps`)"})
+    group_by_length: bool = field(default=False, metadata={
+        "help": "batch examples of similar length together (within windows of 32 batches of the epoch's shuffled "
+                "order; the batches' order is shuffled again): less padding, the same examples each epoch"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     fsdp: bool = field(default=False, metadata={"help": "under torchrun, shard the model, gradients and optimizer "
                                                         "state with FSDP2 instead of replicating it with DDP"})
@@ -96,6 +99,7 @@ class TrainerConfig:
         check_field(self, "weight_decay", lambda v: v >= 0, ">= 0")
         check_field(self, "max_grad_norm", lambda v: v >= 0, ">= 0")
         check_field(self, "fsdp", lambda v: isinstance(v, bool), "True or False")
+        check_field(self, "group_by_length", lambda v: isinstance(v, bool), "True or False")
         check_field(self, "bf16", lambda v: v is None or isinstance(v, bool), "True, False or unset (auto)")
         check_field(self, "device", lambda v: check_device_name(v) is None, "auto, cpu, cuda or cuda:N")  # exists?
         if self.resume and self.overwrite:
@@ -153,21 +157,35 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+GROUP_WINDOW = 32  # batches sorted together by ``group_by_length``
+
+
 class BatchStream:
     """A seeded, resumable order of micro-batches: epoch e visits ``randperm(n, seed, e)`` in chunks of
-    ``batch_size * world`` indices (the ragged tail is skipped) and rank r takes its ``batch_size`` slice."""
+    ``batch_size * world`` indices (the ragged tail is skipped) and rank r takes its ``batch_size`` slice.
 
-    def __init__(self, size: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> None:
+    With ``lengths`` (one per example) the epoch's order is grouped by length (:func:`grouped_order`): each global
+    batch holds examples of similar length, so a right-padded batch wastes little; the ranks of one global batch
+    get neighbouring lengths."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, rank: int = 0, world: int = 1,
+                 lengths: list[int] | None = None) -> None:
         if size < batch_size * world:
             raise SpecdraftError(f"dataset has {size} examples, fewer than one global batch of {batch_size * world}")
+        if lengths is not None and len(lengths) != size:
+            raise SpecdraftError(f"{len(lengths)} lengths for {size} examples")
         self.size, self.batch_size, self.seed, self.rank, self.world = size, batch_size, seed, rank, world
+        self.lengths = None if lengths is None else torch.as_tensor(lengths)
         self.epoch, self.offset = 0, 0
         self._order: tuple[int, torch.Tensor] | None = None
 
     def _permutation(self) -> torch.Tensor:
         if self._order is None or self._order[0] != self.epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._order = (self.epoch, torch.randperm(self.size, generator=generator))
+            order = torch.randperm(self.size, generator=generator)
+            if self.lengths is not None:
+                order = grouped_order(order, self.lengths, self.batch_size * self.world, generator)
+            self._order = (self.epoch, order)
         return self._order[1]
 
     def next_indices(self) -> list[int]:
@@ -186,6 +204,23 @@ class BatchStream:
             raise SpecdraftError(f"cannot resume: checkpoint data had {state['size']} examples and seed "
                                  f"{state['seed']}, this run {self.size} and {self.seed}")
         self.epoch, self.offset = state["epoch"], state["offset"]
+
+
+def grouped_order(order: torch.Tensor, lengths: torch.Tensor, chunk: int, generator: torch.Generator) -> torch.Tensor:
+    """``order`` (n,) regrouped by length: each window of :data:`GROUP_WINDOW` chunks of ``chunk`` indices is sorted
+    by length (longest first), cut into chunks, and the whole chunks of the epoch are shuffled with ``generator``;
+    the ragged tail (fewer than ``chunk`` indices) stays last. Every index of ``order`` appears once.
+
+    Args:
+        order: (n,) a permutation of the examples.
+        lengths: (n,) each example's length (tokens).
+    """
+    whole = order.shape[0] // chunk * chunk
+    windows = order[:whole].split(chunk * GROUP_WINDOW)
+    ranked = [w[lengths[w].argsort(descending=True, stable=True)] for w in windows]  # each (<= W * chunk,)
+    chunks = torch.cat(ranked).view(-1, chunk) if ranked else order[:0].view(0, chunk)  # (whole / chunk, chunk)
+    shuffled = chunks[torch.randperm(chunks.shape[0], generator=generator)]
+    return torch.cat([shuffled.reshape(-1), order[whole:]])
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -323,13 +358,13 @@ def _plain(value):
 
 
 def _new_run(model: nn.Module, size: int, config: TrainerConfig, rank: int, world: int,
-             full: nn.Module | None = None, device: torch.device = CPU) -> _Run:
+             full: nn.Module | None = None, device: torch.device = CPU, lengths: list[int] | None = None) -> _Run:
     trainable = [p for p in model.parameters() if p.requires_grad]  # frozen tables (finetune --freeze-embeddings)
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     schedule = lambda step: lr_factor(step, config.warmup_steps, config.steps, config.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    stream = BatchStream(size, config.batch_size, config.seed, rank, world)
+    stream = BatchStream(size, config.batch_size, config.seed, rank, world, lengths)
     return _Run(model, optimizer, scheduler, stream, torch.Generator().manual_seed(config.seed), full=full,
                 device=device)
 
@@ -444,10 +479,12 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
     out = Path(config.out)
     sharded = config.fsdp and world > 1
     model.to("cpu" if sharded else device).train()
+    lengths = example_lengths(dataset) if config.group_by_length else None
     if sharded:
-        run = _new_run(fully_shard_copy(model, device), len(dataset), config, rank, world, full=model, device=device)
+        run = _new_run(fully_shard_copy(model, device), len(dataset), config, rank, world, full=model, device=device,
+                       lengths=lengths)
     else:
-        run = _new_run(model, len(dataset), config, rank, world, device=device)
+        run = _new_run(model, len(dataset), config, rank, world, device=device, lengths=lengths)
     if config.resume:  # a missing or damaged checkpoint is a SpecdraftError
         run.load_state_dict(load_training_state(out / CHECKPOINT_FILE))
     wrapped = run.model
@@ -463,6 +500,15 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
     if sharded:
         gather_full(run.model, model)
     return result
+
+
+def example_lengths(dataset) -> list[int]:
+    """Each example's length for ``group_by_length``: the dataset's ``lengths`` (a list, one per example)."""
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is None:
+        raise SpecdraftError(f"group_by_length needs examples of different lengths; {type(dataset).__name__} "
+                             "has no per-example lengths (its examples are one length: leave group_by_length off)")
+    return list(lengths)
 
 
 def _loop(run: _Run, wrapped, dataset, collate, loss_fn, evaluate, config: TrainerConfig, device, log: RunLog,
