@@ -15,8 +15,10 @@ Engines: ``native`` (specdraft's Llama: ragged rows on the CPU; on CUDA a static
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,19 +39,47 @@ def load_engine(engine: str, target: str, dtype: str, device: str):
     return StaticEngine(model) if device != "cpu" or engine == "static" else model
 
 
-def measure(model, tokenizer, prompts: list, config: DistillDataConfig) -> tuple[dict, list[list[int]]]:
-    """Answer ``prompts`` in batches of ``config.batch_size``: (tokens, seconds and rates; the answers)."""
+def measure(model, tokenizer, prompts: list, config: DistillDataConfig, profile: str | None = None
+            ) -> tuple[dict, list[list[int]]]:
+    """Answer ``prompts`` in batches of ``config.batch_size``: (tokens, seconds and rates; the answers). The static
+    engine also reports ``row_step_use``: answer tokens written per row decoded (rows that ended but still run
+    along, or that wait for the batch's longest answer, lower it). With ``profile`` (a path) the timed run is
+    profiled (torch.profiler) and its top operators by device time (CPU time on a CPU) are written there."""
     generate_shard(model, tokenizer, prompts[:2], config, seed=1)  # warm-up: kernels, allocator
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    records = generate_shard(model, tokenizer, prompts, config, seed=0)
-    seconds = time.perf_counter() - start
+    decoded_before = getattr(model, "row_steps", None)
+    with profiled(profile):
+        start = time.perf_counter()
+        records = generate_shard(model, tokenizer, prompts, config, seed=0)
+        seconds = time.perf_counter() - start
     tokens = sum(len(r["response_token_ids"]) for r in records)
     row = {"prompts": len(prompts), "answer_tokens": tokens, "seconds": round(seconds, 2),
            "answer_tokens_per_s": round(tokens / seconds, 1), "prompts_per_min": round(60 * len(prompts) / seconds, 1),
-           "eos_share": round(sum(r["finish_reason"] == "eos" for r in records) / len(records), 3)}
+           "eos_share": round(sum(r["finish_reason"] == "eos" for r in records) / len(records), 3),
+           "profiled": profile is not None}
+    if decoded_before is not None:  # each answer's first token comes from the prefill
+        row["row_step_use"] = round((tokens - len(records)) / max(model.row_steps - decoded_before, 1), 3)
     return row, [r["response_token_ids"] for r in records]
+
+
+@contextlib.contextmanager
+def profiled(path: str | None):
+    """torch.profiler around the block when ``path`` is given; its top 30 operators written to ``path``."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        yield
+    if cuda:
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    Path(path).write_text(table)
+    print(table, flush=True)
 
 
 def main() -> None:
@@ -64,6 +94,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where native), float32 or bfloat16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json-out", help="append one JSON line per (engine, batch size) here")
+    parser.add_argument("--profile", help="profile the timed runs (torch.profiler): the top operators of each are "
+                                          "written to PROFILE-<engine>-<batch size>.txt and printed")
     parser.add_argument("--compare", action="store_true", help="also the share of answers identical to the first "
                                                                "engine's at the same batch size (greedy: in float32, "
                                                                "all of them)")
@@ -81,7 +113,8 @@ def main() -> None:
                                        temperature=0.0, batch_size=batch_size, shard_size=len(prompts), dtype=dtype,
                                        top_logprobs=args.top_logprobs, engine="hf" if engine == "hf" else "native",
                                        device=device)
-            measured, answers = measure(model, tokenizer, prompts, config)
+            where = f"{args.profile}-{engine}-{batch_size}.txt" if args.profile else None
+            measured, answers = measure(model, tokenizer, prompts, config, where)
             row = {"engine": engine, "batch_size": batch_size, "device": device, "hardware": hardware,
                    "dtype": dtype, "max_new_tokens": args.max_new_tokens, "top_logprobs": args.top_logprobs,
                    "threads": torch.get_num_threads()} | measured

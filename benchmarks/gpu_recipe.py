@@ -12,6 +12,8 @@ phase's export). Needs torch, transformers, safetensors and tokenizers (and ``gg
     python benchmarks/gpu_recipe.py --target TARGET --prompts prompts.jsonl.gz \
         --questions question.jsonl --out OUT [--budget 560] [--device auto]
     python benchmarks/gpu_recipe.py ... --tiny --device cpu      # the whole path in minutes on a CPU
+    python benchmarks/gpu_recipe.py ... --phases check,bench-native  # the data engine's timing alone
+    python benchmarks/gpu_recipe.py ... --phases data,drafter,heads,tau --budget 560   # the recipe alone
 
 ``TARGET``: a transformers checkpoint folder of SmolLM2-135M-Instruct, or its GGUF file (``A,B`` for the file in
 parts, joined in order), converted once into ``--work``.
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET = "smollm2-135m-instruct"  # the built-in name: its shipped drafter resolves against it
 SHIPPED = "smollm2-135m-instruct-drafter"
 # Each phase's share of the budget (about seconds at --budget 560); unspent time passes to the later phases.
-PLAN = {"check": 30, "bench-native": 40, "bench-hf": 30, "data": 120, "drafter": 190, "heads": 95, "tau": 40}
+PLAN = {"check": 30, "bench-native": 40, "bench-hf": 30, "data": 110, "drafter": 300, "heads": 80, "tau": 40}
 TINY = {  # --tiny: the same path with a few prompts and steps, no budgets (a CPU test)
     "heldout_data": {"limit": 6, "max_new_tokens": 12, "batch_size": 6, "shard_size": 6, "dtype": "float32"},
     "distill_data": {"limit": 24, "max_new_tokens": 12, "batch_size": 8, "shard_size": 8, "dtype": "float32"},
@@ -47,14 +49,14 @@ TINY = {  # --tiny: the same path with a few prompts and steps, no budgets (a CP
 class Clock:
     """The budget: each phase's time box is its share of what is left."""
 
-    def __init__(self, budget: float) -> None:
-        self.start, self.budget = time.monotonic(), budget
+    def __init__(self, budget: float, phases: list[str]) -> None:
+        self.start, self.budget, self.phases = time.monotonic(), budget, phases
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.start)
 
     def box(self, phase: str) -> float:
-        later = list(PLAN)[list(PLAN).index(phase):]
+        later = self.phases[self.phases.index(phase):]
         return max(10.0, self.left() * PLAN[phase] / sum(PLAN[p] for p in later))
 
 
@@ -193,11 +195,11 @@ def verdicts(summary: dict) -> dict:
     taus = {row["drafter"]: row.get("greedy_tau@4") for row in summary["tau"]}
     drafter = final_drafter(Path(summary["work"]))
     shipped, final = taus.get(SHIPPED), taus.get(str(drafter)) if drafter else None
-    recipe = [summary["phases"].get(p, {}).get("seconds", 0) for p in ("data", "drafter", "heads")]
+    recipe = [summary["phases"][p].get("seconds", 0) for p in ("data", "drafter", "heads") if p in summary["phases"]]
     check = {r["engine"]: r.get("same_answers_as_first_engine") for r in summary.get("check", [])}
     return {"distill_data_answer_tokens_per_s": max((r["answer_tokens_per_s"] for r in native), default=None),
             "float32_answers_equal_to_transformers": check.get("hf"),
-            "recipe_seconds_prompts_to_exports": round(sum(recipe), 1),
+            "recipe_seconds_prompts_to_exports": round(sum(recipe), 1) if len(recipe) == 3 else None,
             "recipe_drafter": str(drafter) if drafter else None, "greedy_tau@4_recipe": final,
             "greedy_tau@4_shipped": shipped,
             "recipe_tau_at_least_shipped": None if final is None or shipped is None else final >= shipped}
@@ -217,17 +219,25 @@ def main() -> None:
     parser.add_argument("--hf-prompts", type=int, default=1024, help="prompts of transformers' timing")
     parser.add_argument("--bench-batch", type=int, default=1024, help="the native engine's batch")
     parser.add_argument("--hf-batch", type=int, default=512, help="transformers' batch (left-padded to the longest)")
+    parser.add_argument("--phases", default=",".join(PLAN), help="the phases to run (in the order above; a later "
+                                                                  "one uses what earlier runs left in --work)")
     parser.add_argument("--tiny", action="store_true", help="a few prompts and steps (a CPU test)")
     parser.add_argument("--no-exports", action="store_true", help="do not copy the exports into --out")
     args = parser.parse_args()
-    clock, out, work = Clock(args.budget), Path(args.out), Path(args.work)
+    chosen = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = sorted(set(chosen) - set(PLAN))
+    if unknown or not chosen:
+        parser.error(f"--phases: unknown phase {unknown[0]!r}; the phases are {', '.join(PLAN)}" if unknown
+                     else "--phases: name at least one phase")
+    args.phases = [p for p in PLAN if p in chosen]
+    clock, out, work = Clock(args.budget, args.phases), Path(args.out), Path(args.work)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     summary = {"work": str(work), "budget_s": args.budget, "phases": {}, "bench": [], "data": {}, "curves": {},
                "tau": []}
     env = os.environ | {"SPECDRAFT_CACHE": str(work / "cache"), "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "SPECDRAFT_PREPACK": "0", "SPECDRAFT_ROWGEMM": "0",
-        "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     try:
         prepare_target(args.target, work)
@@ -255,27 +265,31 @@ def run_all(args, clock: Clock, out: Path, work: Path, env: dict, summary: dict)
              "float32", "--device", args.device, "--limit", few, "--batch-sizes", few, "--max-new-tokens",
              "4" if tiny else "48", "--engines", "static,hf" if tiny else "native,hf", "--compare",
              "--json-out", str(out / "check.jsonl")]
-    run_phase("check", check, clock.box("check"), out, env, summary)  # float32: the engines' answers must agree
-    run_phase("bench-native", bench + ["--engines", "static" if tiny else "native", "--batch-sizes", batch, "--limit",
-                                       "4" if tiny else str(args.bench_prompts)], clock.box("bench-native"), out, env,
-              summary)
-    run_phase("bench-hf", bench + ["--engines", "hf", "--batch-sizes", "4" if tiny else str(args.hf_batch), "--limit",
-                                   "4" if tiny else str(args.hf_prompts)], clock.box("bench-hf"), out, env, summary)
+    def phase(name: str, argv: list[str] | None = None, sections: str | None = None) -> None:
+        if name not in args.phases:
+            return
+        box = clock.box(name)
+        if sections is not None:  # a recipe phase: its training budgets from this box
+            argv = [python, "-m", "specdraft.cli", "train-drafter", "--config", str(write_recipe(args, work, box)),
+                    "--stages", sections]
+        run_phase(name, argv, box, out, env, summary)
+
+    phase("check", check)  # float32: the engines' answers must agree
+    phase("bench-native", bench + ["--engines", "static" if tiny else "native", "--batch-sizes", batch, "--limit",
+                                   "4" if tiny else str(args.bench_prompts)])
+    phase("bench-hf", bench + ["--engines", "hf", "--batch-sizes", "4" if tiny else str(args.hf_batch), "--limit",
+                               "4" if tiny else str(args.hf_prompts)])
     for name in ("bench", "check"):
         path = out / f"{name}.jsonl"
         summary[name] = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    stages = {"data": "heldout_data,distill_data", "drafter": "init_drafter,finetune", "heads": "heads"}
-    for phase, sections in stages.items():
-        box = clock.box(phase)
-        recipe = write_recipe(args, work, box)
-        run_phase(phase, [python, "-m", "specdraft.cli", "train-drafter", "--config", str(recipe), "--stages",
-                          sections], box, out, env, summary)
+    phase("data", sections="heldout_data,distill_data")
+    phase("drafter", sections="init_drafter,finetune")
+    phase("heads", sections="heads")
     drafters = [SHIPPED] + [str(work / "runs" / n / "model") for n in ("tvdpp", "fkl")
                             if (work / "runs" / n / "model" / "config.json").is_file()]
-    run_phase("tau", [python, "benchmarks/heldout_tvd.py", "--target", TARGET, "--data", str(work / "runs" / "heldout"),
-                      "--drafters", ",".join(drafters), "--num-draft-tokens", "3,4,5", "--device", args.device,
-                      "--batch-size", "32", "--max-seq-len", "4096", "--out", str(out / "tau.jsonl")],
-              clock.box("tau"), out, env, summary)
+    phase("tau", [python, "benchmarks/heldout_tvd.py", "--target", TARGET, "--data", str(work / "runs" / "heldout"),
+                  "--drafters", ",".join(drafters), "--num-draft-tokens", "3,4,5", "--device", args.device,
+                  "--batch-size", "32", "--max-seq-len", "4096", "--out", str(out / "tau.jsonl")])
     if (out / "tau.jsonl").is_file():
         summary["tau"] = [json.loads(line) for line in (out / "tau.jsonl").read_text().splitlines()]
 

@@ -207,3 +207,20 @@ def test_answers_made_elsewhere_become_the_usual_records_with_the_targets_top_k(
                                    progress=False)
     with pytest.raises(SpecdraftError, match="--answers"):
         _config(target, prompts, tmp_path / "both", answers=str(answers))
+
+
+def test_prompts_are_encoded_as_the_chat_template_encodes_them_one_by_one(target):
+    from specdraft.models.registry import cache_dir, load_tokenizer
+    from specdraft.training.generation import encode_prompts
+
+    conversations = [[{"role": "user", "content": "Hello <|im_end|> there"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "w1 w2\n\nw3"}],
+                     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": "  spaced  "}]]
+    real = "smollm2-135m-instruct"  # the shipped target's template and tokenizer, where it is converted already
+    for name in [target] + ([real] if (cache_dir() / real / "tokenizer.json").is_file() else []):
+        tokenizer = load_tokenizer(name)
+        expected = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"])
+                    for c in conversations]
+        assert encode_prompts(tokenizer, conversations) == expected
+    assert encode_prompts(tokenizer, []) == []

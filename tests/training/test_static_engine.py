@@ -22,10 +22,16 @@ def target(tmp_path_factory):
     return str(save_tiny_checkpoint(tmp_path_factory.mktemp("target") / "t", seed=0))
 
 
-def _static(target, device, prompts, eos, top, check_every=2, graphs=True, sampling=None, generator=None):
+def _static(target, device, prompts, eos, top, check_every=2, graphs=True, sampling=None, generator=None,
+            row_steps=None):
+    """The static engine's responses (its count of decoded rows appended to ``row_steps`` when given)."""
     model = load_model(target, torch.float32, backend="native", device=device)
     batch = StaticBatch(model, len(prompts), max(map(len, prompts)) + 12, graphs=graphs)
-    return generate_rows_static(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator, check_every)
+    responses, decoded = generate_rows_static(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator,
+                                              check_every)
+    if row_steps is not None:
+        row_steps.append(decoded)
+    return responses
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -46,8 +52,11 @@ def test_rows_leaving_and_the_batch_shrinking_never_disturb_the_others(target, d
     kept = []
     keep_rows = StaticBatch.keep_rows
     monkeypatch.setattr(StaticBatch, "keep_rows", lambda self, keep: kept.append(len(keep)) or keep_rows(self, keep))
-    together = _static(target, device, PROMPTS, eos=EOS, top=0, check_every=1)
+    decoded = []
+    together = _static(target, device, PROMPTS, eos=EOS, top=0, check_every=1, row_steps=decoded)
     assert kept and any(k & (k - 1) for k in kept)  # the batch shrank, to a count that runs beside ignored rows
+    tokens = sum(len(r["ids"]) for r in together)  # the first token of each comes from the prefill
+    assert tokens - len(PROMPTS) <= decoded[0] < len(PROMPTS) * 11  # fewer rows decoded than 10 rows x 11 steps
     alone = [_static(target, device, [p], eos=EOS, top=0)[0] for p in PROMPTS]
     assert together == alone
 
@@ -67,6 +76,7 @@ def test_an_engine_keeps_its_batch_until_a_call_needs_more(target):
     engine = StaticEngine(load_model(target, torch.float32, backend="native"))
     first = engine.generate(PROMPTS[:4], 12, SamplingConfig(), 5, 0, None)
     batch = engine.batch
+    assert engine.row_steps > 0
     assert engine.generate(PROMPTS[:4], 12, SamplingConfig(), 5, 0, None) == first and engine.batch is batch
     engine.generate(PROMPTS, 12, SamplingConfig(), 5, 0, None)
     assert engine.batch is not batch and engine.batch.rows == len(PROMPTS)

@@ -70,6 +70,7 @@ class StaticEngine:
 
     def __init__(self, model, graphs: bool = True) -> None:
         self.model, self.graphs, self.batch = model, graphs, None
+        self.row_steps = 0  # rows decoded, summed over every decode step so far (live or running along)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
                  top_logprobs: int, generator: torch.Generator | None) -> list[dict]:
@@ -84,15 +85,20 @@ class StaticEngine:
                 torch.cuda.empty_cache()
             capacity = min(self.model.max_context, -(-capacity // 256) * 256)  # fewer reallocations
             self.batch = StaticBatch(self.model, rows, capacity, self.graphs)
-        return generate_rows_static(self.batch, prompts, max_new_tokens, sampling, eos, top_logprobs, generator)
+        responses, row_steps = generate_rows_static(self.batch, prompts, max_new_tokens, sampling, eos, top_logprobs,
+                                                    generator)
+        self.row_steps += row_steps
+        return responses
 
 
 @torch.inference_mode()
 def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
-                         top_logprobs: int, generator: torch.Generator | None, check_every: int = 16) -> list[dict]:
+                         top_logprobs: int, generator: torch.Generator | None, check_every: int = 16
+                         ) -> tuple[list[dict], int]:
     """:func:`generate_rows` in a static batch: every row decodes each step (no host sync per token); every
     ``check_every`` steps the rows that reached EOS are counted, the loop ends when none is left, and when at most
-    half of the rows run still live they move to the front and a smaller batch runs on."""
+    half of the rows run still live they move to the front and a smaller batch runs on. Returns the responses and
+    the rows decoded over all steps (answer tokens / that = the share of the decode work that wrote answers)."""
     n, device = len(prompts), batch.device
     logits = batch.prefill(prompts)  # (n, V)
     out = torch.full((n, max_new_tokens), -1, dtype=torch.long, device=device)  # (n, M) -1 = not written
@@ -101,7 +107,7 @@ def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, s
     owner = torch.arange(n, device=device)  # (live,) the response each live row writes
     lengths = torch.tensor([len(ids) for ids in prompts])  # (n,) on the CPU
     live = run = n  # rows 0 .. live-1 hold answers; rows live .. run-1 run along, ignored
-    longest = int(lengths.max())
+    longest, row_steps = int(lengths.max()), 0
     for step in range(max_new_tokens):
         chosen = logits[:live].argmax(-1) if sampling.greedy else sample(warp(logits[:live], sampling), generator)
         out[owner, step] = chosen  # (live,)
@@ -121,7 +127,8 @@ def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, s
                 longest = int(lengths[owner.cpu()].max())
         fed = chosen if run == live else torch.cat([chosen, chosen.new_zeros(run - live)])  # (run,)
         logits = batch.decode(fed, run, longest + step + 1)  # (run, V)
-    return _responses(out.cpu(), None if top is None else (top[0].cpu(), top[1].cpu()), eos)
+        row_steps += run
+    return _responses(out.cpu(), None if top is None else (top[0].cpu(), top[1].cpu()), eos), row_steps
 
 
 def _responses(out: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, eos: int) -> list[dict]:
