@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(ROOT / "benchmarks" / "recipes" / "smollm2-gpu.toml"))
     parser.add_argument("--bench-prompts", type=int, default=4096, help="prompts of the native engine's timing")
     parser.add_argument("--hf-prompts", type=int, default=1024, help="prompts of transformers' timing")
-    parser.add_argument("--bench-batch", type=int, default=1024, help="the native engine's batch")
+    parser.add_argument("--bench-batch", default="1024,2048", help="the native engine's batch sizes, comma-separated")
     parser.add_argument("--hf-batch", type=int, default=512, help="transformers' batch (left-padded to the longest)")
     parser.add_argument("--phases", default=",".join(PLAN), help="the phases to run (in the order above; a later "
                                                                   "one uses what earlier runs left in --work)")
@@ -259,7 +259,7 @@ def run_all(args, clock: Clock, out: Path, work: Path, env: dict, summary: dict)
     bench = [python, "benchmarks/bench_distill_data.py", "--target", TARGET, "--prompts", args.prompts,
              "--max-new-tokens", "8" if tiny else "256", "--device", args.device,
              "--json-out", str(out / "bench.jsonl")]
-    batch = "4" if tiny else str(args.bench_batch)  # --tiny: the static batch of the CUDA path, eager on the CPU
+    batch = "4" if tiny else args.bench_batch  # --tiny: the static batch of the CUDA path, eager on the CPU
     few = "2" if tiny else "32"
     check = [python, "benchmarks/bench_distill_data.py", "--target", TARGET, "--prompts", args.prompts, "--dtype",
              "float32", "--device", args.device, "--limit", few, "--batch-sizes", few, "--max-new-tokens",
