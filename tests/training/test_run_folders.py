@@ -63,7 +63,7 @@ def _finetune_args(models, out, *extra) -> list[str]:
     return [str(a) for a in ["finetune", "--drafter", models["drafter"], "--target", models["target"], "--data",
                              models["data"], "--out", out, "--batch-size", 4, "--heldout-every", 8, "--eval-prompts",
                              0, "--no-progress", "--log-every", 1, "--checkpoint-every", 2, "--eval-every", 2,
-                             "--steps", 6, *extra]]
+                             "--steps", 6, "--device", "cpu", *extra]]  # a process the test starts: the CPU by name
 
 
 def _steps(path: Path) -> list[int]:

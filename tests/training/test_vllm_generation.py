@@ -124,7 +124,7 @@ def test_kill_9_leaves_no_engine_and_a_rerun_answers_every_prompt_once(fake, eng
     prompts = _prompts(tmp_path / "p.jsonl", 12)
     out = tmp_path / "out"
     argv = ["distill-data", "--target", target, "--out", str(out), "--prompts", prompts, "--engine", "vllm",
-            "--shard-size", "4", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "0"]
+            "--shard-size", "4", "--max-new-tokens", "4", "--dtype", "float32", "--temperature", "0", "--device", "cpu"]
     code = f"import sys; from specdraft.cli import main; sys.exit(main({argv!r}))"
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "FAKE_VLLM_SLOW_AFTER": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
