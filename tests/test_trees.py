@@ -260,8 +260,8 @@ def test_sampled_tree_decoding_matches_plain_sampling_marginal():
     counts = Counter()
     trials = 1500
     for seed in range(trials):
-        result = generate(target, PROMPT, OracleTreeDrafter(target, 1), GenerationConfig(2, 3, sampling),
-                          torch.Generator().manual_seed(seed))
+        result = generate(target, PROMPT, OracleTreeDrafter(target, 1),
+                          GenerationConfig(2, 3, sampling, speculation="fixed"), torch.Generator().manual_seed(seed))
         counts[result.token_ids[0]] += 1
     support = (p * trials >= 5).nonzero().flatten().tolist()
     observed = [counts[t] for t in support]
@@ -318,7 +318,7 @@ def test_sampled_draft_model_tree_matches_target_marginal():
     counts, trials = Counter(), 1200
     for seed in range(trials):
         generator = torch.Generator().manual_seed(seed)
-        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling), generator)
+        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling, speculation="fixed"), generator)
         counts[result.token_ids[0]] += 1
     support = (p * trials >= 5).nonzero().flatten().tolist()
     observed, exp = [counts[t] for t in support], [float(p[t]) * trials for t in support]

@@ -201,7 +201,7 @@ def sample_second_tokens(target, prompt: list[int], drafter, sampling, trials: i
     counts, accepted = Counter(), 0
     for seed in range(trials):
         generator = torch.Generator().manual_seed(seed)
-        result = generate(target, prompt, drafter, GenerationConfig(3, gamma, sampling), generator)
+        result = generate(target, prompt, drafter, GenerationConfig(3, gamma, sampling, speculation="fixed"), generator)
         counts[result.token_ids[1]] += 1
         accepted += sum(result.stats.accept_lengths[1:2])
     return counts, accepted

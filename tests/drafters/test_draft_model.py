@@ -87,7 +87,7 @@ def test_confidence_threshold_is_lossless():
     counts, trials = Counter(), 600
     for seed in range(trials):
         generator = torch.Generator().manual_seed(seed)
-        result = generate(target, prompt, drafter, GenerationConfig(2, 4, sampling), generator)
+        result = generate(target, prompt, drafter, GenerationConfig(2, 4, sampling, speculation="fixed"), generator)
         counts[result.token_ids[0]] += 1
     assert_follows(counts, p1, trials)
 
@@ -157,7 +157,8 @@ def test_draft_vocab_is_lossless():
     drafter, counts, trials = DraftModelDrafter(draft, keep=keep), Counter(), 600
     for seed in range(trials):
         generator = torch.Generator().manual_seed(seed)
-        counts[generate(target, prompt, drafter, GenerationConfig(2, 4, sampling), generator).token_ids[0]] += 1
+        config = GenerationConfig(2, 4, sampling, speculation="fixed")
+        counts[generate(target, prompt, drafter, config, generator).token_ids[0]] += 1
     assert_follows(counts, p1, trials)
 
 

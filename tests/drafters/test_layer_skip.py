@@ -112,7 +112,7 @@ def test_sampled_tokens_follow_the_target():
     firsts, seconds, trials = Counter(), Counter(), 1500
     for seed in range(trials):
         generator = torch.Generator().manual_seed(seed)
-        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling), generator)
+        result = generate(target, PROMPT, drafter, GenerationConfig(2, 3, sampling, speculation="fixed"), generator)
         firsts[result.token_ids[0]] += 1
         seconds[result.token_ids[1]] += 1
     assert chisquare(*_pool(firsts, p_first, trials)).pvalue > 1e-3

@@ -219,7 +219,7 @@ def test_sampled_lookahead_matches_plain_sampling_marginal():
     counts, accepted, trials = Counter(), 0, 1000
     for seed in range(trials):
         result = generate(target, SAMPLING_PROMPT, LookaheadDrafter(ngram=3, pool_from_context=True),
-                          GenerationConfig(3, 2, sampling), torch.Generator().manual_seed(seed))
+                          GenerationConfig(3, 2, sampling, speculation="fixed"), torch.Generator().manual_seed(seed))
         counts[result.token_ids[0]] += 1
         accepted += result.stats.accept_lengths[0] > 1
     assert accepted > trials // 4

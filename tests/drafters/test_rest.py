@@ -119,7 +119,7 @@ def test_sampled_first_token_follows_target():
     drafter = RESTDrafter(store=store)
     assert drafter.propose(torch.tensor(PROMPT), 3, sampling, None).tokens.tolist()[:4] == [a, 11, c, 12]
     counts = Counter()
-    trials, config = 1500, GenerationConfig(2, 3, sampling)
+    trials, config = 1500, GenerationConfig(2, 3, sampling, speculation="fixed")
     accepted = 0
     for seed in range(trials):
         result = generate(target, PROMPT, drafter, config, torch.Generator().manual_seed(seed))
