@@ -8,7 +8,12 @@ import torch
 from specdraft.models.registry import load_model
 from specdraft.models.static_batch import StaticBatch
 from specdraft.sampling import SamplingConfig
-from specdraft.training.native_generation import StaticEngine, generate_rows, generate_rows_static
+from specdraft.training.native_generation import (
+    StaticEngine,
+    generate_rows,
+    generate_rows_refill,
+    generate_rows_static,
+)
 from toys import save_tiny_checkpoint
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -109,3 +114,74 @@ def test_smollm2_static_engine_answers_as_transformers_in_float32(device):
                           pad_token_id=tokenizer.eos_token_id)[0, len(prompt):].tolist()
         assert response["ids"] == out[: out.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in out
                                       else len(out)]
+
+
+def _refill(target, device, prompts, rows, eos, top, check_every, sampling=None, generator=None):
+    model = load_model(target, torch.float32, backend="native", device=device)
+    batch = StaticBatch(model, rows, max(map(len, prompts)) + 12)
+    return generate_rows_refill(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator, check_every)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "check_every"), [(3, 1), (3, 5), (4, 16), (16, 2)])
+def test_rows_refilled_with_waiting_prompts_answer_as_the_ragged_engine(target, device, rows, check_every):
+    """More prompts than rows: a row whose answer ended takes the next prompt (checked every ``check_every`` steps
+    and at each row's length cap, 12 tokens here: 5 and 16 do not divide it), in float32 the same answers and
+    log-probabilities as each prompt decoded on the ragged engine."""
+    prompts = PROMPTS + PROMPTS[::-1][:7]  # 17 prompts, some twice
+    reference = generate_rows(load_model(target, backend="native"), prompts, 12, SamplingConfig(), eos=EOS,
+                              top_logprobs=3, generator=None)
+    refilled, decoded = _refill(target, device, prompts, rows, EOS, 3, check_every)
+    assert {r["finish_reason"] for r in reference} == {"eos", "length"}
+    assert [r["ids"] for r in refilled] == [r["ids"] for r in reference]
+    assert [r["finish_reason"] for r in refilled] == [r["finish_reason"] for r in reference]
+    for a, b in zip(refilled, reference, strict=True):
+        assert a["top_ids"] == b["top_ids"]
+        assert (torch.tensor(a["top_logprobs"]) - torch.tensor(b["top_logprobs"])).abs().max() < 1e-4
+    tokens = sum(len(r["ids"]) for r in refilled)
+    assert tokens - len(prompts) <= decoded
+
+
+def test_refilling_decodes_fewer_idle_rows_than_batches_that_wait_for_their_longest_answer(target):
+    prompts = PROMPTS * 3  # 30 prompts, most ending early, a few running to the cap
+    _, refilled = _refill(target, "cpu", prompts, 4, EOS, 0, 2)
+    model = load_model(target, torch.float32, backend="native")
+    batched = 0
+    for start in range(0, len(prompts), 4):
+        chunk = prompts[start : start + 4]
+        batched += generate_rows_static(StaticBatch(model, 4, max(map(len, chunk)) + 12), chunk, 12, SamplingConfig(),
+                                        EOS, 0, None, 2)[1]
+    assert refilled < batched
+
+
+def test_refilled_sampling_is_reproducible_and_stops_at_eos(target):
+    sampling = SamplingConfig(temperature=1.0)
+    runs = [_refill(target, "cpu", PROMPTS, 3, 5, 2, 4, sampling, torch.Generator().manual_seed(1))[0]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    for response in runs[0]:
+        ids = response["ids"]
+        assert 1 <= len(ids) <= 12 and len(response["top_ids"]) == len(ids)
+        assert (response["finish_reason"] == "eos") == (ids[-1] == 5) and 5 not in ids[:-1]
+
+
+def test_a_refilling_engine_answers_a_whole_shard_in_its_rows(target, monkeypatch):
+    """``distill-data --refill``: the shard goes to the engine in one call, decoded in ``batch_size`` rows; the
+    records are those of the ragged engine (float32, greedy)."""
+    from specdraft.models.registry import load_tokenizer
+    from specdraft.training.generation import DistillDataConfig, generate_shard
+
+    prompts = [(f"p:{i}", [{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 60}" for j in range(1 + i % 5))}])
+               for i in range(9)]
+    config = DistillDataConfig(target=target, out="-", max_new_tokens=12, temperature=0.0, batch_size=4,
+                               shard_size=9, dtype="float32", engine="native", refill=True)
+    tokenizer, model = load_tokenizer(target), load_model(target, torch.float32, backend="native")
+    engine, calls = StaticEngine(model, refill=True), []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda prompts, *a, **k: calls.append(len(prompts)) or generate(prompts,
+                                                                                                          *a, **k))
+    refilled = generate_shard(engine, tokenizer, prompts, config, seed=0)
+    assert calls == [9] and engine.batch.rows == 4
+    ragged = generate_shard(model, tokenizer, prompts, config, seed=0)
+    assert [r["response_token_ids"] for r in refilled] == [r["response_token_ids"] for r in ragged]
+    assert [r["prompt_id"] for r in refilled] == [f"p:{i}" for i in range(9)]

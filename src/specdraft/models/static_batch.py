@@ -63,11 +63,14 @@ class StaticBatch:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Write the prompts into rows 0 .. n-1 (row i holds prompt i) and return each row's next-token logits
-        (n, V) in the model's dtype; ``positions`` is set to the prompt lengths."""
+    def prefill(self, prompts: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
+        """Write prompt i into row ``rows[i]`` (default: row i) and return each prompt's next-token logits (n, V) in
+        the model's dtype; those rows' ``positions`` are set to the prompt lengths (the other rows are untouched)."""
+        rows = list(range(len(prompts))) if rows is None else rows
         if not prompts or len(prompts) > self.rows or min(map(len, prompts)) < 1:
             raise SpecdraftError(f"prefill needs 1 .. {self.rows} non-empty prompts, got {len(prompts)}")
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= r < self.rows for r in rows):
+            raise SpecdraftError(f"prefill needs one distinct row in 0 .. {self.rows - 1} per prompt, got {rows}")
         if max(map(len, prompts)) >= self.capacity:
             raise SpecdraftError(f"a prompt of {max(map(len, prompts))} tokens leaves no room in {self.capacity} slots")
         lengths = torch.tensor([len(p) for p in prompts])  # (n,)
@@ -77,10 +80,10 @@ class StaticBatch:
             ids = torch.zeros(len(chunk), width, dtype=torch.long)  # (c, W) right-padded
             for row, i in enumerate(chunk):
                 ids[row, : len(prompts[i])] = torch.tensor(prompts[i])
-            rows = torch.tensor(chunk, device=self.device)  # (c,)
+            where = torch.tensor([rows[i] for i in chunk], device=self.device)  # (c,) cache rows
             last = (lengths[chunk] - 1).to(self.device)  # (c,)
-            out[rows] = self._prefill_chunk(ids.to(self.device), rows, last)
-        self.positions[: len(prompts)] = lengths.to(self.device)
+            out[torch.tensor(chunk, device=self.device)] = self._prefill_chunk(ids.to(self.device), where, last)
+        self.positions[torch.tensor(rows, device=self.device)] = lengths.to(self.device)
         return out
 
     def _prefill_chunk(self, ids: torch.Tensor, rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
