@@ -81,6 +81,9 @@ class DistillDataConfig:
                 "prefilled on its own row, rows decoded together; on CUDA a static cache and CUDA graphs; "
                 "Llama-family targets, --policy target) or vllm (vLLM's offline engine in its own environment, built "
                 "by `make engines`; --policy target)"})
+    refill: bool = field(default=False, metadata={
+        "help": "native engine on CUDA: a row whose answer ended takes the shard's next prompt at once (the shard in "
+                "one static batch of --batch-size rows) instead of waiting for its batch's longest answer"})
     tensor_parallel: int = field(default=1, metadata={
         "help": "vllm: GPUs the target is sharded over (vLLM's tensor_parallel_size)"})
     device: str = field(default="auto", metadata={
@@ -119,7 +122,7 @@ class DistillDataConfig:
     def data_fields(self) -> dict:
         """What determines the data (resuming with other values would mix two datasets)."""
         skip = {"out", "batch_size", "policy", "mix_fraction", "draft", "greedy_response", "engine", "tensor_parallel",
-                "device", "answers"}
+                "device", "answers", "refill"}
         engine = {"engine": self.engine} if self.engine != "hf" else {}  # runs made before the option stay valid
         engine |= {"answers": self.answers} if self.answers else {}
         return {k: v for k, v in asdict(self).items() if k not in skip} | onpolicy.policy_fields(self) | engine
@@ -345,7 +348,8 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
         target = load_model(config.target, parse_dtype(config.dtype), backend="native" if native else "hf",
                             device=config.device)
         tokenizer = load_tokenizer(config.target)
-        model = target.model if not native else StaticEngine(target) if config.device != "cpu" else target
+        static = native and config.device != "cpu"
+        model = StaticEngine(target, refill=config.refill) if static else target if native else target.model
         models = model, tokenizer, onpolicy.load_drafter(config, target, tokenizer)
     try:
         _write_shards(config, out, shards, todo, progress, after_shard, models, entries)
@@ -405,7 +409,8 @@ def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], conf
     encoded = encode_prompts(tokenizer, [prompt[1] for prompt in prompts])
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     records: dict[int, list[dict]] = {}
-    step = len(order) if config.engine == "vllm" else config.batch_size
+    whole = config.engine == "vllm" or getattr(model, "refill", False)  # they batch the shard themselves
+    step = len(order) if whole else config.batch_size
     for start in range(0, len(order), step):
         batch = order[start : start + step]
         if config.answers:  # made elsewhere: the target's top-k added (scoring.given_responses)
@@ -450,7 +455,7 @@ def _generate_batch_native(model, tokenizer, batch: list[list[int]], config: Dis
     if isinstance(model, StaticEngine):
         generator = torch.Generator(model.model.embed_weight.device).manual_seed(seed)
         return model.generate(rows, config.max_new_tokens, sampling, tokenizer.eos_token_id, config.top_logprobs,
-                              generator)
+                              generator, rows=config.batch_size)
     return generate_rows(model, rows, config.max_new_tokens, sampling, tokenizer.eos_token_id, config.top_logprobs,
                          torch.Generator().manual_seed(seed))
 
