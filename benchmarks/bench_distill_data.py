@@ -2,8 +2,9 @@
 settings, in one process (what ``distill-data`` spends per shard: chat template, generation, records).
 
 Engines: ``native`` (specdraft's Llama: ragged rows on the CPU; on CUDA a static cache decoded by CUDA graphs,
-:mod:`specdraft.models.static_batch`), ``static`` (that static batch on any device: eager on the CPU) and ``hf``
-(transformers' ``generate``, left-padded batches). The first
+:mod:`specdraft.models.static_batch`), ``static`` (that static batch on any device: eager on the CPU),
+``native-refill`` / ``static-refill`` (the same with ``--refill``: all the prompts in one batch of the batch size's
+rows, an ended row taking the next prompt) and ``hf`` (transformers' ``generate``, left-padded batches). The first
 (warm-up) call answers two prompts; CUDA graph captures of the timed run count in its time, as in ``distill-data``.
 
     python benchmarks/bench_distill_data.py --target smollm2-135m-instruct --prompts sharegpt --limit 16 \
@@ -32,11 +33,12 @@ from specdraft.training.prompt_sources import load_prompt_sources
 def load_engine(engine: str, target: str, dtype: str, device: str):
     """The model object ``generate_shard`` takes for ``engine`` on ``device`` (``static``: the CUDA path's static
     batch on any device, eager on the CPU)."""
-    native = engine in ("native", "static")
+    native = engine != "hf"
     model = load_model(target, parse_dtype(dtype), backend="native" if native else "hf", device=device)
     if not native:
         return model.model
-    return StaticEngine(model) if device != "cpu" or engine == "static" else model
+    static = device != "cpu" or engine.startswith("static")
+    return StaticEngine(model, refill=engine.endswith("-refill")) if static else model
 
 
 def measure(model, tokenizer, prompts: list, config: DistillDataConfig, profile: str | None = None
@@ -105,14 +107,18 @@ def main() -> None:
     tokenizer = load_tokenizer(args.target)
     prompts = load_prompt_sources(args.prompts, "train", args.limit)
     hardware = torch.cuda.get_device_name(device) if device != "cpu" else cpu_model()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    known = ("native", "static", "native-refill", "static-refill", "hf")
+    if any(e not in known for e in engines):
+        parser.error(f"--engines: each of {', '.join(known)}, got {args.engines!r}")
     first: dict[int, list[list[int]]] = {}  # batch size -> the first engine's answers
-    for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+    for engine in engines:
         model = load_engine(engine, args.target, dtype, device)
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
             config = DistillDataConfig(target=args.target, out="-", max_new_tokens=args.max_new_tokens,
                                        temperature=0.0, batch_size=batch_size, shard_size=len(prompts), dtype=dtype,
                                        top_logprobs=args.top_logprobs, engine="hf" if engine == "hf" else "native",
-                                       device=device)
+                                       device=device, refill=engine.endswith("-refill"))
             where = f"{args.profile}-{engine}-{batch_size}.txt" if args.profile else None
             measured, answers = measure(model, tokenizer, prompts, config, where)
             row = {"engine": engine, "batch_size": batch_size, "device": device, "hardware": hardware,

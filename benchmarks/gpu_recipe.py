@@ -112,6 +112,8 @@ def write_recipe(args, work: Path, box: float) -> Path:
 
     spec = tomllib.loads(Path(args.recipe).read_text())
     spec["device"] = args.device
+    if args.refill:
+        spec["heldout_data"]["refill"] = spec["distill_data"]["refill"] = True
     spec["heldout_data"]["prompts"] = str(Path(args.questions).resolve())
     spec["distill_data"]["prompts"] = str(Path(args.prompts).resolve())
     for section in [spec[s] for s in ("heldout_data", "distill_data", "init_drafter", "heads")] + spec["finetune"]:
@@ -191,7 +193,7 @@ def final_drafter(work: Path) -> Path | None:
 
 def verdicts(summary: dict) -> dict:
     """The figures the recipe is judged by, where they exist."""
-    native = [r for r in summary["bench"] if r["engine"] in ("native", "static")]
+    native = [r for r in summary["bench"] if r["engine"] != "hf"]
     taus = {row["drafter"]: row.get("greedy_tau@4") for row in summary["tau"]}
     drafter = final_drafter(Path(summary["work"]))
     shipped, final = taus.get(SHIPPED), taus.get(str(drafter)) if drafter else None
@@ -199,6 +201,7 @@ def verdicts(summary: dict) -> dict:
     check = {r["engine"]: r.get("same_answers_as_first_engine") for r in summary.get("check", [])}
     return {"distill_data_answer_tokens_per_s": max((r["answer_tokens_per_s"] for r in native), default=None),
             "float32_answers_equal_to_transformers": check.get("hf"),
+            "float32_refill_answers_equal": check.get("native-refill", check.get("static-refill")),
             "recipe_seconds_prompts_to_exports": round(sum(recipe), 1) if len(recipe) == 3 else None,
             "recipe_drafter": str(drafter) if drafter else None, "greedy_tau@4_recipe": final,
             "greedy_tau@4_shipped": shipped,
@@ -221,6 +224,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=512, help="transformers' batch (left-padded to the longest)")
     parser.add_argument("--phases", default=",".join(PLAN), help="the phases to run (in the order above; a later "
                                                                   "one uses what earlier runs left in --work)")
+    parser.add_argument("--refill", action="store_true", help="the data stages with distill-data --refill")
     parser.add_argument("--tiny", action="store_true", help="a few prompts and steps (a CPU test)")
     parser.add_argument("--no-exports", action="store_true", help="do not copy the exports into --out")
     args = parser.parse_args()
@@ -262,8 +266,9 @@ def run_all(args, clock: Clock, out: Path, work: Path, env: dict, summary: dict)
     batch = "4" if tiny else args.bench_batch  # --tiny: the static batch of the CUDA path, eager on the CPU
     few = "2" if tiny else "32"
     check = [python, "benchmarks/bench_distill_data.py", "--target", TARGET, "--prompts", args.prompts, "--dtype",
-             "float32", "--device", args.device, "--limit", few, "--batch-sizes", few, "--max-new-tokens",
-             "4" if tiny else "48", "--engines", "static,hf" if tiny else "native,hf", "--compare",
+             "float32", "--device", args.device, "--limit", "4" if tiny else "64", "--batch-sizes", few,
+             "--max-new-tokens", "4" if tiny else "48", "--engines",
+             "static,static-refill,hf" if tiny else "native,native-refill,hf", "--compare",
              "--json-out", str(out / "check.jsonl")]
     def phase(name: str, argv: list[str] | None = None, sections: str | None = None) -> None:
         if name not in args.phases:
@@ -275,7 +280,8 @@ def run_all(args, clock: Clock, out: Path, work: Path, env: dict, summary: dict)
         run_phase(name, argv, box, out, env, summary)
 
     phase("check", check)  # float32: the engines' answers must agree
-    phase("bench-native", bench + ["--engines", "static" if tiny else "native", "--batch-sizes", batch, "--limit",
+    phase("bench-native", bench + ["--engines", "static,static-refill" if tiny else "native,native-refill",
+                                   "--batch-sizes", batch, "--limit",
                                    "4" if tiny else str(args.bench_prompts)])
     phase("bench-hf", bench + ["--engines", "hf", "--batch-sizes", "4" if tiny else str(args.hf_batch), "--limit",
                                "4" if tiny else str(args.hf_prompts)])
