@@ -131,3 +131,11 @@ def test_a_failed_export_leaves_nothing_that_looks_complete(target_dir, tmp_path
     assert os.listdir(tmp_path) == []
     assert not is_complete_export(tmp_path / "drafter")
 
+
+
+def test_the_cards_hardware_line_names_the_device_the_run_used():
+    from specdraft.hardware import cpu_model
+    from specdraft.training.checkpoint import hardware
+
+    assert hardware("cpu").startswith(f"CPU ({cpu_model()}), ")  # whether or not a GPU is visible
+    assert hardware().startswith("CPU (")  # auto is the CPU in tests

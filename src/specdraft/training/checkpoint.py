@@ -21,6 +21,7 @@ import torch
 
 from specdraft.errors import SpecdraftError, naming
 from specdraft.files import build_folder
+from specdraft.hardware import cpu_model, resolve_device
 from specdraft.models.registry import DTYPES, load_tokenizer
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -82,10 +83,12 @@ def is_complete_export(path: str | Path) -> bool:
     return all((Path(path) / name).is_file() for name in EXPORT_FILES)
 
 
-def hardware() -> str:
-    """One line describing this machine, for model cards."""
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    return (f"{device}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+def hardware(device: str = "auto") -> str:
+    """One line describing the machine a run trained on (``device``: the run's device setting), for model cards:
+    the GPU's name when it ran on CUDA, else the CPU's."""
+    where = resolve_device(device).device
+    name = f"{torch.cuda.get_device_name(where)}" if where.type == "cuda" else f"CPU ({cpu_model()})"
+    return (f"{name}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
 
 

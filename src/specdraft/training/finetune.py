@@ -128,7 +128,7 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
 def _card(config: FinetuneConfig, result: TrainResult, command: str | None, data: str) -> dict:
     budget = {"Budget": f"{result.steps} steps, {result.tokens:,} response tokens, {result.wall_seconds:.0f} s "
                         f"wall time ({result.tokens_per_second:.0f} tokens/s)",
-              "Hardware": f"{hardware()}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)",
+              "Hardware": f"{hardware(config.device)}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)",
               "Loss": f"{config.loss} {config.loss_options(None)}"}
     return {"title": f"specdraft drafter (distilled, {config.loss})", "command": command or shlex.join(sys.argv),
             "data": data, "budget": budget, "metrics": {"train_loss": result.train_loss} | result.eval,

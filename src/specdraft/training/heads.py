@@ -222,7 +222,7 @@ def _card(config: HeadsConfig, result: TrainResult, command: str | None, spec: d
             "data": f"`{config.data}`: {n_train} target responses for training, {n_heldout} held out",
             "budget": {"Budget": f"{result.steps} steps, {result.tokens:,} response tokens, "
                                  f"{result.wall_seconds:.0f} s wall time ({result.tokens_per_second:.0f} tokens/s)",
-                       "Hardware": f"{hardware()}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)"},
+                       "Hardware": f"{hardware(config.device)}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)"},
             "metrics": {"train_loss": result.train_loss} | result.eval, "config": asdict(config) | {"spec": spec}}
     text = model_card(card)
     return text.replace("A draft model for speculative decoding", f"{config.kind} heads for speculative decoding", 1)

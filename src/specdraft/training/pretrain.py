@@ -193,7 +193,7 @@ def _card(config: PretrainConfig, result: TrainResult, command: str | None, data
     params = sum(p.numel() for p in model.parameters())
     budget = {"Budget": f"{result.steps} steps, {result.tokens:,} tokens, {result.wall_seconds:.0f} s wall time "
                         f"({result.tokens_per_second:.0f} tokens/s)",
-              "Hardware": f"{hardware()}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)",
+              "Hardware": f"{hardware(config.device)}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)",
               "Parameters": f"{params:,}"}
     return {"title": "specdraft drafter (pretrained)", "command": command or shlex.join(sys.argv), "data": data,
             "budget": budget, "metrics": {"train_loss": result.train_loss} | result.eval, "config": asdict(config)}
