@@ -225,18 +225,21 @@ def generate_rows_refill(batch, prompts: list[list[int]], max_new_tokens: int, s
     n, device = len(prompts), batch.device
     state = _Rows(batch, prompts, max_new_tokens, min(rows or batch.rows, batch.rows))
     logits = batch.prefill(prompts[: state.run])  # (run, V)
-    out = torch.full((n, max_new_tokens), -1, dtype=torch.long, device=device)  # (n, M) -1 = not written
-    top = (torch.zeros(n, max_new_tokens, top_logprobs, dtype=torch.long, device=device),
-           torch.zeros(n, max_new_tokens, top_logprobs, dtype=torch.float32, device=device)) if top_logprobs else None
+    # (n + 1, M): -1 = not written; idle rows write into the spare last row (no data-dependent shapes: no host sync)
+    out = torch.full((n + 1, max_new_tokens), -1, dtype=torch.long, device=device)
+    shape = (n + 1, max_new_tokens, top_logprobs)
+    top = (torch.zeros(shape, dtype=torch.long, device=device),
+           torch.zeros(shape, dtype=torch.float32, device=device)) if top_logprobs else None
     step, row_steps = 0, 0
     while True:
         run = state.run
         chosen = logits[:run].argmax(-1) if sampling.greedy else sample(warp(logits[:run], sampling), generator)
         live = state.owner_t >= 0  # (run,)
-        owner, index = state.owner_t[live], (step - state.start_t)[live]  # (l,) each
-        out[owner, index] = chosen[live]
+        owner = torch.where(live, state.owner_t, n)  # (run,) the spare row n for idle rows
+        index = (step - state.start_t).clamp(0, max_new_tokens - 1)  # (run,)
+        out[owner, index] = chosen
         if top is not None:
-            best = torch.log_softmax(logits[:run][live].float(), -1).topk(top_logprobs, dim=-1)  # (l, k)
+            best = torch.log_softmax(logits[:run].float(), -1).topk(top_logprobs, dim=-1)  # (run, k)
             top[0][owner, index], top[1][owner, index] = best.indices, best.values
         check = (step + 1) % check_every == 0 or step in state.deadlines
         if check:
@@ -258,4 +261,4 @@ def generate_rows_refill(batch, prompts: list[list[int]], max_new_tokens: int, s
                 logits[torch.tensor(rows, device=device)] = fresh
             state.device_state()
         step += 1
-    return _responses(out.cpu(), None if top is None else (top[0].cpu(), top[1].cpu()), eos), row_steps
+    return _responses(out[:n].cpu(), None if top is None else (top[0][:n].cpu(), top[1][:n].cpu()), eos), row_steps
