@@ -5,6 +5,7 @@ the held-out answers at every checkpoint, EAGLE-3 heads on the same data, time b
 import csv
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,13 @@ def test_bad_recipes_are_refused_naming_the_section(recipe, capsys):
         pipeline_configs(spec | {"finetune": [spec["finetune"][0] | {"colour": 1}]})
     assert main(["train-drafter", "--config", str(recipe / "recipe.toml"), "--stages", "pretraining"]) == 2
     assert "unknown stage 'pretraining'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["smollm2-gpu.toml", "llama-8b.toml"])
+def test_the_recipes_shipped_with_the_benchmarks_build_their_stages(name):
+    """Every key of the benchmark recipes is a setting of its stage (a misspelt key is refused, not ignored)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "recipes" / name
+    stages = pipeline_configs(load_pipeline_file(path))
+    assert [s.name for s in stages][:3] == ["heldout_data", "distill_data", "init_drafter"]
+    trained = [s.config for s in stages if s.name.startswith(("finetune", "heads"))]
+    assert trained and all(config.group_by_length for config in trained)
