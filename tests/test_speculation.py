@@ -13,7 +13,7 @@ from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdraft.drafters.base import Draft
 from specdraft.sampling import SamplingConfig
-from specdraft.speculation import AdaptivePolicy, FixedPolicy, _depth_key, _sequential_stop, make_policy
+from specdraft.speculation import AdaptivePolicy, FixedPolicy, depth_key, make_policy, sequential_stop
 from specdraft.verification import VerifyResult
 from toys import PatternDrafter, hf_target, random_bigram
 
@@ -50,7 +50,7 @@ def test_long_contexts_are_priced_by_their_own_row() -> None:
     policy = AdaptivePolicy(curve, 6)
     for _ in range(60):  # every depth accepted 70% of the time
         for depth in range(1, 7):
-            policy.acceptance.update(_depth_key(depth, None), depth <= 2 or _ % 10 < 7)
+            policy.acceptance.update(depth_key(depth, None), depth <= 2 or _ % 10 < 7)
     short, long = policy.budget(100, 6), policy.budget(2000, 6)
     assert short >= 3 and long < short
 
@@ -123,10 +123,10 @@ def test_sequential_stop_never_looks_at_the_node_it_decides_on() -> None:
         return expected / (1.0 + 0.4 * size)
 
     reach = [0.9, 0.8, 0.3, 0.25]
-    stop = _sequential_stop(reach, rate)
+    stop = sequential_stop(reach, rate)
     for later in ([0.9, 0.8, 0.3, 0.29], [0.9, 0.8, 0.3, 0.0001]):
-        assert _sequential_stop(later, rate) >= min(stop, 3)
-    assert _sequential_stop([0.99] * 4, rate) == 4 and _sequential_stop([0.01] * 4, rate) == 0
+        assert sequential_stop(later, rate) >= min(stop, 3)
+    assert sequential_stop([0.99] * 4, rate) == 4 and sequential_stop([0.01] * 4, rate) == 0
 
 
 @pytest.mark.parametrize("pattern", ["always", "sometimes", "never"])

@@ -131,7 +131,7 @@ def _node_keys(draft: Draft) -> tuple[list[tuple], torch.Tensor]:
     return [_key(s, c, d) for s, c, d in zip(source, confidence, node_depths, strict=True)], parents
 
 
-def _depth_key(depth: int, kind: Hashable) -> tuple:
+def depth_key(depth: int, kind: Hashable) -> tuple:
     """The bucket of "the deepest accepted level reaches ``depth``" for steps of draft ``kind``."""
     return -1, "depth", min(depth, _MAX_DEPTH_KEY), kind
 
@@ -176,7 +176,7 @@ class AdaptivePolicy:
         state = self._state(kind)
         best, best_rate, expected, reach = 0, 1.0 / self._verify_seconds(1, context_length), 1.0, 1.0
         for depth in range(1, limit + 1):
-            reach *= self.acceptance.rate(_depth_key(depth, kind))
+            reach *= self.acceptance.rate(depth_key(depth, kind))
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
             seconds = state.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length)
@@ -205,7 +205,7 @@ class AdaptivePolicy:
             return expected / (draft_seconds + self._verify_seconds(tail + size + extra, context_length))
 
         if draft.parents is None and not greedy:
-            return draft.select(torch.arange(_sequential_stop(reach, rate)), None)
+            return draft.select(torch.arange(sequential_stop(reach, rate)), None)
         order = sorted(range(len(draft)), key=lambda node: (-reach[node], node))  # parents before children
         best, best_rate, expected = 0, rate(0, 1.0), 1.0
         for size, node in enumerate(order, start=1):
@@ -245,10 +245,10 @@ class AdaptivePolicy:
         node_depths = depths(parents).tolist()
         deepest = max((node_depths[n] for n in accepted), default=0)
         for depth in range(1, min(max(node_depths), deepest + 1) + 1):
-            self.acceptance.update(_depth_key(depth, self._kind), depth <= deepest)
+            self.acceptance.update(depth_key(depth, self._kind), depth <= deepest)
 
 
-def _sequential_stop(reach: list[float], rate) -> int:
+def sequential_stop(reach: list[float], rate) -> int:
     """Chain length for sampling: node i+1 is kept while the best rate reachable by extending (assuming later
     nodes keep node i+1's rate, which is known before node i+1 is drawn) beats stopping. A stopping time."""
     expected = 1.0
