@@ -11,7 +11,6 @@ from specdraft.sampling import SamplingConfig
 from specdraft.training.native_generation import (
     StaticEngine,
     generate_rows,
-    generate_rows_refill,
     generate_rows_static,
 )
 from toys import save_tiny_checkpoint
@@ -119,7 +118,7 @@ def test_smollm2_static_engine_answers_as_transformers_in_float32(device):
 def _refill(target, device, prompts, rows, eos, top, check_every, sampling=None, generator=None):
     model = load_model(target, torch.float32, backend="native", device=device)
     batch = StaticBatch(model, rows, max(map(len, prompts)) + 12)
-    return generate_rows_refill(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator, check_every)
+    return generate_rows_static(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator, check_every)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -67,7 +67,7 @@ class StaticEngine:
     """The native target and the :class:`~specdraft.models.static_batch.StaticBatch` it decodes in, kept across
     calls (its CUDA graphs with it): a new batch is allocated only when a call needs more rows or slots. The engine
     of ``distill-data --engine native`` on CUDA; with ``refill`` a call takes a whole shard and decodes it in
-    ``rows`` rows, ended rows taking waiting prompts (:func:`generate_rows_refill`)."""
+    ``rows`` rows, ended rows taking waiting prompts (:func:`generate_rows_static`)."""
 
     def __init__(self, model, graphs: bool = True, refill: bool = False) -> None:
         self.model, self.graphs, self.refill, self.batch = model, graphs, refill, None
@@ -79,12 +79,8 @@ class StaticEngine:
         ``refill`` (default: one per prompt)."""
         rows = len(prompts) if rows is None or not self.refill else min(rows, len(prompts))
         batch = self._batch(rows, max(len(ids) for ids in prompts) + max_new_tokens)
-        if self.refill:
-            responses, row_steps = generate_rows_refill(batch, prompts, max_new_tokens, sampling, eos, top_logprobs,
-                                                        generator, rows=rows)
-        else:
-            responses, row_steps = generate_rows_static(batch, prompts, max_new_tokens, sampling, eos, top_logprobs,
-                                                        generator)
+        responses, row_steps = generate_rows_static(batch, prompts, max_new_tokens, sampling, eos, top_logprobs,
+                                                    generator, rows=rows)
         self.row_steps += row_steps
         return responses
 
@@ -102,46 +98,6 @@ class StaticEngine:
         return self.batch
 
 
-@torch.inference_mode()
-def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
-                         top_logprobs: int, generator: torch.Generator | None, check_every: int = 16
-                         ) -> tuple[list[dict], int]:
-    """:func:`generate_rows` in a static batch: every row decodes each step (no host sync per token); every
-    ``check_every`` steps the rows that reached EOS are counted, the loop ends when none is left, and when at most
-    half of the rows run still live they move to the front and a smaller batch runs on. Returns the responses and
-    the rows decoded over all steps (answer tokens / that = the share of the decode work that wrote answers)."""
-    n, device = len(prompts), batch.device
-    logits = batch.prefill(prompts)  # (n, V)
-    out = torch.full((n, max_new_tokens), -1, dtype=torch.long, device=device)  # (n, M) -1 = not written
-    top = (torch.zeros(n, max_new_tokens, top_logprobs, dtype=torch.long, device=device),
-           torch.zeros(n, max_new_tokens, top_logprobs, dtype=torch.float32, device=device)) if top_logprobs else None
-    owner = torch.arange(n, device=device)  # (live,) the response each live row writes
-    lengths = torch.tensor([len(ids) for ids in prompts])  # (n,) on the CPU
-    live = run = n  # rows 0 .. live-1 hold answers; rows live .. run-1 run along, ignored
-    longest, row_steps = int(lengths.max()), 0
-    for step in range(max_new_tokens):
-        chosen = logits[:live].argmax(-1) if sampling.greedy else sample(warp(logits[:live], sampling), generator)
-        out[owner, step] = chosen  # (live,)
-        if top is not None:
-            best = torch.log_softmax(logits[:live].float(), -1).topk(top_logprobs, dim=-1)  # (live, k)
-            top[0][owner, step], top[1][owner, step] = best.indices, best.values
-        if step + 1 == max_new_tokens:
-            break
-        if (step + 1) % check_every == 0:
-            keep = (out[owner, : step + 1] != eos).all(-1).nonzero()[:, 0]  # (m,) rows still answering
-            if keep.numel() == 0:
-                break
-            if keep.numel() <= run // 2:
-                batch.keep_rows(keep)
-                owner, chosen, live = owner[keep], chosen[keep], keep.numel()
-                run = min(run, 1 << (live - 1).bit_length())  # a power of two: few distinct shapes
-                longest = int(lengths[owner.cpu()].max())
-        fed = chosen if run == live else torch.cat([chosen, chosen.new_zeros(run - live)])  # (run,)
-        logits = batch.decode(fed, run, longest + step + 1)  # (run, V)
-        row_steps += run
-    return _responses(out.cpu(), None if top is None else (top[0].cpu(), top[1].cpu()), eos), row_steps
-
-
 def _responses(out: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, eos: int) -> list[dict]:
     """Per row of ``out`` (n, M) (-1 where never written): ids up to and including the first EOS, the finish
     reason, and the top-k (R, k) of those positions."""
@@ -156,7 +112,7 @@ def _responses(out: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
 
 
 class _Rows:
-    """The bookkeeping of :func:`generate_rows_refill`: which response each of the ``run`` decoded rows writes
+    """The bookkeeping of :func:`generate_rows_static`: which response each of the ``run`` decoded rows writes
     (``owner``, -1 when idle) and the step of its first token (``start``), on the device and mirrored on the host
     (read at checks only: no host sync per token)."""
 
@@ -213,15 +169,16 @@ class _Rows:
 
 
 @torch.inference_mode()
-def generate_rows_refill(batch, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
+def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, eos: int,
                          top_logprobs: int, generator: torch.Generator | None, check_every: int = 16,
                          rows: int | None = None) -> tuple[list[dict], int]:
-    """:func:`generate_rows_static` for any number of prompts (sorted by length, ideally): the batch's rows are
-    filled with the first prompts, and every ``check_every`` steps (or when a row reaches the length cap) a row
-    whose answer ended takes the next waiting prompt, prefilled into that row while the others keep decoding, so
-    no row runs along idle while prompts wait. Once none waits, ended rows leave as in
-    :func:`generate_rows_static`. ``rows``: how many of the batch's rows to use (default: all). Returns the
-    responses and the rows decoded over all steps."""
+    """:func:`generate_rows` in a static batch of ``rows`` rows (default: all of the batch's), for any number of
+    prompts (sorted by length, ideally). Every row decodes each step (no host sync per token). Every
+    ``check_every`` steps, and when a row reaches the length cap, the rows that ended are found: while prompts wait,
+    such a row takes the next one, prefilled into that row while the others keep decoding (no row runs along idle
+    while prompts wait); once none waits and at most half of the rows still answer, those move to the front and a
+    smaller batch runs on; the loop ends when none is left. Returns the responses and the rows decoded over all
+    steps (answer tokens / that = the share of the decode work that wrote answers)."""
     n, device = len(prompts), batch.device
     state = _Rows(batch, prompts, max_new_tokens, min(rows or batch.rows, batch.rows))
     logits = batch.prefill(prompts[: state.run])  # (run, V)
