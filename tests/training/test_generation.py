@@ -211,7 +211,7 @@ def test_answers_made_elsewhere_become_the_usual_records_with_the_targets_top_k(
 
 def test_prompts_are_encoded_as_the_chat_template_encodes_them_one_by_one(target):
     from specdraft.models.registry import cache_dir, load_tokenizer
-    from specdraft.training.generation import encode_prompts
+    from specdraft.prompts import encode_prompts
 
     conversations = [[{"role": "user", "content": "Hello <|im_end|> there"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "w1 w2\n\nw3"}],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError, json_error
 from specdraft.files import text_lines
-from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.prompts import BUILTIN_PROMPTS, encode_prompts
 
 BUILTIN = "builtin"
 SHAREGPT_HELDOUT = "sharegpt-heldout"  # the held-out ShareGPT first prompts (never in distillation data)
@@ -141,5 +141,4 @@ def conversation_ids(tokenizer, turns: Sequence[str], answers: Sequence[str]) ->
         messages.append({"role": "user", "content": user})
         if assistant is not None:
             messages.append({"role": "assistant", "content": assistant})
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-    return list(encoded["input_ids"])
+    return encode_prompts(tokenizer, [messages])[0]

@@ -36,6 +36,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name
+from specdraft.prompts import encode_prompts
 from specdraft.sampling import SamplingConfig
 from specdraft.training import onpolicy, runs
 from specdraft.training.data import MANIFEST_FILE
@@ -433,17 +434,6 @@ def _respond(engine: str) -> Callable:
 
         return generate_batch
     return _generate_batch_native if engine == "native" else _generate_batch
-
-
-def encode_prompts(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
-    """Each conversation's chat-template tokens with the generation prompt: the templates rendered one by one, the
-    texts tokenized in one batched call (a fast tokenizer spreads it over the cores: tokenizing is most of the cost,
-    and one by one it holds a GPU's data stage up for seconds a shard). The same ids as ``apply_chat_template``."""
-    if not conversations:
-        return []
-    texts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-             for messages in conversations]
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _generate_batch_native(model, tokenizer, batch: list[list[int]], config: DistillDataConfig, seed: int
