@@ -27,10 +27,11 @@ def target(tmp_path_factory):
 
 
 def _static(target, device, prompts, eos, top, check_every=2, graphs=True, sampling=None, generator=None,
-            row_steps=None):
-    """The static engine's responses (its count of decoded rows appended to ``row_steps`` when given)."""
+            row_steps=None, rows=None):
+    """The static engine's responses in ``rows`` rows (default: one per prompt; its count of decoded rows appended
+    to ``row_steps`` when given)."""
     model = load_model(target, torch.float32, backend="native", device=device)
-    batch = StaticBatch(model, len(prompts), max(map(len, prompts)) + 12, graphs=graphs)
+    batch = StaticBatch(model, rows or len(prompts), max(map(len, prompts)) + 12, graphs=graphs)
     responses, decoded = generate_rows_static(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator,
                                               check_every)
     if row_steps is not None:
@@ -116,9 +117,11 @@ def test_smollm2_static_engine_answers_as_transformers_in_float32(device):
 
 
 def _refill(target, device, prompts, rows, eos, top, check_every, sampling=None, generator=None):
-    model = load_model(target, torch.float32, backend="native", device=device)
-    batch = StaticBatch(model, rows, max(map(len, prompts)) + 12)
-    return generate_rows_static(batch, prompts, 12, sampling or SamplingConfig(), eos, top, generator, check_every)
+    """(responses, rows decoded) of more prompts than the batch's ``rows``."""
+    decoded = []
+    responses = _static(target, device, prompts, eos, top, check_every, sampling=sampling, generator=generator,
+                        row_steps=decoded, rows=rows)
+    return responses, decoded[0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
