@@ -410,7 +410,7 @@ def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], conf
     encoded = encode_prompts(tokenizer, [prompt[1] for prompt in prompts])
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     records: dict[int, list[dict]] = {}
-    whole = config.engine == "vllm" or getattr(model, "refill", False)  # they batch the shard themselves
+    whole = config.engine == "vllm" or (isinstance(model, StaticEngine) and model.refill)  # they batch it themselves
     step = len(order) if whole else config.batch_size
     for start in range(0, len(order), step):
         batch = order[start : start + step]
