@@ -61,6 +61,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def cpu_identity() -> str:
+    """The CPU's model name with its family, model and stepping (``AMD EPYC`` names several generations), e.g.
+    ``AMD EPYC (family 25 model 1 stepping 1)``."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block ends
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    numbers = [f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"),
+                                                         ("stepping", "stepping")) if key in fields]
+    return f"{cpu_model()} ({' '.join(numbers)})" if numbers else cpu_model()
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
     try:

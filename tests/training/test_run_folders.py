@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdraft import cli
 from specdraft.cli import main
@@ -59,11 +60,11 @@ def _distill(models, out, prompts=None, *extra) -> int:
                  "--temperature", "0", *extra])
 
 
-def _finetune_args(models, out, *extra) -> list[str]:
+def _finetune_args(models, out, *extra, steps: int = 6) -> list[str]:
     return [str(a) for a in ["finetune", "--drafter", models["drafter"], "--target", models["target"], "--data",
                              models["data"], "--out", out, "--batch-size", 4, "--heldout-every", 8, "--eval-prompts",
                              0, "--no-progress", "--log-every", 1, "--checkpoint-every", 2, "--eval-every", 2,
-                             "--steps", 6, "--device", "cpu", *extra]]  # a process the test starts: the CPU by name
+                             "--steps", steps, "--device", "cpu", *extra]]  # a process the test starts: the CPU by name
 
 
 def _steps(path: Path) -> list[int]:
@@ -247,7 +248,7 @@ def test_a_second_writer_is_refused_and_a_run_killed_mid_checkpoint_resumes_clea
     args = _finetune_args(models, out)
     proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_CHECKPOINT, str(ready), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=os.environ | {"SPECDRAFT_ROWGEMM": "0"})  # never killed inside a kernel build
+                            env=os.environ | {"SPECDRAFT_ROWGEMM": "0", **TWO_THREADS})  # never killed in a build
     try:
         deadline = time.time() + 120
         while not ready.exists() and proc.poll() is None and time.time() < deadline:
@@ -269,9 +270,52 @@ def test_a_second_writer_is_refused_and_a_run_killed_mid_checkpoint_resumes_clea
     assert _steps(out / "train_log.csv") == [1, 2, 3, 4, 5, 6]
     assert _steps(out / "eval_log.csv") == [2, 4, 6]
     assert not _temp_files(out) and not lock_path(out).exists()
-    assert main(_finetune_args(models, tmp_path / "fresh")) == 0  # resumed == uninterrupted
+    assert _recorded_threads(out) == 2  # this process runs 1 thread (conftest): the resume took the run's 2 back
+    assert main(_finetune_args(models, tmp_path / "fresh", "--threads", 2)) == 0  # resumed == uninterrupted
     assert ((out / "model" / "model.safetensors").read_bytes()
             == (tmp_path / "fresh" / "model" / "model.safetensors").read_bytes())
+
+
+# A child process with torch's default of 2 intra-op threads where this one (conftest) has 1.
+TWO_THREADS = {"OMP_NUM_THREADS": "2"}
+RUN_CLI = "import sys\nfrom specdraft.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
+def _recorded_threads(out: Path) -> int:
+    return json.loads((out / "run.json").read_text())["arithmetic"]["threads"]
+
+
+def test_a_run_resumed_at_every_checkpoint_in_other_processes_ends_with_the_uninterrupted_weights(models, tmp_path):
+    """Stopped after every step and resumed, alternately by a child process of 2 threads and by this one of 1, a run
+    ends byte-equal to an uninterrupted one of 2 threads: each resume takes the run's recorded thread count back."""
+    out, steps = tmp_path / "run", 4
+    args = _finetune_args(models, out, "--checkpoint-every", 1, steps=steps)
+    for step in range(1, steps + 1):
+        stop = ["--stop-after", str(step)] if step < steps else []
+        again = ["--resume"] if step > 1 else []
+        if step % 2:  # odd: a fresh interpreter; even: this process
+            child = subprocess.run([sys.executable, "-c", RUN_CLI, *args, *again, *stop], capture_output=True,
+                                   text=True, timeout=120, env=os.environ | TWO_THREADS)
+            assert child.returncode == 0, child.stderr[-2000:]
+        else:
+            assert main(args + again + stop) == 0
+        assert _recorded_threads(out) == 2 and _steps(out / "train_log.csv") == list(range(1, step + 1))
+    assert torch.get_num_threads() == 1  # this process's own count is back
+    reference = tmp_path / "reference"
+    assert main(_finetune_args(models, reference, "--checkpoint-every", 1, "--threads", 2, steps=steps)) == 0
+    assert ((out / "model" / "model.safetensors").read_bytes()
+            == (reference / "model" / "model.safetensors").read_bytes())
+
+
+def test_a_resume_with_other_arithmetic_says_its_weights_will_differ(models, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_finetune_args(models, out, "--stop-after", 2)) == 0
+    record = json.loads((out / "run.json").read_text())
+    assert record["arithmetic"]["threads"] == torch.get_num_threads() == 1
+    assert main(_finetune_args(models, out, "--resume", "--threads", 2)) == 0
+    err = capsys.readouterr().err
+    assert "resumed with other arithmetic than its checkpoint was made with (threads 1 -> 2)" in err, err
+    assert _recorded_threads(out) == 2
 
 
 def test_the_lock_is_shared_by_nested_owners_and_deleted_on_release(tmp_path):

@@ -153,7 +153,8 @@ def test_bf16_autocast_training_lowers_the_loss(tmp_path):
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"),
                                                ({"grad_accum": 0}, "grad_accum"), ({"stop_after": 9}, "stop_after"),
-                                               ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"out": " "}, "out")])
+                                               ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"out": " "}, "out"),
+                                               ({"threads": 0}, "threads"), ({"threads": True}, "threads")])
 def test_bad_values_name_the_field(tmp_path, kwargs, field):
     with pytest.raises(SpecdraftError, match=field):
         TrainerConfig(**({"out": str(tmp_path), "steps": 8} | kwargs))

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from specdraft.errors import SpecdraftError, utf8_error
 from specdraft.files import owning, remove_leftovers, write_text_atomic
 from specdraft.training.checkpoint import CHECKPOINT_FILE, is_complete_export, load_training_state
@@ -315,7 +317,7 @@ def rewind_log(path: Path, step: int) -> None:
 OPERATIONAL = frozenset({
     "out", "resume", "overwrite", "stop_after", "progress", "log_every", "checkpoint_every", "eval_every",
     "eval_prompts", "eval_max_new_tokens", "eval_num_draft_tokens", "max_eval_rows", "export_dtype",
-    "allow_incomplete", "device", "eval_data",
+    "allow_incomplete", "device", "eval_data", "threads",
 })
 
 
@@ -334,6 +336,7 @@ class RunPlan:
     resume: bool
     finished: bool
     record: dict
+    held: dict | None = None  # the record of the run it continues (``run.json``), read before it is rewritten
 
 
 def _held_run(folder: Path, export: str) -> dict | None:
@@ -390,7 +393,8 @@ def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str
         work = staging_path(out)
         staged = _held_run(work, export) if work.is_dir() else None
         same = staged is not None and not staged.get("legacy") and not _run_changes(staged, record, defaults)
-        return RunPlan(out, work, same and (work / CHECKPOINT_FILE).is_file(), False, record | {"fresh": not same})
+        return RunPlan(out, work, same and (work / CHECKPOINT_FILE).is_file(), False, record | {"fresh": not same},
+                       staged if same else None)
     if held is None:
         if config.resume:
             raise SpecdraftError(f"nothing to resume: {out} holds no {stage} run (no training checkpoint)")
@@ -403,7 +407,7 @@ def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str
         note(f"{out}: a {stage} run made before input fingerprints were recorded (legacy): its settings are "
              "checked, its inputs unverified")
     finished = _state(out, held, export) == "finished"
-    return RunPlan(out, out, (out / CHECKPOINT_FILE).is_file(), finished, record | {"fresh": False})
+    return RunPlan(out, out, (out / CHECKPOINT_FILE).is_file(), finished, record | {"fresh": False}, held)
 
 
 def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defaults: dict) -> list[str] | None:
@@ -419,17 +423,44 @@ def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defau
     return _run_changes(held, record, defaults)
 
 
-def start_run(plan: RunPlan, precision: dict, device: dict | None = None) -> None:
+def start_run(plan: RunPlan, precision: dict, device: dict | None = None, arithmetic: dict | None = None) -> None:
     """Prepare the working folder (rank 0 only): a fresh staging folder is emptied, what killed writes left is
-    removed, and ``run.json`` written (with the precision and the device of this session of the run: a resumed run
-    records where it continued)."""
+    removed, and ``run.json`` written (with the precision, the device and the arithmetic of this session of the run:
+    a resumed run records where it continued)."""
     if plan.record["fresh"] and plan.work != plan.out and plan.work.exists():
         shutil.rmtree(plan.work)
     plan.work.mkdir(parents=True, exist_ok=True)
     clear_leftovers(plan.work)
     record = {k: v for k, v in plan.record.items() if k != "fresh"} | {"precision": precision, "finished": False}
     record |= {"device": device} if device is not None else {}
+    record |= {"arithmetic": arithmetic} if arithmetic is not None else {}
     atomic_write(plan.work / RUN_FILE, json.dumps(record, indent=1))
+
+
+def arithmetic_record(threads: int) -> dict:
+    """What a CPU run's rounding depends on besides its settings: the CPU, the kernel level torch dispatches to, the
+    torch build and the intra-op thread count (kernels split their work, and so their sums, by thread)."""
+    from specdraft.hardware import cpu_identity
+
+    return {"cpu": cpu_identity(), "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "threads": threads}
+
+
+def resumed_threads(plan: RunPlan, asked: int | None) -> int:
+    """The thread count a stage trains with: ``asked`` if given, else the count the run it resumes recorded, else
+    this process's current count."""
+    if asked is not None:
+        return asked
+    held = (plan.held or {}).get("arithmetic", {}).get("threads") if plan.resume else None
+    return int(held) if held else torch.get_num_threads()
+
+
+def arithmetic_changes(plan: RunPlan, current: dict) -> list[str]:
+    """How this session's arithmetic differs from the one the resumed run's checkpoint was made with."""
+    held = (plan.held or {}).get("arithmetic") if plan.resume else None
+    if not held:
+        return []
+    return [f"{key} {held.get(key)!r} -> {current[key]!r}" for key in current if held.get(key) != current[key]]
 
 
 def finish_run(plan: RunPlan) -> None:

@@ -1,7 +1,8 @@
 """The start and end of a training stage (``pretrain``, ``finetune``, ``train-heads``) in its run folder: the device
-and bf16 auto resolved (the device recorded in ``run.json``, never part of the run's fingerprint), the folder
-checked against the run's settings and inputs (:mod:`specdraft.training.runs`), and a replacement swapped in at
-the end."""
+and bf16 auto resolved (the device recorded in ``run.json``, never part of the run's fingerprint), the CPU
+arithmetic pinned (the thread count recorded in ``run.json`` and taken back by a resume, with the CPU, kernel level
+and torch build beside it: a resume where those differ says so), the folder checked against the run's settings and
+inputs (:mod:`specdraft.training.runs`), and a replacement swapped in at the end."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from specdraft.hardware import resolve_bf16
 from specdraft.models.registry import resolve, resolve_heads
 from specdraft.training.runs import (
     RunPlan,
+    arithmetic_changes,
+    arithmetic_record,
     data_fingerprint,
     finish_run,
     folder_fingerprint,
+    note,
     plan_run,
     recover,
+    resumed_threads,
     start_run,
 )
 from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed
@@ -51,11 +56,17 @@ def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, 
         recover(config.out)  # a replacement killed between its two renames
     barrier(world)
     plan = plan_run(stage, config, inputs, export, defaults)
+    threads = resumed_threads(plan, config.threads)
+    arithmetic = arithmetic_record(threads)
     barrier(world)
     if rank == 0 and not plan.finished:
-        start_run(plan, choice.to_dict(), device_record(config.device, device))
+        changed = arithmetic_changes(plan, arithmetic)
+        if changed:
+            note(f"{config.out}: resumed with other arithmetic than its checkpoint was made with "
+                 f"({'; '.join(changed)}): its weights will differ in their last bits from an uninterrupted run's")
+        start_run(plan, choice.to_dict(), device_record(config.device, device), arithmetic)
     barrier(world)
-    return plan, replace(config, out=str(plan.work), resume=plan.resume, overwrite=False)
+    return plan, replace(config, out=str(plan.work), resume=plan.resume, overwrite=False, threads=threads)
 
 
 def end_stage(plan: RunPlan, config: TrainerConfig, result: TrainResult) -> None:

@@ -9,7 +9,10 @@ its checkpoint); a training checkpoint every ``checkpoint_every`` steps and at t
 
 Resuming continues to exactly the weights of an uninterrupted run: the data order is a seeded permutation per
 epoch (seed and position are in the checkpoint), and the torch RNG, the loss's generator, the optimizer and the
-schedule are restored. Evaluation runs under a forked RNG so it never changes what training draws.
+schedule are restored. Evaluation runs under a forked RNG so it never changes what training draws. The CPU's
+arithmetic is pinned too: ``threads`` (torch's intra-op thread count) is set for the whole loop, because how a CPU
+kernel splits its work over threads changes its rounding (SDPA and softmax backward on AVX2 differ by ~5e-7 between
+1 and 2 threads); :func:`specdraft.training.stages.begin_stage` records it in ``run.json`` and a resume takes it back.
 
 ``device`` (auto: CUDA when visible) is not a setting of the weights: a run checkpointed on one device resumes on
 another. The loss's generator stays on the CPU; the CUDA generator's state is checkpointed when training on CUDA.
@@ -90,6 +93,10 @@ class TrainerConfig:
     device: str = field(default="auto", metadata={
         "help": "where to train: auto (CUDA when visible, else the CPU), cpu, cuda or cuda:N; under torchrun each "
                 "process takes cuda:LOCAL_RANK (nccl), or the CPU (gloo)"})
+    threads: int | None = field(default=None, metadata={
+        "help": "CPU threads of the training arithmetic (torch intra-op threads); unset = this process's setting "
+                "when the run starts, and a resumed run's recorded count: the rounding of CPU kernels depends on "
+                "how their work is split over threads"})
 
     def __post_init__(self) -> None:
         check_ints(self, ("steps", "batch_size", "grad_accum", "log_every"), 1)
@@ -102,6 +109,8 @@ class TrainerConfig:
         check_field(self, "group_by_length", lambda v: isinstance(v, bool), "True or False")
         check_field(self, "bf16", lambda v: v is None or isinstance(v, bool), "True, False or unset (auto)")
         check_field(self, "device", lambda v: check_device_name(v) is None, "auto, cpu, cuda or cuda:N")  # exists?
+        check_field(self, "threads", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                    "unset or an integer >= 1")
         if self.resume and self.overwrite:
             raise SpecdraftError("resume and overwrite exclude each other: continue the run or replace it")
         check_field(self, "stop_after", lambda v: v is None or 1 <= v <= self.steps,
@@ -494,12 +503,26 @@ def train(model: nn.Module, dataset, loss_fn: LossFn, config: TrainerConfig, col
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     log = RunLog(out, rank == 0, run.step)  # the logs as of the checkpoint resumed from (fresh at step 0)
     try:
-        result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world, after_step)
+        with pinned_threads(config.threads):
+            result = _loop(run, wrapped, dataset, collate, loss_fn, evaluate, config, device, log, world, after_step)
     finally:
         log.close()
     if sharded:
         gather_full(run.model, model)
     return result
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int | None):
+    """Run the block with ``threads`` torch intra-op threads (None: as they are), then restore the count."""
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def example_lengths(dataset) -> list[int]:
