@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdraft-installed
 
-.PHONY: demo test test-slow lint bench setup engines test-engines
+.PHONY: demo test test-slow test-avx2 lint bench setup engines test-engines
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The tests of the kernels, precision choices, training arithmetic and resume again on torch's, oneDNN's and MKL's
+# AVX2 code paths (on an AVX-512 machine they would otherwise run only the AVX-512 ones)
+AVX2_PATHS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+AVX2_TESTS := tests/models tests/test_hardware.py tests/test_devices.py tests/training/test_trainer.py \
+	tests/training/test_checkpoint.py tests/training/test_run_folders.py tests/training/test_losses.py
+test-avx2: $(STAMP)
+	$(AVX2_PATHS) $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS)
 
 # llama.cpp (from the llama-cpp-python sdist), the speculators checker and vLLM (own venv), built once into ~/.cache/specdraft/engines
 engines: $(STAMP)
