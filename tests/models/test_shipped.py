@@ -26,6 +26,7 @@ def test_shipped_drafter_is_a_small_bf16_llama_with_a_model_card():
     assert "Budget" in card and "Measured" in card
 
 
+@pytest.mark.slow  # converts the real target's GGUF
 def test_shipped_drafter_resolves_to_a_standalone_copy_with_the_targets_table():
     """The package ships the drafter without the embedding table; its name resolves to a copy in the cache folder
     that holds the table, so that transformers loads it on its own."""
@@ -42,6 +43,7 @@ def test_shipped_drafter_resolves_to_a_standalone_copy_with_the_targets_table():
     assert (folder / "drafter_options.json").read_bytes() == (FOLDER / "drafter_options.json").read_bytes()
 
 
+@pytest.mark.slow  # the real target
 def test_shipped_drafter_loads_with_its_target():
     """Through ``--draft`` (the compatibility checks, and the target's embedding table when the drafter shares
     it), in bf16; its own file holds everything else."""

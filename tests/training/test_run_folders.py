@@ -295,7 +295,7 @@ def test_a_run_resumed_at_every_checkpoint_in_other_processes_ends_with_the_unin
         again = ["--resume"] if step > 1 else []
         if step % 2:  # odd: a fresh interpreter; even: this process
             child = subprocess.run([sys.executable, "-c", RUN_CLI, *args, *again, *stop], capture_output=True,
-                                   text=True, timeout=120, env=os.environ | TWO_THREADS)
+                                   text=True, timeout=600, env=os.environ | TWO_THREADS)  # a hang guard
             assert child.returncode == 0, child.stderr[-2000:]
         else:
             assert main(args + again + stop) == 0
