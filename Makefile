@@ -20,8 +20,10 @@ demo: $(STAMP)
 	$(VENV)/bin/specdraft build-datastore --target smollm2-135m-instruct --if-missing
 	$(VENV)/bin/specdraft demo
 
+# Two pytest workers (pytest-xdist; each test runs one torch thread, tests/conftest.py)
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q; rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no test: failing"; fi; exit $$rc
 
 test-slow: $(STAMP)
