@@ -33,11 +33,11 @@ import torch
 
 from specdraft.draft_vocab import draft_subset
 from specdraft.models.registry import resolve
-from specdraft.training.batches import DistillDataset, collate_distill
-from specdraft.training.distillation import draft_logits_fn, heldout_metrics
-from specdraft.training.exact_tau import greedy_blocks, greedy_tau, response_ranks  # noqa: F401 (greedy_blocks: tests)
-from specdraft.training.finetune import FinetuneConfig, load_models
-from specdraft.training.records import load_distill_records
+from specdraft.training.data.batches import DistillDataset, collate_distill
+from specdraft.training.data.records import load_distill_records
+from specdraft.training.drafter.distillation import draft_logits_fn, heldout_metrics
+from specdraft.training.drafter.finetune import FinetuneConfig, load_models
+from specdraft.training.objectives.tau import greedy_blocks, greedy_tau, response_ranks  # noqa: F401 (greedy_blocks: tests)
 
 
 def copy_hits(records: list[dict], smallest: int) -> list[list[int]]:

@@ -8,8 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
+from specdraft.corpus import iter_sharegpt, sharegpt_prompts
 from specdraft.models.registry import load_tokenizer
-from specdraft.training.data import iter_sharegpt, sharegpt_prompts
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

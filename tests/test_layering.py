@@ -21,6 +21,7 @@ SRC = Path(specdraft.__file__).resolve().parent
 LAYERS = {
     "errors": 0, "files": 0, "hardware": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0, "costs": 0,
+    "corpus": 0,
     "engines": 0,
     "drafters": 1,
     "decoding": 2, "batching": 2, "batch_drafting": 2, "speculation": 2, "step": 2,

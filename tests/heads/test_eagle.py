@@ -17,9 +17,9 @@ from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
-from specdraft.training.batches import collate_distill
-from specdraft.training.head_kinds import EAGLE
-from specdraft.training.heads import HEAD_KINDS
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.kinds import EAGLE
+from specdraft.training.heads.train_heads import HEAD_KINDS
 from specdraft.trees import depths
 from specdraft.verification import VerifyResult
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama

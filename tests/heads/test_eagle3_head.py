@@ -17,9 +17,9 @@ from specdraft.heads.eagle3 import build_eagle3, default_aux_layers
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from specdraft.training.batches import collate_distill
-from specdraft.training.eagle3 import EAGLE3, parse_settings, unrolled
-from specdraft.training.heads import HEAD_KINDS
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.eagle3 import EAGLE3, parse_settings, unrolled
+from specdraft.training.heads.train_heads import HEAD_KINDS
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7, 7, 31, 12], [50, 4, 18, 18, 33, 2, 61], [11, 23]]

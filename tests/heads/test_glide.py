@@ -23,9 +23,9 @@ from specdraft.models.base import ReadableKVCache
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from specdraft.training.batches import collate_distill
-from specdraft.training.glide import GLIDE
-from specdraft.training.heads import HEAD_KINDS
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.glide import GLIDE
+from specdraft.training.heads.train_heads import HEAD_KINDS
 from specdraft.trees import depths
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 

@@ -15,7 +15,7 @@ from specdraft.heads import load_heads, save_heads
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import build_eagle3
 from specdraft.models.registry import SMOLLM2
-from specdraft.training.eagle3 import parse_settings
+from specdraft.training.heads.eagle3 import parse_settings
 from toys import tiny_llama
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "ship_eagle3.py"

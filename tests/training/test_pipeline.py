@@ -13,13 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
-from specdraft.training.checkpoint import is_complete_export
 from specdraft.training.commands import add_training_commands
-from specdraft.training.distillation import block_efficiency
-from specdraft.training.drafter_config import project_embeddings
-from specdraft.training.finetune import FinetuneConfig, finetune
-from specdraft.training.pretrain import PretrainConfig, build_drafter, pretrain
-from specdraft.training.records import load_distill_records, split_by_prompt
+from specdraft.training.data.records import load_distill_records, split_by_prompt
+from specdraft.training.drafter.distillation import block_efficiency
+from specdraft.training.drafter.finetune import FinetuneConfig, finetune
+from specdraft.training.drafter.init_drafter import project_embeddings
+from specdraft.training.drafter.pretrain import PretrainConfig, build_drafter, pretrain
+from specdraft.training.runs.checkpoint import is_complete_export
 from toys import WORDS, save_tiny_checkpoint
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -386,7 +386,7 @@ def test_finetune_pools_several_data_folders(run, tmp_path):
 
 def test_pretrain_tokenises_only_what_its_steps_need(run, tmp_path):
     from specdraft.models.registry import load_tokenizer
-    from specdraft.training.pretrain import load_corpus
+    from specdraft.training.drafter.pretrain import load_corpus
 
     rng = random.Random(1)
     (tmp_path / "big.txt").write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(20))

@@ -132,7 +132,7 @@ def test_exact_tau_equals_the_tau_of_decoding_the_held_out_questions(recipe):
     from specdraft.decoding import GenerationConfig, generate
     from specdraft.drafters.loading import load_drafter
     from specdraft.models.registry import load_target
-    from specdraft.training.records import load_distill_records
+    from specdraft.training.data.records import load_distill_records
 
     target, tokenizer = load_target(str(recipe / "target"))
     drafter = load_drafter(target, tokenizer, draft=str(recipe / "tvdpp" / "model"))

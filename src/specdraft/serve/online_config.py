@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from specdraft.errors import SpecdraftError
 
-ONLINE_LOSSES = ("fkl", "tvd", "tvdpp")  # forward KL, TVD, TVD++ (Goel et al. 2024) of specdraft.training.losses
+ONLINE_LOSSES = ("fkl", "tvd", "tvdpp")  # forward KL, TVD, TVD++ (Goel et al. 2024): training.objectives.losses
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One round of online distillation on the replay buffer: fine-tune a copy of the drafter on the stored top-k p
-(the losses of :mod:`specdraft.training.losses`: forward KL, TVD, TVD++ of Goel et al. 2024), and score a drafter
-by its top-1 agreement with p on held-back records (Online Speculative Decoding, Liu et al. 2023, arXiv
+(the losses of :mod:`specdraft.training.objectives.losses`: forward KL, TVD, TVD++ of Goel et al. 2024), and score a
+drafter by its top-1 agreement with p on held-back records (Online Speculative Decoding, Liu et al. 2023, arXiv
 2310.07177, Alg. 2). Records, batches and the loss's target are those of ``specdraft finetune --use-stored-topk``.
 """
 
@@ -11,14 +11,14 @@ import copy
 import torch
 
 from specdraft.models.native_llama import NativeLlama
-from specdraft.training.batches import (
+from specdraft.training.data.batches import (
     DistillDataset,
     collate_distill,
     dense_from_topk,
     response_logits,
     subset_from_topk,
 )
-from specdraft.training.losses import distillation_loss
+from specdraft.training.objectives.losses import distillation_loss
 
 
 def hf_from_native(native: NativeLlama):

@@ -3,7 +3,7 @@ p rebuilt from the stored top-k, and the drafter's logits at the response positi
 
 import torch
 
-from specdraft.training.batches import (
+from specdraft.training.data.batches import (
     DistillDataset,
     collate_distill,
     dense_from_topk,

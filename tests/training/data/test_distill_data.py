@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data, shard_path
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data, shard_path
 from toys import save_tiny_checkpoint
 
 
@@ -86,7 +86,8 @@ def test_bad_settings_and_empty_prompt_file(target, tmp_path):
 def test_kill_9_mid_run_then_resume_answers_every_prompt_exactly_once(target, tmp_path):
     prompts = _prompt_file(tmp_path / "p.jsonl", 40)
     out = tmp_path / "out"
-    code = ("import sys; from specdraft.training.generation import DistillDataConfig, generate_distillation_data; "
+    code = ("import sys; "
+            "from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data; "
             f"generate_distillation_data(DistillDataConfig(target={target!r}, out={str(out)!r}, prompts={prompts!r}, "
             "max_new_tokens=24, batch_size=1, shard_size=2, dtype='float32', temperature=1.0, device='cpu'), "
             "progress=False)")
@@ -149,7 +150,7 @@ def test_native_engine_answers_as_transformers_does_in_float32(target, tmp_path)
 def test_native_engine_samples_reproducibly_and_stops_rows_at_eos(target, tmp_path):
     from specdraft.models.registry import load_model
     from specdraft.sampling import SamplingConfig
-    from specdraft.training.native_generation import generate_rows
+    from specdraft.training.data.native_generation import generate_rows
 
     model = load_model(target, backend="native")
     prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [5, 6, 7]]

@@ -7,9 +7,9 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data, shard_path
-from specdraft.training.onpolicy import draws_from_drafter
-from specdraft.training.scoring import topk_logprobs
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data, shard_path
+from specdraft.training.data.onpolicy import draws_from_drafter
+from specdraft.training.data.scoring import topk_logprobs
 from toys import save_tiny_checkpoint
 
 

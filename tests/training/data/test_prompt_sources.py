@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from specdraft.corpus import split_of
 from specdraft.errors import SpecdraftError
-from specdraft.training.data import split_of
-from specdraft.training.prompt_sources import load_prompt_sources, sharegpt_turn_prompts
+from specdraft.training.data.prompt_sources import load_prompt_sources, sharegpt_turn_prompts
 
 
 def chat(cid: str, *turns: tuple[str, str]) -> dict:

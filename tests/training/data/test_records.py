@@ -4,7 +4,7 @@ and the check of their token ids against the target's vocabulary."""
 import pytest
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.records import check_token_ids, data_folders, split_by_prompt
+from specdraft.training.data.records import check_token_ids, data_folders, split_by_prompt
 from toys import distill_records
 
 

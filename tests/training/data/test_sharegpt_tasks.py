@@ -3,10 +3,9 @@
 import json
 from collections import Counter
 
-from specdraft.training import data
-from specdraft.training.data import split_of
-from specdraft.training.prompt_sources import load_prompt_sources
-from specdraft.training.sharegpt_tasks import (
+from specdraft.corpus import split_of
+from specdraft.training.data.prompt_sources import load_prompt_sources
+from specdraft.training.data.sharegpt_tasks import (
     KINDS,
     german_sentences,
     is_short_question,
@@ -125,7 +124,7 @@ def test_same_prompts_on_every_run_and_a_balanced_mix_under_a_limit(tmp_path):
 
 def test_distill_data_reads_the_source_by_name(tmp_path, monkeypatch):
     path = corpus(tmp_path)
-    monkeypatch.setattr(data, "sharegpt_path", lambda: path)
+    monkeypatch.setattr("specdraft.corpus.sharegpt_path", lambda: path)
     extra = tmp_path / "extra.jsonl"
     extra.write_text(json.dumps({"prompt": "extra"}) + "\n")
     everything = sharegpt_task_prompts("all", path=path)

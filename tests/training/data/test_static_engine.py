@@ -8,7 +8,7 @@ import torch
 from specdraft.models.registry import load_model
 from specdraft.models.static_batch import StaticBatch
 from specdraft.sampling import SamplingConfig
-from specdraft.training.native_generation import (
+from specdraft.training.data.native_generation import (
     StaticEngine,
     generate_rows,
     generate_rows_static,
@@ -171,7 +171,7 @@ def test_a_refilling_engine_answers_a_whole_shard_in_its_rows(target, monkeypatc
     """``distill-data --refill``: the shard goes to the engine in one call, decoded in ``batch_size`` rows; the
     records are those of the ragged engine (float32, greedy)."""
     from specdraft.models.registry import load_tokenizer
-    from specdraft.training.generation import DistillDataConfig, generate_shard
+    from specdraft.training.data.distill_data import DistillDataConfig, generate_shard
 
     prompts = [(f"p:{i}", [{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 60}" for j in range(1 + i % 5))}])
                for i in range(9)]

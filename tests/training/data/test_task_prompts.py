@@ -1,4 +1,4 @@
-"""Spec-Bench-shaped distillation prompts from offline text (specdraft.training.task_prompts)."""
+"""Spec-Bench-shaped distillation prompts from offline text (specdraft.training.data.task_prompts)."""
 
 import json
 import random
@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
+from specdraft.corpus import prompts_from_jsonl, split_of
 from specdraft.errors import SpecdraftError
-from specdraft.training.data import prompts_from_jsonl, split_of
-from specdraft.training.task_prompts import (
+from specdraft.training.data.task_prompts import (
     TASKS,
     build_task_prompts,
     is_german,

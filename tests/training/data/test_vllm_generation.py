@@ -16,8 +16,8 @@ import pytest
 
 from fake_vllm import fake_vllm_python
 from specdraft.errors import SpecdraftError
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data
-from specdraft.training.vllm_generation import response, sampling_fields
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.data.vllm_generation import response, sampling_fields
 from toys import save_tiny_checkpoint
 
 
@@ -35,7 +35,7 @@ def fake(tmp_path, monkeypatch):
 def engine(target, tmp_path_factory):
     """One stand-in engine for the tests that pass it in (``models``), as ``finetune --regenerate-every`` does."""
     from specdraft.models.registry import load_tokenizer
-    from specdraft.training.vllm_generation import start_engine
+    from specdraft.training.data.vllm_generation import start_engine
 
     python = fake_vllm_python(tmp_path_factory.mktemp("venv"))
     with pytest.MonkeyPatch.context() as patch:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdraft.training.batches import DistillDataset, collate_distill, response_logits, target_logits
-from specdraft.training.distillation import make_kd_loss
-from specdraft.training.finetune_config import FinetuneConfig
+from specdraft.training.data.batches import DistillDataset, collate_distill, response_logits, target_logits
+from specdraft.training.drafter.distillation import make_kd_loss
+from specdraft.training.drafter.finetune_config import FinetuneConfig
 from toys import distill_records, tiny_llama
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.drafter_config import (
+from specdraft.training.drafter.init_drafter import (
     PRESETS,
     DrafterConfig,
     init_embeddings_from_target,
@@ -88,7 +88,7 @@ def test_a_drafter_from_target_layers_computes_what_those_layers_compute():
     """The copy of layers 0 and 2 gives the logits of the target run through only those layers (the layer-skip
     path of NativeLlama), and the copy of every layer gives the target's own logits."""
     from specdraft.models.native_llama import NativeLlama
-    from specdraft.training.drafter_config import drafter_from_target_layers
+    from specdraft.training.drafter.init_drafter import drafter_from_target_layers
 
     target = tiny_llama(seed=3, layers=3)
     ids = torch.tensor([[1, 5, 9, 4, 7, 11]])
@@ -104,7 +104,7 @@ def test_a_drafter_from_target_layers_computes_what_those_layers_compute():
 @pytest.mark.parametrize("layers, message", [("1,0", "increasing"), ("", "increasing"), ("a", "increasing"),
                                              ("0,3", "out of range")])
 def test_bad_layer_lists_are_refused(layers, message):
-    from specdraft.training.drafter_config import InitDrafterConfig, drafter_from_target_layers
+    from specdraft.training.drafter.init_drafter import InitDrafterConfig, drafter_from_target_layers
 
     with pytest.raises(SpecdraftError, match=message):
         config = InitDrafterConfig(target="t", out="o", layers=layers)
@@ -115,7 +115,7 @@ def test_a_grown_drafter_computes_the_drafter_until_trained():
     """Block expansion: the target's layers appended with zeroed output projections leave the logits unchanged,
     every other weight of the new blocks is the target's, and one gradient step moves the new blocks' output
     projections (so they can learn) while the function changes only through them."""
-    from specdraft.training.drafter_config import drafter_from_target_layers, grow_drafter
+    from specdraft.training.drafter.init_drafter import drafter_from_target_layers, grow_drafter
 
     target = tiny_llama(seed=3, layers=3)
     drafter = drafter_from_target_layers(target, [0])

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.batches import DistillDataset, collate_distill
-from specdraft.training.distillation import make_kd_loss
-from specdraft.training.finetune import FinetuneConfig, finetune
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data
-from specdraft.training.losses import forward_kl
-from specdraft.training.onpolicy import mismatched
+from specdraft.training.data.batches import DistillDataset, collate_distill
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.data.onpolicy import mismatched
+from specdraft.training.drafter.distillation import make_kd_loss
+from specdraft.training.drafter.finetune import FinetuneConfig, finetune
+from specdraft.training.objectives.losses import forward_kl
 from toys import save_tiny_checkpoint
 
 

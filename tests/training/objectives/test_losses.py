@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.training.losses import (
+from specdraft.training.objectives.losses import (
     LOSSES,
     cross_entropy,
     distillation_loss,

@@ -11,15 +11,15 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from specdraft.api import load_drafter, load_target
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.errors import SpecdraftError
-from specdraft.training import checkpoint
-from specdraft.training.checkpoint import (
+from specdraft.training.drafter.init_drafter import DrafterConfig
+from specdraft.training.runs import checkpoint
+from specdraft.training.runs.checkpoint import (
     EXPORT_FILES,
     export_hf,
     is_complete_export,
     load_training_state,
     save_training_state,
 )
-from specdraft.training.drafter_config import DrafterConfig
 from toys import save_tiny_checkpoint
 
 
@@ -135,7 +135,7 @@ def test_a_failed_export_leaves_nothing_that_looks_complete(target_dir, tmp_path
 
 def test_the_cards_hardware_line_names_the_device_the_run_used():
     from specdraft.hardware import cpu_model
-    from specdraft.training.checkpoint import hardware
+    from specdraft.training.runs.checkpoint import hardware
 
     assert hardware("cpu").startswith(f"CPU ({cpu_model()}), ")  # whether or not a GPU is visible
     assert hardware().startswith("CPU (")  # auto is the CPU in tests

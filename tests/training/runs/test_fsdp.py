@@ -12,11 +12,11 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdraft.corpus import PackedDataset
 from specdraft.errors import SpecdraftError
-from specdraft.training.checkpoint import load_training_state
-from specdraft.training.data import PackedDataset
-from specdraft.training.pretrain import lm_loss
-from specdraft.training.trainer import TrainerConfig, train
+from specdraft.training.drafter.pretrain import lm_loss
+from specdraft.training.runs.checkpoint import load_training_state
+from specdraft.training.runs.trainer import TrainerConfig, train
 
 STEPS = 4
 

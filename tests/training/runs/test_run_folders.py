@@ -20,8 +20,10 @@ from specdraft import cli
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
 from specdraft.files import lock_path, owning, remove_leftovers
-from specdraft.training import generation, runs, trainer
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+from specdraft.training.data import distill_data as generation
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.runs import folders as runs
+from specdraft.training.runs import trainer
 from toys import save_tiny_checkpoint
 
 
@@ -144,7 +146,7 @@ def test_prompts_naming_a_folder_end_in_one_line(models, tmp_path, capsys):
 
 
 def test_pretraining_text_that_is_not_utf8_is_named(tmp_path):
-    from specdraft.training.data import text_source
+    from specdraft.corpus import text_source
 
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("one document\n\nanother")

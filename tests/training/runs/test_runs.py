@@ -13,9 +13,10 @@ import torch
 
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
-from specdraft.training import generation, runs
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data
-from specdraft.training.records import load_distill_records
+from specdraft.training.data import distill_data
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.data.records import load_distill_records
+from specdraft.training.runs import folders
 from toys import WORDS, save_tiny_checkpoint
 
 PIPELINE = """
@@ -126,7 +127,7 @@ def test_the_same_run_continues_and_a_new_folder_appears_only_for_valid_prompts(
 
 
 def test_json_errors_keep_their_position(tmp_path):
-    from specdraft.training.data import read_jsonl
+    from specdraft.corpus import read_jsonl
 
     (tmp_path / "c.jsonl").write_text('{"prompt": "a\x01b"}\n')
     with pytest.raises(SpecdraftError, match=r"c.jsonl:1: invalid JSON \(Invalid control character at line 1 "
@@ -160,13 +161,13 @@ def test_overwrite_killed_mid_run_leaves_the_old_run_whole_then_finishes(target,
     old, old_records = _snapshot(out), load_distill_records(out)
     new = _data(target, prompts, out, max_new_tokens=6)
     with monkeypatch.context() as patch:
-        _kill_after(patch, generation.onpolicy, "generate_shard", 1)  # killed while making the second new shard
+        _kill_after(patch, distill_data.onpolicy, "generate_shard", 1)  # killed while making the second new shard
         with pytest.raises(Killed):
             generate_distillation_data(new, overwrite=True, progress=False)
     assert _snapshot(out) == old and load_distill_records(out) == old_records  # finetune still reads the old run
-    assert (runs.staging_path(out) / "shard-00000.jsonl").is_file()
+    assert (folders.staging_path(out) / "shard-00000.jsonl").is_file()
     manifest = generate_distillation_data(new, overwrite=True, progress=False)  # the new run resumes, then swaps
-    assert manifest["complete"] and not runs.staging_path(out).exists()
+    assert manifest["complete"] and not folders.staging_path(out).exists()
     assert all(len(r["response_token_ids"]) == 6 for r in load_distill_records(out))
 
 
@@ -177,21 +178,21 @@ def test_a_kill_between_the_two_renames_of_the_swap_is_undone(target, tmp_path, 
     old = load_distill_records(out)
     new = _data(target, prompts, out, max_new_tokens=6)
     def killed_swap(staging, out):  # out -> .old done, staging -> out not
-        runs.os.replace(out, runs.old_path(out))
+        folders.os.replace(out, folders.old_path(out))
         raise Killed("swap_in")
 
     with monkeypatch.context() as patch:
-        patch.setattr(runs, "swap_in", killed_swap)
+        patch.setattr(folders, "swap_in", killed_swap)
         with pytest.raises(Killed):
             generate_distillation_data(new, overwrite=True, progress=False)
-    assert not out.exists() and runs.old_path(out).is_dir()
+    assert not out.exists() and folders.old_path(out).is_dir()
     with pytest.raises(SpecdraftError, match="replacement was interrupted"):
         load_distill_records(out)
     generate_distillation_data(_data(target, prompts, out), progress=False)  # a plain rerun: the old run is back
     assert load_distill_records(out) == old
     generate_distillation_data(new, overwrite=True, progress=False)  # the staged new run is swapped in
     assert all(len(r["response_token_ids"]) == 6 for r in load_distill_records(out))
-    assert not runs.old_path(out).exists() and not runs.staging_path(out).exists()
+    assert not folders.old_path(out).exists() and not folders.staging_path(out).exists()
 
 
 # --- 3. train-drafter and changed configs, 4. training stages into a run folder --------------------------------------
@@ -296,10 +297,10 @@ def test_overwrite_of_a_training_run_killed_part_way_keeps_the_old_run_then_resu
     old = _snapshot(out)
     assert _stage_cli(pipeline, "pretrain", out, "--steps", 6, "--overwrite", "--stop-after", 3,
                       "--checkpoint-every", 3) == 0  # a kill after step 3 of the replacement
-    assert _snapshot(out) == old and (runs.staging_path(out) / "checkpoint.pt").is_file()
+    assert _snapshot(out) == old and (folders.staging_path(out) / "checkpoint.pt").is_file()
     assert _stage_cli(pipeline, "pretrain", out, "--steps", 6, "--overwrite") == 0
     assert _stage_cli(pipeline, "pretrain", fresh, "--steps", 6) == 0
-    assert not runs.staging_path(out).exists()
+    assert not folders.staging_path(out).exists()
     assert ((out / "model" / "model.safetensors").read_bytes()
             == (fresh / "model" / "model.safetensors").read_bytes())  # resumed == uninterrupted
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdraft.corpus import PackedDataset
 from specdraft.errors import SpecdraftError
-from specdraft.training import trainer
-from specdraft.training.checkpoint import load_training_state
-from specdraft.training.data import PackedDataset
-from specdraft.training.losses import distillation_loss
-from specdraft.training.trainer import BatchStream, TrainerConfig, lr_factor, train
+from specdraft.training.objectives.losses import distillation_loss
+from specdraft.training.runs import trainer
+from specdraft.training.runs.checkpoint import load_training_state
+from specdraft.training.runs.trainer import BatchStream, TrainerConfig, lr_factor, train
 
 
 def _model(seed=0):
@@ -165,9 +165,9 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 
 def _stage_configs():
-    from specdraft.training.finetune import FinetuneConfig
-    from specdraft.training.heads import HeadsConfig
-    from specdraft.training.pretrain import PretrainConfig
+    from specdraft.training.drafter.finetune import FinetuneConfig
+    from specdraft.training.drafter.pretrain import PretrainConfig
+    from specdraft.training.heads.train_heads import HeadsConfig
 
     return {"pretrain": (PretrainConfig, {"target": "t"}),
             "finetune": (FinetuneConfig, {"drafter": "d", "target": "t", "data": "x"}),

@@ -2,7 +2,7 @@
 target's own responses to real instructions.
 
 Prompts (ShareGPT first turns, every ShareGPT turn in context, prompt jsonl files: see
-:mod:`specdraft.training.prompt_sources`) are cut into fixed shards; each shard is generated in batches
+:mod:`specdraft.training.data.prompt_sources`) are cut into fixed shards; each shard is generated in batches
 with left padding by transformers' ``generate`` and written atomically (temp file, then rename). A shard file that
 exists is complete, so a run killed at any moment (even ``kill -9``) and started again regenerates only missing
 shards: every prompt is answered exactly once. ``manifest.json`` lists the shards with their record counts and
@@ -12,13 +12,13 @@ index ≡ r (mod world size).
 
 ``distill_config.json`` records the settings and a digest of the prompts: a rerun continues exactly that run or is
 refused naming what changed; a shard damaged from outside is set aside (``.damaged``) and made again; ``overwrite``
-builds the new run beside the old one and swaps it in when complete (:mod:`specdraft.training.runs`).
+builds the new run beside the old one and swaps it in when complete (:mod:`specdraft.training.runs.folders`).
 
 Output records (one JSON line per response): ``prompt_id``, ``messages``, ``prompt_token_ids``,
 ``response_token_ids``, ``response_text``, ``response_index``, ``finish_reason``, ``sampling``, ``target``,
-``policy`` (who answered: "target", or "draft" with ``drafter``, on-policy data: :mod:`specdraft.training.onpolicy`),
-and with ``top_logprobs > 0`` the target's top-k log-probabilities per response token (``top_ids``,
-``top_logprobs``: an approximation of p for training, labelled as such).
+``policy`` (who answered: "target", or "draft" with ``drafter``, on-policy data:
+:mod:`specdraft.training.data.onpolicy`), and with ``top_logprobs > 0`` the target's top-k log-probabilities per
+response token (``top_ids``, ``top_logprobs``: an approximation of p for training, labelled as such).
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ from pathlib import Path
 
 import torch
 
+from specdraft.corpus import MANIFEST_FILE
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name
 from specdraft.prompts import encode_prompts
 from specdraft.sampling import SamplingConfig
-from specdraft.training import onpolicy, runs
-from specdraft.training.data import MANIFEST_FILE
-from specdraft.training.native_generation import StaticEngine, generate_rows
-from specdraft.training.scoring import given_responses
+from specdraft.training.data import onpolicy
+from specdraft.training.data.native_generation import StaticEngine, generate_rows
+from specdraft.training.data.scoring import given_responses
+from specdraft.training.runs import folders
 
 CONFIG_FILE = "distill_config.json"
 ENGINES = ("hf", "native", "vllm")
@@ -130,10 +131,10 @@ class DistillDataConfig:
 
 
 def load_prompts(config: DistillDataConfig) -> list[tuple]:
-    """(prompt id, chat messages) pairs in a fixed order (:mod:`specdraft.training.prompt_sources`); with
+    """(prompt id, chat messages) pairs in a fixed order (:mod:`specdraft.training.data.prompt_sources`); with
     ``answers``, (prompt id, chat messages, answer ids) triples of that file."""
-    from specdraft.training.data import answers_from_jsonl
-    from specdraft.training.prompt_sources import load_prompt_sources
+    from specdraft.corpus import answers_from_jsonl
+    from specdraft.training.data.prompt_sources import load_prompt_sources
 
     if not config.answers:
         return load_prompt_sources(config.prompts, config.split, config.limit)
@@ -159,7 +160,7 @@ def resolve_config(config: DistillDataConfig) -> tuple[DistillDataConfig, dict]:
 def prompts_fingerprint(prompts: list[tuple]) -> str:
     """Content digest of the prompts in order (ids and messages, and answers made elsewhere): an edited prompts or
     answers file changes it."""
-    return runs.digest_json([list(prompt) for prompt in prompts])
+    return folders.digest_json([list(prompt) for prompt in prompts])
 
 
 def _holds_data(folder: Path) -> bool:
@@ -169,10 +170,10 @@ def _holds_data(folder: Path) -> bool:
 def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, choices: dict, overwrite: bool) -> Path:
     """The folder to write: ``out`` (fresh, or the same run continued), or with ``overwrite`` and data in ``out`` a
     staging folder beside it that replaces ``out`` when complete. A run of other settings or prompts is refused."""
-    runs.recover(out)
-    work = runs.staging_path(out) if overwrite and _holds_data(out) else out
-    if not overwrite and runs.staging_path(out).is_dir():
-        runs.note(f"a replacement of {out} was interrupted ({runs.staging_path(out)}); rerun with --overwrite to "
+    folders.recover(out)
+    work = folders.staging_path(out) if overwrite and _holds_data(out) else out
+    if not overwrite and folders.staging_path(out).is_dir():
+        folders.note(f"a replacement of {out} was interrupted ({folders.staging_path(out)}); rerun with --overwrite to "
                   "finish it")
     saved = _saved_config(work)
     current = config.data_fields() | {"inputs": {"prompts": prompts_fingerprint(prompts)}}
@@ -181,13 +182,13 @@ def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, choices
         saved = None
     if saved is not None:
         changed = _config_changes(saved, current, config)
-        runs.refuse_changes(work, "distill-data run", changed, "use a new --out, or --overwrite to replace it")
+        folders.refuse_changes(work, "distill-data run", changed, "use a new --out, or --overwrite to replace it")
         if "inputs" not in saved:
             _check_legacy_prompts(work, config, prompts)
-            runs.note(f"{work}: made before input fingerprints were recorded (legacy); its shards' prompts match "
+            folders.note(f"{work}: made before input fingerprints were recorded (legacy); its shards' prompts match "
                       "the current prompts, so it is continued and its fingerprint recorded")
     work.mkdir(parents=True, exist_ok=True)
-    runs.atomic_write(work / CONFIG_FILE, json.dumps(current | choices, indent=1))
+    folders.atomic_write(work / CONFIG_FILE, json.dumps(current | choices, indent=1))
     return work
 
 
@@ -195,7 +196,7 @@ def distill_changes(config: DistillDataConfig) -> list[str] | None:
     """What differs between the run in ``config.out`` and this config and its prompts (None when it holds none)."""
     config, _ = resolve_config(config)
     out = Path(config.out)
-    runs.recover(out)
+    folders.recover(out)
     saved = _saved_config(out)
     if saved is None:
         return None
@@ -232,7 +233,7 @@ def _config_changes(saved: dict, current: dict, config: DistillDataConfig) -> li
            if k not in ("dtype_choice", "device_choice") and (k != "inputs" or "inputs" in current)}
     if "inputs" not in saved:  # legacy: the prompts are checked against the shards instead
         old["inputs"] = current["inputs"]
-    changed = runs.changes({k: v for k, v in old.items() if k != "inputs"},
+    changed = folders.changes({k: v for k, v in old.items() if k != "inputs"},
                            {k: v for k, v in current.items() if k != "inputs"}, defaults)
     if old.get("inputs", {}).get("prompts") != current["inputs"]["prompts"]:
         changed.append(f"prompts ({config.prompts}: content or order differs)")
@@ -269,11 +270,11 @@ def _check_present_shards(out: Path, shards: list, config: DistillDataConfig) ->
         path = shard_path(out, index)
         if not path.is_file():
             continue
-        count, digest = runs.count_and_hash(path)
+        count, digest = folders.count_and_hash(path)
         expected = len(shard) * (config.responses_per_prompt + int(config.greedy_response))
         if count != expected or listed.get(path.name, digest) != digest:
             os.replace(path, path.with_name(path.name + ".damaged"))
-            runs.note(f"{path} was damaged ({count} records of {expected}, or a changed checksum): kept as "
+            folders.note(f"{path} was damaged ({count} records of {expected}, or a changed checksum): kept as "
                       f"{path.name}.damaged and generated again")
             continue
         entries[path.name] = (count, digest)
@@ -284,7 +285,7 @@ def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.jsonl"
 
 
-@runs.owns_out
+@folders.owns_out
 def generate_distillation_data(config: DistillDataConfig, overwrite: bool = False, progress: bool = True,
                                prompts: list | None = None, models: tuple | None = None) -> dict:
     """Generate (or finish) the distillation set; returns the manifest. Rank/world from torchrun's environment.
@@ -301,11 +302,11 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
     entries: dict[str, tuple[int, str]] = {}
     if rank == 0:
         work = _prepare_folder(config, out, prompts, choices, overwrite)
-        runs.clear_leftovers(work)  # temp files of a killed run: never part of the data
+        folders.clear_leftovers(work)  # temp files of a killed run: never part of the data
         entries = _check_present_shards(work, shards, config)
     _barrier(world, config.device)
     if rank != 0:
-        work = runs.staging_path(out) if overwrite and runs.staging_path(out).is_dir() else out
+        work = folders.staging_path(out) if overwrite and folders.staging_path(out).is_dir() else out
     todo = [i for i in range(len(shards)) if i % world == rank and not shard_path(work, i).is_file()]
     if todo:  # rank 0 rewrites the manifest after each of its shards: a run stopped part-way can still be used
         update = (lambda: write_manifest(work, len(shards), config, entries)) if rank == 0 else None
@@ -316,7 +317,7 @@ def generate_distillation_data(config: DistillDataConfig, overwrite: bool = Fals
         return {}
     manifest = write_manifest(work, len(shards), config, entries)
     if work != out and manifest["complete"]:
-        runs.swap_in(work, out)
+        folders.swap_in(work, out)
     return manifest
 
 
@@ -325,7 +326,7 @@ def _barrier(world: int, device: str) -> None:
     if world > 1:
         import torch.distributed as dist
 
-        from specdraft.training.trainer import init_distributed
+        from specdraft.training.runs.trainer import init_distributed
 
         init_distributed(device)
         dist.barrier()
@@ -340,7 +341,7 @@ def _generate_shards(config: DistillDataConfig, out: Path, shards: list, todo: l
 
     engine = None
     if models is None and config.engine == "vllm":
-        from specdraft.training.vllm_generation import start_engine
+        from specdraft.training.data.vllm_generation import start_engine
 
         engine = start_engine(config)  # a subprocess: stopped below, and dies with this process
         models = engine, load_tokenizer(config.target), None
@@ -374,9 +375,9 @@ def _write_shards(config: DistillDataConfig, out: Path, shards: list, todo: list
         records = (generate_shard(model, tokenizer, shards[index], config, seed) if config.answers
                    else onpolicy.generate_shard(model, tokenizer, shards[index], config, seed, generate_shard, drafter))
         text = "".join(json.dumps(r) + "\n" for r in records)
-        runs.atomic_write(shard_path(out, index), text)
+        folders.atomic_write(shard_path(out, index), text)
         if entries is not None:
-            entries[shard_path(out, index).name] = (len(records), runs.digest_bytes(text.encode()))
+            entries[shard_path(out, index).name] = (len(records), folders.digest_bytes(text.encode()))
         if after_shard is not None:
             after_shard()
         bar.update(done() - bar.n)
@@ -392,13 +393,13 @@ def write_manifest(out: Path, num_shards: int, config: DistillDataConfig,
     for index in range(num_shards):
         path = shard_path(out, index)
         if path.name not in entries and path.is_file():
-            entries[path.name] = runs.count_and_hash(path)
+            entries[path.name] = folders.count_and_hash(path)
     present = {name: entries[name] for name in sorted(entries) if (out / name).is_file()}
     manifest = {"num_shards": num_shards, "complete": len(present) == num_shards,
                 "shards": {name: count for name, (count, _) in present.items()},
                 "sha256": {name: digest for name, (_, digest) in present.items()},
                 "records": sum(count for count, _ in present.values()), "config": config.data_fields()}
-    runs.atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    folders.atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -430,7 +431,7 @@ def generate_shard(model, tokenizer, prompts: list[tuple[str, list[dict]]], conf
 def _respond(engine: str) -> Callable:
     """The batch function of an engine: ``(model, tokenizer, prompts, config, seed) -> responses``."""
     if engine == "vllm":
-        from specdraft.training.vllm_generation import generate_batch
+        from specdraft.training.data.vllm_generation import generate_batch
 
         return generate_batch
     return _generate_batch_native if engine == "native" else _generate_batch
@@ -438,7 +439,7 @@ def _respond(engine: str) -> Callable:
 
 def _generate_batch_native(model, tokenizer, batch: list[list[int]], config: DistillDataConfig, seed: int
                            ) -> list[dict]:
-    """The same through the native Llama's batched rows (:mod:`specdraft.training.native_generation`): ragged rows
+    """The same through the native Llama's batched rows (:mod:`specdraft.training.data.native_generation`): ragged rows
     on the CPU, a :class:`StaticEngine` (static cache, CUDA graphs) on CUDA."""
     rows = [ids for ids in batch for _ in range(config.responses_per_prompt)]
     sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)

@@ -19,14 +19,14 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from specdraft.corpus import MANIFEST_FILE, read_jsonl
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name, resolve_device, resolve_dtype
 from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
-from specdraft.training import runs
-from specdraft.training.data import MANIFEST_FILE, read_jsonl
-from specdraft.training.records import load_distill_records
-from specdraft.training.runs import atomic_write, count_and_hash, owns_out
-from specdraft.training.scoring import score_records
+from specdraft.training.data.records import load_distill_records
+from specdraft.training.data.scoring import score_records
+from specdraft.training.runs import folders
+from specdraft.training.runs.folders import atomic_write, count_and_hash, owns_out
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,15 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
         raise SpecdraftError(str(exc)) from None
     config = replace(config, dtype=choice.dtype, device=device.name)
     load_distill_records(config.data, config.allow_incomplete)  # checks the folder, its shards and every record
-    source = runs.read_manifest(config.data)
-    source_sums = runs.verify_shards(config.data, source)
+    source = folders.read_manifest(config.data)
+    source_sums = folders.verify_shards(config.data, source)
     out = Path(config.out)
-    runs.recover(out)
-    work = runs.staging_path(out) if config.overwrite and out.exists() else out
+    folders.recover(out)
+    work = folders.staging_path(out) if config.overwrite and out.exists() else out
     settings = {k: v for k, v in asdict(config).items() if k in ("target", "k", "dtype")}
     entries = _check_out_folder(work, settings, source_sums, Path(config.data), replace_ok=work != out)
     work.mkdir(parents=True, exist_ok=True)
-    runs.clear_leftovers(work)
+    folders.clear_leftovers(work)
     todo = [name for name in sorted(source["shards"]) if name not in entries]
     model = tokenizer = None
     bar = tqdm(total=len(source["shards"]), initial=len(entries), unit="shard", desc="distill-topk",
@@ -99,8 +99,8 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
         started = time.perf_counter()
         records = annotate_shard(model, read_jsonl(Path(config.data) / name), config, pad_id)
         text = "".join(json.dumps(r) + "\n" for r in records)
-        runs.atomic_write(work / name, text)
-        entries[name] = (len(records), runs.digest_bytes(text.encode()), source_sums[name])
+        folders.atomic_write(work / name, text)
+        entries[name] = (len(records), folders.digest_bytes(text.encode()), source_sums[name])
         _write_manifest(work, source, entries, settings, choice.to_dict(), device.to_dict())
         tokens = sum(len(r["response_token_ids"]) for r in records)
         bar.update(1)
@@ -108,7 +108,7 @@ def annotate_topk(config: TeacherTopkConfig, progress: bool = True) -> dict:
     bar.close()
     manifest = _write_manifest(work, source, entries, settings, choice.to_dict(), device.to_dict())
     if work != out and manifest["complete"]:
-        runs.swap_in(work, out)
+        folders.swap_in(work, out)
     return manifest
 
 
@@ -124,25 +124,25 @@ def _check_out_folder(out: Path, settings: dict, source_sums: dict[str, str], da
     with contextlib.suppress(OSError, ValueError):
         manifest = json.loads((out / MANIFEST_FILE).read_text())
     saved = {k: v for k, v in (manifest.get("teacher") or {}).items() if k in settings}
-    changed = runs.changes(saved, settings) if saved else []
+    changed = folders.changes(saved, settings) if saved else []
     made_from = manifest.get("source_sha256") or {}
     changed += [f"{name} of {data} (its content changed)" for name in sorted(made_from)
                 if name in source_sums and made_from[name] != source_sums[name]]
     if changed and replace_ok:
         shutil.rmtree(out)
         return {}
-    runs.refuse_changes(out, "distill-topk run", changed, "use a new --out, or --overwrite to replace it")
+    folders.refuse_changes(out, "distill-topk run", changed, "use a new --out, or --overwrite to replace it")
     sums, entries = manifest.get("sha256") or {}, {}
     for path in sorted(out.glob("shard-*.jsonl")):
-        count, digest = runs.count_and_hash(path)
+        count, digest = folders.count_and_hash(path)
         expected = _source_count(data, path.name)
         known = path.name in sums or _annotates(path, data / path.name)
         if path.name not in source_sums or not known:
-            runs.refuse_changes(out, "distill-topk run", [f"{path.name} (not an annotation of {data})"],
+            folders.refuse_changes(out, "distill-topk run", [f"{path.name} (not an annotation of {data})"],
                                 "use a new --out, or --overwrite to replace it")
         if count != expected or sums.get(path.name, digest) != digest:
             os.replace(path, path.with_name(path.name + ".damaged"))
-            runs.note(f"{path} was damaged ({count} records of {expected}, or a changed checksum): kept as "
+            folders.note(f"{path} was damaged ({count} records of {expected}, or a changed checksum): kept as "
                       f"{path.name}.damaged and annotated again")
             continue
         entries[path.name] = (count, digest, source_sums[path.name])

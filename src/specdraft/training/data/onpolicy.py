@@ -116,7 +116,7 @@ def generate_shard(target_model, tokenizer, prompts: list[tuple[str, list[dict]]
         drafter_model: the transformers drafter (q); needed when some prompt draws from it.
         seed: the shard's seed (the sampling of each generate call derives from it, as for target data).
         respond: ``respond(model, tokenizer, prompts, config, seed) -> records``, a model's responses to a batch of
-            prompts (:func:`specdraft.training.generation.generate_shard`).
+            prompts (:func:`specdraft.training.data.distill_data.generate_shard`).
     """
     from_draft = [draws_from_drafter(pid, config.policy, config.mix_fraction, config.seed) for pid, _ in prompts]
     if any(from_draft) and drafter_model is None:
@@ -156,7 +156,7 @@ def _responses(model, tokenizer, prompts: list, config, seed: int, respond, scor
     flat = [record for group in merged for record in group]
     assert len(flat) == per_prompt * len(prompts)
     if score_with is not None and config.top_logprobs > 0:
-        from specdraft.training.scoring import score_records
+        from specdraft.training.data.scoring import score_records
 
         score_records(score_with, flat, config.top_logprobs, _pad_id(tokenizer), config.batch_size)
     return flat
@@ -166,7 +166,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-# --- during fine-tuning: OSD's mismatch mask (periodic regeneration: specdraft.training.regenerate) ---------------
+# --- during fine-tuning: OSD's mismatch mask (periodic regeneration: specdraft.training.drafter.regenerate) ------
 
 
 def mismatched(draft: torch.Tensor, target: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -4,12 +4,12 @@ it (multi-turn contexts), Spec-Bench-shaped task prompts built from ShareGPT, an
 
 ``--prompts`` takes one source or several separated by commas, read in the order given:
 
-- ``sharegpt``: the opening human turn of each conversation (:func:`specdraft.training.data.sharegpt_prompts`);
+- ``sharegpt``: the opening human turn of each conversation (:func:`specdraft.corpus.sharegpt_prompts`);
 - ``sharegpt-turns``: every human turn, preceded by the turns before it in its conversation
   (:func:`sharegpt_turn_prompts`);
 - ``sharegpt-tasks``: chat, translation, summarization, qa, math_reasoning and rag prompts built from ShareGPT
-  conversations, the kinds taking turns (:func:`specdraft.training.sharegpt_tasks.sharegpt_task_prompts`);
-- a path: a prompt JSON Lines file (:func:`specdraft.training.data.prompts_from_jsonl`).
+  conversations, the kinds taking turns (:func:`specdraft.training.data.sharegpt_tasks.sharegpt_task_prompts`);
+- a path: a prompt JSON Lines file (:func:`specdraft.corpus.prompts_from_jsonl`).
 
 The held-out split is by conversation, the same hash split as the first-turn source (:func:`split_of`), so no turn
 of a held-out conversation is ever a training prompt, and a train turn whose text opens a held-out conversation is
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specdraft import corpus
 from specdraft.errors import SpecdraftError
-from specdraft.training import data
-from specdraft.training.sharegpt_tasks import SHAREGPT_TASKS, sharegpt_task_prompts
+from specdraft.training.data.sharegpt_tasks import SHAREGPT_TASKS, sharegpt_task_prompts
 
 SHAREGPT, SHAREGPT_TURNS = "sharegpt", "sharegpt-turns"
 _ROLES = {"human": "user", "gpt": "assistant"}
@@ -30,7 +30,7 @@ _ROLES = {"human": "user", "gpt": "assistant"}
 
 def sharegpt_turn_prompts(split: str = "train", max_chars: int = 300, max_context_chars: int = 4000,
                           english_only: bool = True, path: str | Path | None = None,
-                          heldout_fraction: float = data.HELDOUT_FRACTION) -> list[tuple[str, list[dict]]]:
+                          heldout_fraction: float = corpus.HELDOUT_FRACTION) -> list[tuple[str, list[dict]]]:
     """(prompt id ``sharegpt:<conversation>:<turn>``, chat messages) for every human turn of the conversations in
     ``split`` whose text has 1 to ``max_chars`` characters (and passes :func:`looks_english` if ``english_only``),
     with every earlier turn of its conversation part as context when the whole chat has at most
@@ -39,13 +39,13 @@ def sharegpt_turn_prompts(split: str = "train", max_chars: int = 300, max_contex
     A conversation is read while its turns alternate human / assistant from a human turn on (leading assistant
     turns of a later part are skipped); it is cut at the first turn that breaks the pattern or is empty.
     """
-    if split not in data.SPLITS:
-        raise SpecdraftError(f"split must be one of {', '.join(data.SPLITS)}, got {split!r}")
+    if split not in corpus.SPLITS:
+        raise SpecdraftError(f"split must be one of {', '.join(corpus.SPLITS)}, got {split!r}")
     pairs, heldout_openings = [], set()
-    for conversation in data.iter_sharegpt(path):
-        in_split = split == "all" or data.split_of(conversation["id"], heldout_fraction) == split
+    for conversation in corpus.iter_sharegpt(path):
+        in_split = split == "all" or corpus.split_of(conversation["id"], heldout_fraction) == split
         if split == "train" and not in_split:
-            heldout_openings.add(data.opening_prompt(conversation))
+            heldout_openings.add(corpus.opening_prompt(conversation))
         elif in_split:
             pairs += _turn_prompts(conversation, max_chars, max_context_chars, english_only)
     if split == "train":
@@ -69,7 +69,7 @@ def _turn_prompts(conversation: dict, max_chars: int, max_context_chars: int,
         if context_chars > max_context_chars:
             break
         if expected == "human" and len(text.strip()) <= max_chars and (not english_only
-                                                                         or data.looks_english(text)):
+                                                                         or corpus.looks_english(text)):
             out.append((f"sharegpt:{conversation['id']}:{offset // 2}", [dict(m) for m in messages]))
     return out
 
@@ -86,13 +86,13 @@ def load_prompt_sources(spec: str, split: str = "train", limit: int | None = Non
         if left is not None and left <= 0:
             break
         if part == SHAREGPT:
-            pairs += [(f"sharegpt:{r.id}", r.messages()) for r in data.sharegpt_prompts(split=split, limit=left)]
+            pairs += [(f"sharegpt:{r.id}", r.messages()) for r in corpus.sharegpt_prompts(split=split, limit=left)]
         elif part == SHAREGPT_TURNS:
             pairs += sharegpt_turn_prompts(split=split)[:left]
         elif part == SHAREGPT_TASKS:
             pairs += sharegpt_task_prompts(split=split)[:left]
         else:
-            messages = data.prompts_from_jsonl(part)[:left]
+            messages = corpus.prompts_from_jsonl(part)[:left]
             pairs += [(f"{Path(part).name}:{i}", m) for i, m in enumerate(messages)]
     if not pairs:
         raise SpecdraftError(f"no prompts from {spec!r}")

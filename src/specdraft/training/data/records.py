@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdraft.corpus import holdout_every, read_jsonl
 from specdraft.errors import SpecdraftError
-from specdraft.training.data import holdout_every, read_jsonl
-from specdraft.training.runs import read_manifest, verify_shards
+from specdraft.training.runs.folders import read_manifest, verify_shards
 
 
 def data_folders(spec: str) -> list[str]:
@@ -24,7 +24,7 @@ def data_folders(spec: str) -> list[str]:
 
 def load_distill_records(folder: str | Path, allow_incomplete: bool = False, need_topk: bool = False) -> list[dict]:
     """The records of a distill-data folder, checked: every shard's record count and checksum against the manifest
-    (:func:`specdraft.training.runs.verify_shards`), then every record; an unfinished folder is refused unless
+    (:func:`specdraft.training.runs.folders.verify_shards`), then every record; an unfinished folder is refused unless
     ``allow_incomplete``."""
     folder = Path(folder)
     manifest = read_manifest(folder)

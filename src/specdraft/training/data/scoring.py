@@ -1,6 +1,6 @@
 """The target's teacher-forced top-k log-probabilities at response tokens: what distillation data stores as its
 approximation of p (``top_ids``, ``top_logprobs``), for responses of the target (``distill-topk``), of the drafter
-(on-policy data, :mod:`specdraft.training.onpolicy`) and answers made elsewhere (``distill-data --answers``)."""
+(on-policy data, :mod:`specdraft.training.data.onpolicy`) and answers made elsewhere (``distill-data --answers``)."""
 
 from __future__ import annotations
 

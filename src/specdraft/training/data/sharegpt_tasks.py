@@ -16,7 +16,7 @@ from the text of ShareGPT conversations (never from Spec-Bench's questions):
   shuffled order), then the question (that conversation's opening human turn) on the last line; 2,000-4,000
   characters in all.
 
-The split is by conversation (:func:`~specdraft.training.data.split_of`): a prompt of one split is built only from
+The split is by conversation (:func:`~specdraft.corpus.split_of`): a prompt of one split is built only from
 conversations of that split (rag's other passages included), and a train prompt any of whose source texts also
 occurs in a held-out conversation is dropped. Each kind is shuffled with a fixed seed, then the kinds take turns,
 so any prefix (``--limit N``) is a balanced mix. Prompt ids are ``sharegpt-tasks:<kind>:<conversation>:<n>``.
@@ -29,9 +29,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdraft import corpus
 from specdraft.errors import SpecdraftError
-from specdraft.training import data
-from specdraft.training.task_prompts import is_german, wmt_spacing
+from specdraft.training.data.task_prompts import is_german, wmt_spacing
 
 SHAREGPT_TASKS = "sharegpt-tasks"
 KINDS = ("chat", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -82,9 +82,9 @@ def is_word_problem(text: str) -> bool:
 
 
 def is_prose(text: str) -> bool:
-    """English (:func:`~specdraft.training.data.looks_english`) without code: no fences, braces, semicolons,
+    """English (:func:`~specdraft.corpus.looks_english`) without code: no fences, braces, semicolons,
     angle brackets or backslashes, and no words such as "def", "import", "python", "sql", "excel", "formula"."""
-    return not _CODE_CHARS.search(text) and data.looks_english(text) and not _CODE_WORDS.search(text.lower())
+    return not _CODE_CHARS.search(text) and corpus.looks_english(text) and not _CODE_WORDS.search(text.lower())
 
 
 def is_short_question(text: str, opening: bool) -> bool:
@@ -93,7 +93,7 @@ def is_short_question(text: str, opening: bool) -> bool:
     if not (10 <= len(text) <= 100 and text.endswith("?") and "\n" not in text):
         return False
     return (opening or (bool(_QUESTION_WORD.match(text)) and not _BACK_REFERENCE.search(text))) and \
-        data.looks_english(text)
+        corpus.looks_english(text)
 
 
 def german_sentences(text: str) -> list[str]:
@@ -120,7 +120,7 @@ def _collect(conversation: dict, found: _Candidates, seed: int) -> None:
     """Add the candidates of every kind that one conversation yields."""
     cid, turns = conversation["id"], _turns(conversation)
     rng = random.Random(f"{seed}:{cid}")  # str seeds hash with SHA-512: the same on every run
-    opening = data.opening_prompt(conversation)
+    opening = corpus.opening_prompt(conversation)
     for n, (speaker, text) in enumerate(turns):
         sentences = german_sentences(text)
         for i, sentence in enumerate(sorted(rng.sample(sentences, min(len(sentences), _SENTENCES_PER_TURN)),
@@ -132,7 +132,7 @@ def _collect(conversation: dict, found: _Candidates, seed: int) -> None:
                 found.add("math_reasoning", f"{SHAREGPT_TASKS}:math_reasoning:{cid}:{n}", text, (text,))
             elif is_short_question(text, opening=n == 0 and text == opening):
                 found.add("qa", f"{SHAREGPT_TASKS}:qa:{cid}:{n}", text, (text,))
-    if 10 <= len(opening) <= 300 and data.looks_english(opening):
+    if 10 <= len(opening) <= 300 and corpus.looks_english(opening):
         found.add("chat", f"{SHAREGPT_TASKS}:chat:{cid}:0", opening, (opening,))
     documents = [(n, t) for n, (s, t) in enumerate(turns) if s == "gpt" and 1500 <= len(t) <= 8000
                  and 1500 <= len(one_line(t)) <= 4000 and is_prose(t)]
@@ -149,7 +149,7 @@ def _collect_rag(cid: str, question: str, turns: list[tuple[str, str]], found: _
     conversation's passages as distractors for later ones."""
     passages = [(t, one_line(t)) for s, t in turns if s == "gpt" and 300 <= len(t) <= 2000 and is_prose(t)]
     answer = turns[1][1] if len(turns) > 1 and turns[1][0] == "gpt" else ""
-    if (10 <= len(question) <= 200 and question.endswith("?") and data.looks_english(question) and passages
+    if (10 <= len(question) <= 200 and question.endswith("?") and corpus.looks_english(question) and passages
             and passages[0][0] == answer and len(found.passages) >= 3):
         want, chosen = rng.randint(2, 4), [passages[0]]
         for other in rng.sample(found.passages, 3):
@@ -169,17 +169,17 @@ def _rag_chars(passages: list[tuple[str, str]], question: str) -> int:
 
 
 def sharegpt_task_prompts(split: str = "train", seed: int = 0, path: str | Path | None = None,
-                          heldout_fraction: float = data.HELDOUT_FRACTION) -> list[tuple[str, list[dict]]]:
+                          heldout_fraction: float = corpus.HELDOUT_FRACTION) -> list[tuple[str, list[dict]]]:
     """(prompt id, one-turn chat) for the task-shaped prompts of ``split`` (module docstring), the kinds taking
     turns: chat, translation, summarization, qa, math_reasoning, rag, chat, ...; a kind that runs out drops out.
 
     One pass over the ShareGPT file; the same file, split and ``seed`` give the same list on every run.
     """
-    if split not in data.SPLITS:
-        raise SpecdraftError(f"split must be one of {', '.join(data.SPLITS)}, got {split!r}")
+    if split not in corpus.SPLITS:
+        raise SpecdraftError(f"split must be one of {', '.join(corpus.SPLITS)}, got {split!r}")
     found, heldout_texts = _Candidates(), set()
-    for conversation in data.iter_sharegpt(path):
-        in_split = split == "all" or data.split_of(conversation["id"], heldout_fraction) == split
+    for conversation in corpus.iter_sharegpt(path):
+        in_split = split == "all" or corpus.split_of(conversation["id"], heldout_fraction) == split
         if in_split:
             _collect(conversation, found, seed)
         elif split == "train":

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specdraft.corpus import iter_sharegpt, looks_english, split_of
 from specdraft.errors import SpecdraftError
-from specdraft.training.data import iter_sharegpt, looks_english, split_of
 
 TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 _GERMAN_WORDS = frozenset("der die das und ist nicht ein eine ich mit sie auf für den dem zu von sich auch wie wir "
@@ -118,7 +118,7 @@ def _rag(answered: list[tuple[str, str]], count: int, rng: random.Random) -> lis
 def build_task_prompts(per_task: int, seed: int = 0, conversations: Iterable[dict] | None = None) -> list[TaskPrompt]:
     """Up to ``per_task`` prompts for each of :data:`TASKS` (fewer where the source has fewer), in task order.
 
-    ``conversations`` defaults to the packaged ShareGPT file (:func:`~specdraft.training.data.iter_sharegpt`).
+    ``conversations`` defaults to the packaged ShareGPT file (:func:`~specdraft.corpus.iter_sharegpt`).
     """
     if per_task < 1:
         raise SpecdraftError(f"per_task must be >= 1, got {per_task}")

@@ -4,13 +4,13 @@
 The loss counts only the positions whose label is a response token, against the target's p computed on the fly
 under ``torch.no_grad()`` or, with ``use_stored_topk``, rebuilt from the stored top-k (an approximation); with a
 draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856) q and p are both restricted to its N tokens, p
-renormalised. OSD's ``only_mismatched`` (:mod:`specdraft.training.onpolicy`) keeps only the positions greedy
+renormalised. OSD's ``only_mismatched`` (:mod:`specdraft.training.data.onpolicy`) keeps only the positions greedy
 verification would reject.
 
 Evaluation reports the held-out loss, TVD (1 − TVD is the expected acceptance rate) and forward KL against the real
 target, and the block efficiency τ of greedy speculative decoding with the real decoder
 (:func:`specdraft.decoding.generate`); on the target's greedy answers also the exact greedy τ
-(:mod:`specdraft.training.exact_tau`).
+(:mod:`specdraft.training.objectives.tau`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from specdraft.decoding import GenerationConfig, generate
 from specdraft.draft_vocab import DraftVocab
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.models.native_llama import NativeLlama, supports
-from specdraft.training import onpolicy
-from specdraft.training.batches import (
+from specdraft.training.data import onpolicy
+from specdraft.training.data.batches import (
     DistillDataset,
     collate_distill,
     dense_from_topk,
@@ -33,10 +33,10 @@ from specdraft.training.batches import (
     subset_labels,
     target_logits,
 )
-from specdraft.training.exact_tau import greedy_tau, response_ranks
-from specdraft.training.finetune_config import FinetuneConfig
-from specdraft.training.losses import distillation_loss, forward_kl, tvd
-from specdraft.training.records import greedy_answers
+from specdraft.training.data.records import greedy_answers
+from specdraft.training.drafter.finetune_config import FinetuneConfig
+from specdraft.training.objectives.losses import distillation_loss, forward_kl, tvd
+from specdraft.training.objectives.tau import greedy_tau, response_ranks
 
 
 def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None = None):
@@ -140,7 +140,7 @@ def block_efficiency(target, drafter_model, prompts: Sequence[Sequence[int]], nu
 
 def draft_logits_fn(model, keep: torch.Tensor | None, bf16: bool):
     """batch -> the drafter's logits at the batch's response positions (:func:`response_logits`), the batch moved to
-    the drafter's device and run under bf16 autocast when ``bf16`` (for :mod:`specdraft.training.exact_tau`)."""
+    the drafter's device and run under bf16 autocast when ``bf16`` (for :mod:`specdraft.training.objectives.tau`)."""
     device = next(model.parameters()).device
 
     def logits(batch: dict) -> torch.Tensor:
@@ -154,7 +154,7 @@ def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[di
                   keep: torch.Tensor | None = None):
     """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ; with
     ``eval_data``, those on its records, and on the target's greedy answers the exact greedy τ
-    (:mod:`specdraft.training.exact_tau`)."""
+    (:mod:`specdraft.training.objectives.tau`)."""
     heldout, exact = greedy_answers(config.eval_data) if config.eval_data else (heldout, False)
     longest = max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in heldout)
     dataset = DistillDataset(heldout, longest if config.eval_data else config.max_seq_len)  # eval_data: whole, as run

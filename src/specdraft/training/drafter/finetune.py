@@ -17,12 +17,13 @@ Evaluation (every ``eval_every`` steps and at the end) reports the held-out loss
 acceptance rate) and forward KL against the real target, and the block efficiency τ of greedy speculative decoding
 with the real decoder (:func:`specdraft.decoding.generate`) on prompts whose responses were held out.
 
-On-policy options: OSD's ``only_mismatched`` (:mod:`specdraft.training.onpolicy`), DistillSpec's ``regenerate_every``
-(:mod:`specdraft.training.regenerate`).
+On-policy options: OSD's ``only_mismatched`` (:mod:`specdraft.training.data.onpolicy`), DistillSpec's
+``regenerate_every`` (:mod:`specdraft.training.drafter.regenerate`).
 
 This module is the stage's entry point; the pieces it runs live beside it: the records and their split
-(:mod:`specdraft.training.records`), the batches (:mod:`specdraft.training.batches`), the settings
-(:mod:`specdraft.training.finetune_config`), and the loss and evaluation (:mod:`specdraft.training.distillation`).
+(:mod:`specdraft.training.data.records`), the batches (:mod:`specdraft.training.data.batches`), the settings
+(:mod:`specdraft.training.drafter.finetune_config`), and the loss and evaluation
+(:mod:`specdraft.training.drafter.distillation`).
 """
 
 from __future__ import annotations
@@ -41,16 +42,16 @@ from specdraft.draft_vocab import load_token_ranking, rank_tokens
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import eos_token_ids, load_model, load_tokenizer, resolve
 from specdraft.models.shared_embeddings import target_weights
-from specdraft.training import regenerate
-from specdraft.training.batches import DistillDataset, collate_distill
-from specdraft.training.checkpoint import EXPORT_DTYPES, export_hf, export_path, hardware
-from specdraft.training.distillation import make_evaluate, make_kd_loss
-from specdraft.training.drafter_config import load_trained_drafter
-from specdraft.training.finetune_config import FinetuneConfig
-from specdraft.training.records import check_token_ids, data_folders, load_distill_records, split_by_prompt
-from specdraft.training.runs import owns_out
-from specdraft.training.stages import begin_stage, data_inputs, end_stage
-from specdraft.training.trainer import TrainResult, init_distributed, train
+from specdraft.training.data.batches import DistillDataset, collate_distill
+from specdraft.training.data.records import check_token_ids, data_folders, load_distill_records, split_by_prompt
+from specdraft.training.drafter import regenerate
+from specdraft.training.drafter.distillation import make_evaluate, make_kd_loss
+from specdraft.training.drafter.finetune_config import FinetuneConfig
+from specdraft.training.drafter.init_drafter import load_trained_drafter
+from specdraft.training.runs.checkpoint import EXPORT_DTYPES, export_hf, export_path, hardware
+from specdraft.training.runs.folders import owns_out
+from specdraft.training.runs.stages import begin_stage, data_inputs, end_stage
+from specdraft.training.runs.trainer import TrainResult, init_distributed, train
 
 __all__ = ["FinetuneConfig", "finetune", "load_models"]
 

@@ -1,6 +1,6 @@
 """The settings of ``specdraft finetune`` (stage 2 of Goel et al. 2024, arXiv 2403.00858), checked when built;
-shared by the stage (:mod:`specdraft.training.finetune`) and its loss and evaluation
-(:mod:`specdraft.training.distillation`).
+shared by the stage (:mod:`specdraft.training.drafter.finetune`) and its loss and evaluation
+(:mod:`specdraft.training.drafter.distillation`).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.training import regenerate
-from specdraft.training.checkpoint import EXPORT_DTYPES
-from specdraft.training.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS
-from specdraft.training.trainer import TrainerConfig, check_choices, check_ints
+from specdraft.training.drafter import regenerate
+from specdraft.training.objectives.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS
+from specdraft.training.runs.checkpoint import EXPORT_DTYPES
+from specdraft.training.runs.trainer import TrainerConfig, check_choices, check_ints
 
 
 @dataclass(frozen=True, kw_only=True)

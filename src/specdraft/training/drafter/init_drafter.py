@@ -239,7 +239,7 @@ def init_drafter(config: InitDrafterConfig, command: str | None = None):
     """Write :func:`drafter_from_target_layers` of ``config.target`` (or, with ``grow``, :func:`grow_drafter` of that
     drafter) as a checkpoint folder; returns its path."""
     from specdraft.models.registry import load_model
-    from specdraft.training.checkpoint import export_hf
+    from specdraft.training.runs.checkpoint import export_hf
 
     target_model = load_model(config.target, torch.float32, backend="hf").model
     layers = config.layer_indices()

@@ -3,7 +3,7 @@ with next-token cross-entropy on text tokenised by the target's tokenizer.
 
 The corpus is a named source (``sharegpt``: assistant turns of the ShareGPT *train* split, so held-out chat
 prompts never leak in) or a local text / JSON Lines path. Every ``heldout_every``-th document is held out
-(:func:`specdraft.training.data.holdout_every`, a deterministic slice) for the held-out loss. The result is a
+(:func:`specdraft.corpus.holdout_every`, a deterministic slice) for the held-out loss. The result is a
 Hugging Face checkpoint folder, ``<out>/model``.
 """
 
@@ -18,10 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.errors import SpecdraftError
-from specdraft.models.registry import load_model, load_tokenizer, resolve
-from specdraft.training.checkpoint import EXPORT_DTYPES, export_hf, export_path, hardware
-from specdraft.training.data import (
+from specdraft.corpus import (
     NAMED_SOURCES,
     PackedDataset,
     pack_documents,
@@ -29,11 +26,14 @@ from specdraft.training.data import (
     text_source,
     tokenize_documents,
 )
-from specdraft.training.drafter_config import PRESETS, DrafterConfig, init_embeddings_from_target
-from specdraft.training.losses import distillation_loss
-from specdraft.training.runs import owns_out, text_source_fingerprint
-from specdraft.training.stages import begin_stage, end_stage
-from specdraft.training.trainer import (
+from specdraft.errors import SpecdraftError
+from specdraft.models.registry import load_model, load_tokenizer, resolve
+from specdraft.training.drafter.init_drafter import PRESETS, DrafterConfig, init_embeddings_from_target
+from specdraft.training.objectives.losses import distillation_loss
+from specdraft.training.runs.checkpoint import EXPORT_DTYPES, export_hf, export_path, hardware
+from specdraft.training.runs.folders import owns_out, text_source_fingerprint
+from specdraft.training.runs.stages import begin_stage, end_stage
+from specdraft.training.runs.trainer import (
     TrainerConfig,
     TrainResult,
     check_choices,
@@ -155,7 +155,7 @@ def build_drafter(config: PretrainConfig):
 
 
 def source_inputs(config: PretrainConfig) -> dict[str, tuple[str, str]]:
-    """The run's input fingerprint: the content of its text source (:mod:`specdraft.training.runs`)."""
+    """The run's input fingerprint: the content of its text source (:mod:`specdraft.training.runs.folders`)."""
     fingerprint = text_source_fingerprint(config.source, NAMED_SOURCES)
     if config.source == "sharegpt":
         path = sharegpt_path()

@@ -1,8 +1,8 @@
 """Periodic on-policy regeneration during ``finetune`` (``--regenerate-every N``): DistillSpec (Zhou et al. 2024,
 arXiv 2310.08461) trains the drafter on its own current generations, scored by the target; here a pool of training
 examples is answered afresh by the drafter being trained every N steps (:class:`Regenerator`), through the
-distill-data machinery of :mod:`specdraft.training.generation` with ``policy="draft"``
-(:mod:`specdraft.training.onpolicy`).
+distill-data machinery of :mod:`specdraft.training.data.distill_data` with ``policy="draft"``
+(:mod:`specdraft.training.data.onpolicy`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from specdraft.corpus import MANIFEST_FILE, read_jsonl
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
-from specdraft.training import onpolicy
-from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state
-from specdraft.training.data import MANIFEST_FILE, read_jsonl
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+from specdraft.training.data import onpolicy
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.runs.checkpoint import CHECKPOINT_FILE, load_training_state
 
 
 def check_regeneration(config) -> None:

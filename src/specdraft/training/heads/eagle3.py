@@ -11,7 +11,7 @@ is sum_i decay^i * loss_i (EAGLE-3 / SpecForge: decay 0.8), with loss_i one of
   differs from it by p's entropy only; SpecForge also skips positions whose target argmax is not in the draft
   vocabulary, which needs the full LM head: here they count);
 - ``tvd`` and ``tvdpp``: total variation distance and TVD++ (Goel et al. 2024, arXiv 2403.00858), from
-  :mod:`specdraft.training.losses`, on the same restricted distributions.
+  :mod:`specdraft.training.objectives.losses`, on the same restricted distributions.
 
 Positions count where token x_{t+1+i} is a response token. The draft vocabulary is the ``draft_vocab`` most
 frequent tokens of the training responses (FR-Spec's ranking, :mod:`specdraft.draft_vocab`). The head's ``norm``
@@ -33,9 +33,9 @@ from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import Eagle3Head, build_eagle3, default_aux_layers
 from specdraft.heads.fspad import parse_fspad, partial_smooth_l1
 from specdraft.models.shared_embeddings import target_weights
-from specdraft.training.head_kinds import HeadKind
-from specdraft.training.losses import forward_kl, tvd, tvd_plus_plus
-from specdraft.training.records import load_distill_records, split_by_prompt
+from specdraft.training.data.records import load_distill_records, split_by_prompt
+from specdraft.training.heads.kinds import HeadKind
+from specdraft.training.objectives.losses import forward_kl, tvd, tvd_plus_plus
 
 LOSS_NAMES = ("fkl", "tvd", "tvdpp")
 _OPTIONS = {"loss": "fkl", "ttt_steps": "7", "decay": "0.8", "draft_vocab": "8192", "aux_layers": "",

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from specdraft.heads.glide import GlideHead, build_glide, glide_spec, unroll
 from specdraft.models.shared_embeddings import target_weights
-from specdraft.training.head_kinds import HeadKind
-from specdraft.training.losses import forward_kl
+from specdraft.training.heads.kinds import HeadKind
+from specdraft.training.objectives.losses import forward_kl
 
 EXACT_DEPTHS = 4  # heldout_exact_tau@k for k = 1 .. 4
 

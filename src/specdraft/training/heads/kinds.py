@@ -4,7 +4,7 @@ trains: Medusa-1 (Cai et al. 2024, arXiv 2401.10774) and EAGLE (Li et al. 2024, 
 The architectures, their specs and their pure losses live in :mod:`specdraft.heads`; this module adds what only
 training needs: the teacher features of the frozen transformers target, the loss and held-out metrics on a batch,
 and a drafter over an in-memory module for block-efficiency evaluation. The registry of kinds is
-:data:`specdraft.training.heads.HEAD_KINDS`.
+:data:`specdraft.training.heads.train_heads.HEAD_KINDS`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class HeadKind:
     """One kind of heads, as the generic trainer and loader see it.
 
     spec(target_config, config, options) -> dict: the JSON architecture (and loss settings) from the frozen
-        target's transformers config, the run's :class:`~specdraft.training.heads.HeadsConfig` and its ``options``
-        (``KEY=VALUE`` strings already split into a dict); it must hold ``vocab_size`` and ``hidden_size``.
+        target's transformers config, the run's :class:`~specdraft.training.heads.train_heads.HeadsConfig` and its
+        ``options`` (``KEY=VALUE`` strings already split into a dict); it must hold ``vocab_size`` and ``hidden_size``.
     build(spec) -> nn.Module: a fresh module (deterministic under ``torch.manual_seed``).
     init(module, target_model): copy what starts from the frozen transformers target (e.g. its LM head).
     loss(module, target_model, batch) -> (scalar loss, counted positions): ``batch`` as
-        :func:`specdraft.training.batches.collate_distill` makes it; teacher features come from
+        :func:`specdraft.training.data.batches.collate_distill` makes it; teacher features come from
         :func:`teacher_hidden` (no gradient).
     metrics(module, target_model, batch) -> {name: (sum, count)}: held-out statistics, pooled over batches as
         sum / count by the evaluator.

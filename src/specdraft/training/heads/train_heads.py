@@ -1,14 +1,14 @@
 """``specdraft train-heads``: train self-drafting heads (Medusa-1, Cai et al. 2024, arXiv 2401.10774; EAGLE, Li et
 al. 2024, arXiv 2401.15077) on a frozen target's features.
 
-The data is a distill-data folder (the target's own responses to prompts, :mod:`specdraft.training.generation`),
+The data is a distill-data folder (the target's own responses to prompts, :mod:`specdraft.training.data.distill_data`),
 so the heads learn the target's continuations. Teacher features (the target's final-normed hidden states, the LM
 head's input) are computed on the fly by the frozen transformers target under ``torch.no_grad()``; only the heads
-get gradients. The generic trainer (:func:`specdraft.training.trainer.train`) gives the schedule, bf16 autocast,
+get gradients. The generic trainer (:func:`specdraft.training.runs.trainer.train`) gives the schedule, bf16 autocast,
 progress, checkpoints and exact resume. Evaluation reports each kind's held-out metrics and, when the kind has a
 drafter, the block efficiency τ of greedy speculative decoding on held-out prompts.
 
-A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.training.head_kinds.HeadKind`). The trained
+A kind registers here in :data:`HEAD_KINDS` (name -> :class:`~specdraft.training.heads.kinds.HeadKind`). The trained
 heads are exported to ``<out>/heads`` (:func:`specdraft.heads.save_heads`) with the token ranking of the training
 responses (:mod:`specdraft.draft_vocab`, for drafting with a reduced vocabulary).
 """
@@ -29,15 +29,15 @@ from specdraft.drafters.options import parse_options
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
 from specdraft.models.registry import eos_token_ids
-from specdraft.training.batches import DistillDataset, collate_distill
-from specdraft.training.checkpoint import EXPORT_DTYPES, hardware, model_card
-from specdraft.training.eagle3 import EAGLE3
-from specdraft.training.glide import GLIDE
-from specdraft.training.head_kinds import EAGLE, MEDUSA, HeadKind
-from specdraft.training.records import check_token_ids, load_distill_records, split_by_prompt
-from specdraft.training.runs import owns_out
-from specdraft.training.stages import begin_stage, data_inputs, end_stage
-from specdraft.training.trainer import (
+from specdraft.training.data.batches import DistillDataset, collate_distill
+from specdraft.training.data.records import check_token_ids, load_distill_records, split_by_prompt
+from specdraft.training.heads.eagle3 import EAGLE3
+from specdraft.training.heads.glide import GLIDE
+from specdraft.training.heads.kinds import EAGLE, MEDUSA, HeadKind
+from specdraft.training.runs.checkpoint import EXPORT_DTYPES, hardware, model_card
+from specdraft.training.runs.folders import owns_out
+from specdraft.training.runs.stages import begin_stage, data_inputs, end_stage
+from specdraft.training.runs.trainer import (
     TrainerConfig,
     TrainResult,
     check_choices,

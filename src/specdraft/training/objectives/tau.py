@@ -39,8 +39,8 @@ def response_ranks(draft_logits: Callable[[dict], torch.Tensor], batches: list[d
 
     Args:
         draft_logits: batch -> the drafter's logits (n, N or V) at the batch's response positions, row-major
-            (:func:`specdraft.training.distillation.draft_logits_fn`: on the drafter's device).
-        batches: :func:`~specdraft.training.batches.collate_distill` batches of the answers.
+            (:func:`specdraft.training.drafter.distillation.draft_logits_fn`: on the drafter's device).
+        batches: :func:`~specdraft.training.data.batches.collate_distill` batches of the answers.
         keep: (N,) the draft vocabulary the logits' columns stand for, or None.
     """
     out = []

@@ -1,6 +1,6 @@
 """The start and end of a training stage (``pretrain``, ``finetune``, ``train-heads``) in its run folder: the device
 and bf16 auto resolved (the device recorded in ``run.json``, never part of the run's fingerprint), the folder
-checked against the run's settings and inputs (:mod:`specdraft.training.runs`), and a replacement swapped in at
+checked against the run's settings and inputs (:mod:`specdraft.training.runs.folders`), and a replacement swapped in at
 the end."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import MISSING, fields, replace
 
 from specdraft.hardware import resolve_bf16
 from specdraft.models.registry import resolve, resolve_heads
-from specdraft.training.runs import (
+from specdraft.training.runs.folders import (
     RunPlan,
     data_fingerprint,
     finish_run,
@@ -19,7 +19,7 @@ from specdraft.training.runs import (
     recover,
     start_run,
 )
-from specdraft.training.trainer import TrainerConfig, TrainResult, barrier, init_distributed
+from specdraft.training.runs.trainer import TrainerConfig, TrainResult, barrier, init_distributed
 
 
 def data_inputs(folders: list[str], drafter: str = "", init_heads: str = "") -> dict[str, tuple[str, str]]:
@@ -40,7 +40,7 @@ def device_record(asked: str, device) -> dict[str, str]:
 
 def begin_stage(stage: str, config: TrainerConfig, inputs: dict[str, tuple[str, str]],
                 export: str) -> tuple[RunPlan, TrainerConfig]:
-    """Resolve ``bf16`` auto, check the run folder (:func:`specdraft.training.runs.plan_run`: refuse a run of other
+    """Resolve ``bf16`` auto, check the run folder (:func:`~.folders.plan_run`: refuse a run of other
     settings or inputs, continue or replace one) and prepare it; returns the plan and the config to train with
     (``out`` the working folder, ``resume`` set). Every process calls it."""
     rank, world, device = init_distributed(config.device)

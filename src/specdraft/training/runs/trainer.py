@@ -46,8 +46,8 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name, resolve_device
-from specdraft.training.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
-from specdraft.training.runs import rewind_log
+from specdraft.training.runs.checkpoint import CHECKPOINT_FILE, load_training_state, save_training_state
+from specdraft.training.runs.folders import rewind_log
 
 # loss_fn(model, batch, generator) -> (scalar loss, number of counted tokens in the batch)
 LossFn = Callable[[nn.Module, object, torch.Generator], tuple[torch.Tensor, int]]
