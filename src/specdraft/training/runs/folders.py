@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.corpus import MANIFEST_FILE
 from specdraft.errors import SpecdraftError, utf8_error
 from specdraft.files import owning, remove_leftovers, write_text_atomic
 from specdraft.training.runs.checkpoint import CHECKPOINT_FILE, is_complete_export, load_training_state
 
 RUN_FILE = "run.json"
+MANIFEST_FILE = "manifest.json"  # of a data folder: shards, their checksums, config, completeness
 _CHUNK = 1 << 20
 
 
