@@ -76,7 +76,7 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
     batches = [collate_distill([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), batch_size)]
     with torch.no_grad():
-        metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
+        metrics = heldout_metrics(model.eval(), target_model, batches, config.objective(), True, keep)
         top = max(siblings, default=0) + 1  # the greedy token and k runners-up
         ranks = response_ranks(draft_logits_fn(model, keep, bf16=True), batches, keep, top) if gammas else None
         tau = greedy_tau(ranks, gammas, siblings, copies) if gammas else {}

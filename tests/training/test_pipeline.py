@@ -193,6 +193,21 @@ def test_stored_topk_training_through_the_cli(run, tmp_path, device):
     assert "approximated from the stored top-k" in card and "--use-stored-topk" in card and "'sample'" in card
 
 
+def test_a_registered_loss_brings_its_settings_as_flags(run, tmp_path):
+    """DistiLLM's skew KL through the CLI: ``--loss skl --alpha 0.2`` trains and exports, the run records the
+    setting among its settings and the card names it; a bad value is refused at parse time."""
+    flags = ["--drafter", run / "pre" / "model", "--target", run / "target", "--data", run / "data", "--steps", 3,
+             "--batch-size", 4, "--no-bf16", "--heldout-every", 8, "--eval-prompts", 1, "--eval-max-new-tokens", 4,
+             "--no-progress", "--loss", "skl"]
+    _cli("finetune", *flags, "--alpha", 0.2, "--out", tmp_path / "skl")
+    assert json.loads((tmp_path / "skl" / "run.json").read_text())["settings"]["alpha"] == 0.2
+    card = (tmp_path / "skl" / "model" / "README.md").read_text()
+    assert "skl {'alpha': 0.2}" in card and "--alpha 0.2" in card and "heldout_loss" in card
+    with pytest.raises(SpecdraftError, match=r"alpha must be a number in \[0, 1\)"):
+        _cli("finetune", *flags, "--alpha", 1.0, "--out", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_drafter_trained_on_a_draft_vocabulary_ships_it_as_its_default_option(run, tmp_path):
     from specdraft.api import load_drafter
     from specdraft.draft_vocab import load_token_ranking
@@ -242,7 +257,7 @@ def test_every_subcommand_documents_its_flags(name, capsys):
     flags = {"pretrain": ["--preset", "--tokens", "--init-from-target", "--no-bf16", "--resume", "--stop-after"],
              "distill-data": ["--top-logprobs", "--overwrite"],
              "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens",
-                          "--freeze-embeddings", "--share-embeddings", "--draft-vocab"],
+                          "--freeze-embeddings", "--share-embeddings", "--draft-vocab", "--alpha", "skl, srkl:"],
              "init-drafter": ["--layers", "--target", "--grow"],
              "task-prompts": ["--out", "--per-task", "--seed"],
              "train-drafter": ["--config"]}[name]

@@ -19,7 +19,7 @@ def test_training_on_a_draft_vocabulary_touches_only_its_rows(loss):
     batch = collate_distill([DistillDataset(records, 64)[i] for i in range(4)], 0)
     keep = torch.tensor(sorted(set(batch["labels"][batch["mask"]].tolist()))[:5] + [63])  # (N,) some labels left out
     config = FinetuneConfig(drafter="d", target="t", data="x", out="o", loss=loss, steps=1)
-    value, count = make_kd_loss(config, target_model, keep)(model, batch, torch.Generator().manual_seed(0))
+    value, count = make_kd_loss(config.objective(), target_model, keep)(model, batch, torch.Generator().manual_seed(0))
     value.backward()
     outside = torch.ones(64, dtype=torch.bool)
     outside[keep] = False

@@ -91,13 +91,13 @@ def test_only_mismatched_loss_counts_the_rejected_positions_only(setup):
         drafter.lm_head.weight.add_(torch.randn(drafter.lm_head.weight.shape,
                                                 generator=torch.Generator().manual_seed(0)) * 0.3)
     config = FinetuneConfig(drafter="d", target="t", data="x", out="o", only_mismatched=True)
-    loss, count = make_kd_loss(config, target)(drafter, batch, torch.Generator())
+    loss, count = make_kd_loss(config.objective(), target)(drafter, batch, torch.Generator())
     q = drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[batch["mask"]]
     p = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[batch["mask"]]
     wrong = q.argmax(-1) != p.argmax(-1)
     assert 0 < count == int(wrong.sum()) < int(batch["mask"].sum())
     assert torch.allclose(loss, forward_kl(q[wrong], p[wrong]), atol=1e-5)
-    same, none = make_kd_loss(config, target)(target, batch, torch.Generator())  # q = p: nothing is rejected
+    same, none = make_kd_loss(config.objective(), target)(target, batch, torch.Generator())  # q = p: none rejected
     assert none == 0 and float(same.detach()) == 0.0
     same.backward()
 

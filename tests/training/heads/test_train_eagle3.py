@@ -6,11 +6,13 @@ import argparse
 import csv
 import json
 
+import pytest
 import torch
 
 from specdraft.cli import main
 from specdraft.decoding import GenerationConfig, generate
 from specdraft.drafters.eagle3 import Eagle3Drafter
+from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads
 from specdraft.models.registry import load_model
 from specdraft.training.commands import add_training_commands
@@ -52,9 +54,9 @@ def test_train_resume_and_export(tmp_path):
            "--eval-max-new-tokens", 12, "--eval-num-draft-tokens", 3)
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval_log.csv")))
     assert [int(r["step"]) for r in rows] == [15, 30] and int(rows[1]["tokens"]) > int(rows[0]["tokens"]) > 0
-    for key in ("heldout_top1_step0", "heldout_top1_step2", "heldout_tau_est@3", "block_efficiency@3"):
+    for key in ("heldout_top1_step0", "heldout_top1_step2", "greedy_tau@3", "block_efficiency@3"):
         assert key in rows[-1], rows[-1]
-    assert 1 <= float(rows[-1]["heldout_tau_est@3"]) <= 4 and 0 <= float(rows[-1]["heldout_top1_step0"]) <= 1
+    assert 1 <= float(rows[-1]["greedy_tau@3"]) <= 4 and 0 <= float(rows[-1]["heldout_top1_step0"]) <= 1
     train_rows = list(csv.DictReader(open(tmp_path / "run" / "train_log.csv")))
     assert float(train_rows[-1]["loss"]) < float(train_rows[0]["loss"])
     meta, head = load_heads(tmp_path / "run" / "heads")
@@ -72,3 +74,17 @@ def test_train_resume_and_export(tmp_path):
     assert main(["export", str(tmp_path / "run" / "heads"), "--format", "eagle3", "--out", str(tmp_path / "flat"),
                  "--target", str(tmp_path / "target")]) == 0
     assert json.loads((tmp_path / "flat" / "config.json").read_text())["draft_vocab_size"] == 40
+
+
+def test_a_registered_loss_with_its_setting_trains_the_heads(tmp_path):
+    """``--options 'loss=skl;alpha=0.2'``: DistiLLM's skew KL from the loss registry trains EAGLE-3 heads (the
+    loss falls), and the heads record the loss and its setting; a setting of another loss is refused."""
+    _setup(tmp_path)
+    _train(tmp_path, tmp_path / "skl", "--steps", 20, "--eval-prompts", 0, "--options",
+           "ttt_steps=3;draft_vocab=40;loss=skl;alpha=0.2")
+    rows = list(csv.DictReader(open(tmp_path / "skl" / "train_log.csv")))
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    meta, _ = load_heads(tmp_path / "skl" / "heads")
+    assert meta["spec"]["loss"] == "skl" and meta["spec"]["loss_options"] == {"alpha": 0.2}
+    with pytest.raises(SpecdraftError, match="unknown eagle3 option alpha"):
+        _train(tmp_path, tmp_path / "bad", "--steps", 2, "--options", "loss=fkl;alpha=0.2")

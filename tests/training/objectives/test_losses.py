@@ -4,13 +4,18 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.training.objectives import losses
 from specdraft.training.objectives.losses import (
     LOSSES,
     cross_entropy,
     distillation_loss,
     forward_kl,
+    get_loss,
     jsd,
+    loss_names,
+    register,
     reverse_kl,
+    skew_kl,
     tvd,
     tvd_plus_plus,
 )
@@ -30,6 +35,8 @@ CASES = [
     ("tvdpp", {"weighting": "sample", "normalization": "none"}),
     ("tvdpp", {"weighting": "sample", "normalization": "vocab"}),
     ("tvdpp", {"weighting": "sample", "normalization": "batch"}),
+    ("skl", {"alpha": 0.1}),
+    ("srkl", {"alpha": 0.3}),
 ]
 CASE_IDS = [name + "".join(f"-{v}" for v in options.values()) for name, options in CASES]
 
@@ -387,8 +394,12 @@ def test_bad_shapes_raise():
         cross_entropy(draft, labels[:-1], mask)
 
 
+def test_every_registered_loss_is_in_the_shared_cases():
+    assert {name for name, _ in CASES} == set(LOSSES)
+
+
 def test_registry_and_dispatcher():
-    assert set(LOSSES) == {"ce", "fkl", "rkl", "jsd", "tvd", "tvdpp"}
+    assert set(LOSSES) == {"ce", "fkl", "rkl", "jsd", "tvd", "tvdpp", "skl", "srkl"}
     draft, target, labels, mask = random_batch()
     assert torch.equal(distillation_loss("ce", draft, None, labels, mask), cross_entropy(draft, labels, mask))
     assert torch.equal(distillation_loss("rkl", draft, target, None, mask), reverse_kl(draft, target, mask))
@@ -401,3 +412,34 @@ def test_registry_and_dispatcher():
         distillation_loss("tvd", draft, None, labels, mask)
     with pytest.raises(SpecdraftError, match="labels"):
         distillation_loss("ce", draft, target, None, mask)
+
+
+def test_registry_entries_say_what_each_front_may_use():
+    assert [name for name, loss in LOSSES.items() if not loss.needs_target] == ["ce"]
+    assert loss_names(online=True) == loss_names(eagle3=True) == ("fkl", "tvd", "tvdpp", "skl", "srkl")
+    assert {o.name for o in LOSSES["tvdpp"].options} == {"weighting", "normalization"}
+    assert LOSSES["tvdpp"].takes_generator and not LOSSES["skl"].takes_generator
+    assert LOSSES["jsd"].settings() == {"beta": 0.5} and LOSSES["jsd"].settings({"beta": "0.25"}) == {"beta": 0.25}
+    assert LOSSES["fkl"].settings() == {} and get_loss("skl", online=True) is LOSSES["skl"]
+    with pytest.raises(SpecdraftError, match="loss must be one of fkl, tvd, tvdpp, skl, srkl, got 'rkl'"):
+        get_loss("rkl", online=True)
+    with pytest.raises(SpecdraftError, match="has no option 'alpha'; its options are beta"):
+        LOSSES["jsd"].settings({"alpha": 0.1})
+    with pytest.raises(SpecdraftError, match="takes no option"):
+        LOSSES["fkl"].settings({"beta": 0.1})
+    with pytest.raises(SpecdraftError, match=r"option beta must be a number in \[0, 1\], got 'x'"):
+        LOSSES["jsd"].settings({"beta": "x"})
+    with pytest.raises(SpecdraftError, match="option weighting must be one of q, sample"):
+        LOSSES["tvdpp"].settings({"weighting": "all"})
+
+
+def test_register_refuses_an_entry_that_would_mislead(monkeypatch):
+    monkeypatch.setattr(losses, "LOSSES", dict(LOSSES))
+    with pytest.raises(ValueError, match="twice"):
+        register("fkl", summary="again")(forward_kl)
+    with pytest.raises(ValueError, match="alpha already means something else"):
+        register("other", summary="x", options=(losses.LossOption("alpha", 0.5, "another alpha"),))(skew_kl)
+    with pytest.raises(ValueError, match="keyword-only parameter"):
+        register("bare", summary="x", options=(losses.BETA,))(forward_kl)
+    with pytest.raises(ValueError, match="train against p"):
+        register("online_ce", summary="x", reference="labels", online=True)

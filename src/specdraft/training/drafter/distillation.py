@@ -16,6 +16,7 @@ target, and the block efficiency τ of greedy speculative decoding with the real
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,50 +35,81 @@ from specdraft.training.data.batches import (
     target_logits,
 )
 from specdraft.training.data.records import greedy_answers
-from specdraft.training.drafter.finetune_config import FinetuneConfig
-from specdraft.training.objectives.losses import distillation_loss, forward_kl, tvd
+from specdraft.training.objectives.losses import LOSSES, forward_kl, tvd
 from specdraft.training.objectives.tau import greedy_tau, response_ranks
 
 
-def make_kd_loss(config: FinetuneConfig, target_model, keep: torch.Tensor | None = None):
+@dataclass(frozen=True)
+class Objective:
+    """What finetune's loss reads: the loss (a name of :data:`~specdraft.training.objectives.losses.LOSSES`) with
+    its settings, whether p comes from the stored top-k, and whether only OSD's mismatched positions count."""
+
+    loss: str = "fkl"
+    settings: dict = field(default_factory=dict)
+    use_stored_topk: bool = False
+    only_mismatched: bool = False
+
+    @property
+    def reads_topk(self) -> bool:
+        """Whether the data must hold the target's top-k (a loss on the labels never reads p)."""
+        return self.use_stored_topk and LOSSES[self.loss].needs_target
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What finetune's evaluation reads: the γ values, the prompts decoded and their length, the batches of the
+    held-out (or ``data``'s) answers, and bf16 autocast."""
+
+    num_draft_tokens: tuple[int, ...] = (3, 5)
+    prompts: int = 8
+    max_new_tokens: int = 64
+    max_seq_len: int = 512
+    batch_size: int = 16
+    bf16: bool = False
+    data: str = ""  # evaluate on this distill-data folder instead of the held-out split
+
+
+def make_kd_loss(objective: Objective, target_model, keep: torch.Tensor | None = None):
     """loss_fn(model, batch, generator) for the trainer: the chosen loss on response positions only; with ``keep``
     (N,) on the draft vocabulary (q and p both over those N tokens, p renormalised by the loss's softmax). The
     target's LM head, like the drafter's, runs on those positions and rows only (a Llama's full (B, T, V) logits
     would cost a fifth of its forward and most of the step's memory traffic)."""
     vocab_size = target_model.config.vocab_size
+    needs_target = LOSSES[objective.loss].needs_target
 
     def kd_loss(model, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, int]:
         mask = batch["mask"]  # (B, T)
         draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
         target = None
-        if config.loss != "ce" and config.use_stored_topk:
+        if needs_target and objective.use_stored_topk:
             top_ids, top_logprobs = batch["top_ids"][mask], batch["top_logprobs"][mask]  # (n, k)
             target = (dense_from_topk(top_ids, top_logprobs, vocab_size) if keep is None
                       else subset_from_topk(top_ids, top_logprobs, keep, vocab_size))
-        elif config.loss != "ce":
+        elif needs_target:
             with torch.no_grad():  # the teacher's head on response positions and kept rows only
                 target = response_logits(target_model, batch, keep)  # (n, N) or (n, V)
         labels = batch["labels"][mask]  # (n,)
-        if config.only_mismatched:  # OSD: only the positions whose draft greedy verification would reject
+        if objective.only_mismatched:  # OSD: only the positions whose draft greedy verification would reject
             draft, target, labels = onpolicy.mismatched(draft, target, labels)
             if draft.shape[0] == 0:
                 return draft.sum(), 0
-        return _kd_value(config, draft, target, labels, keep, vocab_size, generator), draft.shape[0]
+        return _kd_value(objective, draft, target, labels, keep, vocab_size, generator), draft.shape[0]
 
     return kd_loss
 
 
-def _kd_value(config: FinetuneConfig, draft: torch.Tensor, target: torch.Tensor | None, labels: torch.Tensor,
+def _kd_value(objective: Objective, draft: torch.Tensor, target: torch.Tensor | None, labels: torch.Tensor,
               keep: torch.Tensor | None, vocab_size: int, generator: torch.Generator | None) -> torch.Tensor:
-    """The configured loss of ``draft`` (n, N or V) against ``target`` (same columns) or ``labels`` (n,); with a
-    draft vocabulary ``keep``, "ce" counts only the labels inside it (the others cannot be drafted)."""
-    counted = None
-    if config.loss == "ce" and keep is not None:
+    """The objective's loss of ``draft`` (n, N or V) against ``target`` (same columns) or ``labels`` (n,); with a
+    draft vocabulary ``keep``, a loss on the labels counts only those inside it (the others cannot be drafted)."""
+    loss, counted = LOSSES[objective.loss], None
+    if not loss.needs_target and keep is not None:
         labels, counted = subset_labels(labels, keep, vocab_size)
-    return distillation_loss(config.loss, draft, target, labels, counted, **config.loss_options(generator))
+    drawn = {"generator": generator} if loss.takes_generator and generator is not None else {}
+    return loss(draft, target, labels, counted, **objective.settings, **drawn)
 
 
-def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneConfig,
+def heldout_metrics(model, target_model, batches: list[dict], objective: Objective, bf16: bool,
                     keep: torch.Tensor | None = None) -> dict[str, float]:
     """On held-out response positions, against the real target (never the stored top-k): the training loss, TVD
     (1 − TVD is the expected acceptance rate) and forward KL, each a mean over positions.
@@ -95,13 +127,13 @@ def heldout_metrics(model, target_model, batches: list[dict], config: FinetuneCo
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         mask = batch["mask"]  # (B, T)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             draft = response_logits(model, batch, keep)  # (n, N) or (n, V)
             target = target_logits(target_model, batch)[mask]  # (n, V)
         n = int(mask.sum())
         kept = target if keep is None else target[:, keep]  # (n, N or V)
         generator = torch.Generator(device=device).manual_seed(0)
-        loss = _kd_value(config, draft, kept, batch["labels"][mask], keep, vocab_size, generator)
+        loss = _kd_value(objective, draft, kept, batch["labels"][mask], keep, vocab_size, generator)
         if keep is not None:
             sums["heldout_coverage"] += float(torch.softmax(target.float(), -1)[:, keep].sum(-1).sum())
         sums["heldout_loss"] += float(loss) * n
@@ -150,27 +182,28 @@ def draft_logits_fn(model, keep: torch.Tensor | None, bf16: bool):
     return logits
 
 
-def make_evaluate(config: FinetuneConfig, target_model, target, heldout: list[dict], pad_id: int, eos: tuple,
-                  keep: torch.Tensor | None = None):
+def make_evaluate(evaluation: Evaluation, objective: Objective, target_model, target, heldout: list[dict],
+                  pad_id: int, eos: tuple, keep: torch.Tensor | None = None):
     """evaluate(model) for the trainer: held-out loss, TVD, forward KL and block efficiency at each γ; with
-    ``eval_data``, those on its records, and on the target's greedy answers the exact greedy τ
+    ``evaluation.data``, those on its records, and on the target's greedy answers the exact greedy τ
     (:mod:`specdraft.training.objectives.tau`)."""
-    heldout, exact = greedy_answers(config.eval_data) if config.eval_data else (heldout, False)
+    heldout, exact = greedy_answers(evaluation.data) if evaluation.data else (heldout, False)
     longest = max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in heldout)
-    dataset = DistillDataset(heldout, longest if config.eval_data else config.max_seq_len)  # eval_data: whole, as run
-    batches = [collate_distill([dataset[i] for i in range(s, min(s + config.batch_size, len(dataset)))], pad_id)
-               for s in range(0, len(dataset), config.batch_size)]
-    prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: config.eval_prompts]
+    dataset = DistillDataset(heldout, longest if evaluation.data else evaluation.max_seq_len)  # data: whole, as run
+    size = evaluation.batch_size
+    batches = [collate_distill([dataset[i] for i in range(s, min(s + size, len(dataset)))], pad_id)
+               for s in range(0, len(dataset), size)]
+    prompts = list(dict.fromkeys(tuple(r["prompt_token_ids"]) for r in heldout))[: evaluation.prompts]
 
     def evaluate(model) -> dict[str, float]:
-        metrics = heldout_metrics(model, target_model, batches, config, keep)
+        metrics = heldout_metrics(model, target_model, batches, objective, evaluation.bf16, keep)
         if exact:
-            ranks = response_ranks(draft_logits_fn(model, keep, config.bf16), batches, keep, top=1)
-            metrics |= greedy_tau(ranks, list(config.num_draft_tokens()))
-        for k in config.num_draft_tokens():
+            ranks = response_ranks(draft_logits_fn(model, keep, evaluation.bf16), batches, keep, top=1)
+            metrics |= greedy_tau(ranks, list(evaluation.num_draft_tokens))
+        for k in evaluation.num_draft_tokens:
             if prompts:
                 metrics[f"block_efficiency@{k}"] = block_efficiency(target, model, prompts, k,
-                                                                    config.eval_max_new_tokens, eos, keep)
+                                                                    evaluation.max_new_tokens, eos, keep)
         return metrics
 
     return evaluate

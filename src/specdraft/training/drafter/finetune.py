@@ -89,7 +89,7 @@ def _check_same_embeddings(drafter, target, name: str) -> None:
 @owns_out
 def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     """Run stage 2 and export the aligned drafter; returns the exported folder ``<out>/model``."""
-    need_topk = config.use_stored_topk and config.loss != "ce"
+    need_topk = config.objective().reads_topk
     records = [record for folder in data_folders(config.data)
                for record in load_distill_records(folder, config.allow_incomplete, need_topk)]
     train_records, heldout = split_by_prompt(records, config.heldout_every)
@@ -107,12 +107,12 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     rank, _, device = init_distributed(config.device)
     target_model.to(device)
     keep = None if keep is None else keep.to(device)
-    evaluate = make_evaluate(config, target_model, target, heldout, pad_id, eos_token_ids(tokenizer, config.target),
-                             keep)
+    evaluate = make_evaluate(config.evaluation(), config.objective(), target_model, target, heldout, pad_id,
+                             eos_token_ids(tokenizer, config.target), keep)
     pool = regenerate.regenerator(run_config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
-                   make_kd_loss(config, target_model, keep), run_config, lambda items: collate_distill(items, pad_id),
-                   evaluate, after_step=pool)
+                   make_kd_loss(config.objective(), target_model, keep), run_config,
+                   lambda items: collate_distill(items, pad_id), evaluate, after_step=pool)
     if rank == 0 and result.steps == config.steps:
         trained = len(train_records) - (pool.size if pool else 0)
         data = (f"`{config.data}`: {trained} responses for training, {len(heldout)} held out"
@@ -130,7 +130,7 @@ def _card(config: FinetuneConfig, result: TrainResult, command: str | None, data
     budget = {"Budget": f"{result.steps} steps, {result.tokens:,} response tokens, {result.wall_seconds:.0f} s "
                         f"wall time ({result.tokens_per_second:.0f} tokens/s)",
               "Hardware": f"{hardware(config.device)}, {int(os.environ.get('WORLD_SIZE', 1))} process(es)",
-              "Loss": f"{config.loss} {config.loss_options(None)}"}
+              "Loss": f"{config.loss} {config.loss_settings()}"}
     return {"title": f"specdraft drafter (distilled, {config.loss})", "command": command or shlex.join(sys.argv),
             "data": data, "budget": budget, "metrics": {"train_loss": result.train_loss} | result.eval,
             "config": asdict(config)}

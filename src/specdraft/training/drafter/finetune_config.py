@@ -1,22 +1,47 @@
-"""The settings of ``specdraft finetune`` (stage 2 of Goel et al. 2024, arXiv 2403.00858), checked when built;
-shared by the stage (:mod:`specdraft.training.drafter.finetune`) and its loss and evaluation
-(:mod:`specdraft.training.drafter.distillation`).
+"""The settings of ``specdraft finetune`` (stage 2 of Goel et al. 2024, arXiv 2403.00858), checked when built.
+The stage (:mod:`specdraft.training.drafter.finetune`) hands its loss and its evaluation
+(:mod:`specdraft.training.drafter.distillation`) only what they read (:meth:`FinetuneConfig.objective`,
+:meth:`FinetuneConfig.evaluation`).
+
+The settings of the losses are not listed here: every option of a registered loss
+(:data:`specdraft.training.objectives.losses.LOSSES`) becomes a field after ``loss`` (:func:`with_loss_options`),
+so a new loss brings its flags (``--alpha``) and recipe keys with it.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-
-import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.training.drafter import regenerate
-from specdraft.training.objectives.losses import LOSSES, NORMALIZATIONS, WEIGHTINGS
+from specdraft.training.drafter.distillation import Evaluation, Objective
+from specdraft.training.objectives.losses import LOSSES, all_options, users
 from specdraft.training.runs.checkpoint import EXPORT_DTYPES
 from specdraft.training.runs.trainer import TrainerConfig, check_choices, check_ints
 
 
+def with_loss_options(cls: type) -> type:
+    """Give the settings class ``cls`` (before ``@dataclass``) one field per option of the registered losses,
+    right after its ``loss`` field, with the option's default and help (which names the losses that take it)."""
+    own = inspect.get_annotations(cls)
+    annotations = {}
+    for name, kind in own.items():
+        annotations[name] = kind
+        if name != "loss":
+            continue
+        for option in all_options().values():
+            if option.name in own:
+                raise TypeError(f"{cls.__name__}.{option.name} is a field already: rename the loss option")
+            annotations[option.name] = type(option.default).__name__  # "float" or "str", as the CLI maps them
+            setattr(cls, option.name, field(default=option.default,
+                                            metadata={"help": f"{', '.join(users(option.name))}: {option.help}"}))
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass(frozen=True, kw_only=True)
+@with_loss_options
 class FinetuneConfig(TrainerConfig):
     """Settings of ``specdraft finetune``."""
 
@@ -24,10 +49,8 @@ class FinetuneConfig(TrainerConfig):
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id)"})
     data: str = field(metadata={"help": "distill-data output folder, or several, comma-separated (their records are "
                                         "pooled)"})
-    loss: str = field(default="fkl", metadata={"help": f"loss: {', '.join(LOSSES)}"})
-    beta: float = field(default=0.5, metadata={"help": "jsd: weight of p in the mixture"})
-    weighting: str = field(default="q", metadata={"help": f"tvdpp: {' or '.join(WEIGHTINGS)}"})
-    normalization: str = field(default="batch", metadata={"help": f"tvdpp: {', '.join(NORMALIZATIONS)}"})
+    loss: str = field(default="fkl", metadata={"help": "loss: " + ", ".join(
+        f"{name} ({loss.summary})" for name, loss in LOSSES.items())})
     lr: float = field(default=3e-4, metadata={"help": "peak learning rate"})
     use_stored_topk: bool = field(default=False, metadata={"help": "p from the stored top-k (an approximation)"})
     allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
@@ -64,11 +87,9 @@ class FinetuneConfig(TrainerConfig):
         if self.share_embeddings and not self.freeze_embeddings:
             raise SpecdraftError("--share-embeddings needs --freeze-embeddings (the exported drafter uses the "
                                  "target's table, so training must not change its copy)")
-        if not 0.0 <= self.beta <= 1.0:
-            raise SpecdraftError(f"beta must be in [0, 1], got {self.beta}")
         check_choices(self, ("loss",), LOSSES)
-        check_choices(self, ("weighting",), WEIGHTINGS)
-        check_choices(self, ("normalization",), NORMALIZATIONS)
+        for name, option in all_options().items():  # every loss's settings, whichever loss runs
+            option.parse(getattr(self, name), "finetune")
         check_ints(self, ("max_seq_len", "eval_max_new_tokens"), 1)
         check_ints(self, ("eval_prompts", "draft_vocab"), 0)
         check_ints(self, ("heldout_every",), 2)
@@ -87,12 +108,17 @@ class FinetuneConfig(TrainerConfig):
                                  f"got {self.eval_num_draft_tokens!r}")
         return values
 
-    def loss_options(self, generator: torch.Generator | None) -> dict:
-        """Keyword options of the chosen loss."""
-        if self.loss == "jsd":
-            return {"beta": self.beta}
-        if self.loss == "tvdpp":
-            extra = {"generator": generator} if self.weighting == "sample" else {}
-            return {"weighting": self.weighting, "normalization": self.normalization} | extra
-        return {}
+    def loss_settings(self) -> dict:
+        """The settings of the chosen loss, by option name."""
+        loss = LOSSES[self.loss]
+        return loss.settings({option.name: getattr(self, option.name) for option in loss.options}, "finetune")
+
+    def objective(self) -> Objective:
+        """What the loss reads."""
+        return Objective(self.loss, self.loss_settings(), self.use_stored_topk, self.only_mismatched)
+
+    def evaluation(self) -> Evaluation:
+        """What the evaluation reads."""
+        return Evaluation(self.num_draft_tokens(), self.eval_prompts, self.eval_max_new_tokens, self.max_seq_len,
+                          self.batch_size, bool(self.bf16), self.eval_data)
 

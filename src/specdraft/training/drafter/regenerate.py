@@ -17,14 +17,15 @@ from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.training.data import onpolicy
 from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.objectives.losses import LOSSES
 from specdraft.training.runs.checkpoint import CHECKPOINT_FILE, load_training_state
 from specdraft.training.runs.folders import MANIFEST_FILE
 
 
 def check_regeneration(config) -> None:
     """Validate ``finetune``'s on-policy settings (``only_mismatched``, ``regenerate_*``)."""
-    if config.only_mismatched and config.loss == "ce":
-        raise SpecdraftError("--only-mismatched compares q with p: use a distillation loss, not ce")
+    if config.only_mismatched and not LOSSES[config.loss].needs_target:
+        raise SpecdraftError(f"--only-mismatched compares q with p: use a distillation loss, not {config.loss}")
     for name, minimum in (("regenerate_every", 0), ("regenerate_prompts", 1), ("regenerate_max_new_tokens", 1)):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

@@ -5,13 +5,11 @@ The data is a distill-data folder (the target's own responses). For every batch 
 next-token logits restricted to the draft vocabulary, p (B, L, N). The head is then unrolled for ``ttt_steps`` steps
 on its own features (training-time test, :meth:`specdraft.heads.eagle3.Eagle3Head.unroll`): step i at pair t
 reads token x_{t+1+i} and is trained towards p at position t+1+i, the target's distribution of x_{t+2+i}. The loss
-is sum_i decay^i * loss_i (EAGLE-3 / SpecForge: decay 0.8), with loss_i one of
-
-- ``fkl``: forward KL(p || q) over the draft vocabulary (p renormalised there; SpecForge's soft cross-entropy, which
-  differs from it by p's entropy only; SpecForge also skips positions whose target argmax is not in the draft
-  vocabulary, which needs the full LM head: here they count);
-- ``tvd`` and ``tvdpp``: total variation distance and TVD++ (Goel et al. 2024, arXiv 2403.00858), from
-  :mod:`specdraft.training.objectives.losses`, on the same restricted distributions.
+is sum_i decay^i * loss_i (EAGLE-3 / SpecForge: decay 0.8), with loss_i any registered loss that EAGLE-3 can train
+with (:func:`specdraft.training.objectives.losses.loss_names` with ``eagle3=True``; ``loss=NAME`` and the loss's
+settings as options, e.g. ``loss=skl;alpha=0.2``) between q and p restricted to the draft vocabulary (p
+renormalised there). The default ``fkl`` is SpecForge's soft cross-entropy up to p's entropy (SpecForge also skips
+positions whose target argmax is not in the draft vocabulary, which needs the full LM head: here they count).
 
 Positions count where token x_{t+1+i} is a response token. The draft vocabulary is the ``draft_vocab`` most
 frequent tokens of the training responses (FR-Spec's ranking, :mod:`specdraft.draft_vocab`). The head's ``norm``
@@ -19,8 +17,9 @@ and ``lm_head`` start from the target's final norm and its LM head rows of the d
 
 Held-out metrics: the loss, top-1 agreement of each step's draft token with the target's greedy token
 (``heldout_top1_step0`` is the first draft token's acceptance in greedy decoding when the context is the target's
-own greedy text), and ``heldout_tau_est@k``: 1 + the mean number of leading steps that agree, a chain's block
-efficiency at num_draft_tokens k estimated without decoding. The generic trainer adds τ from real decoding.
+own greedy text), and ``greedy_tau@k`` with ``greedy_first_accept@k``: greedy chain decoding replayed over the
+held-out responses at γ = k from the unroll (:func:`~specdraft.training.objectives.tau.chain_tau`), exact when they
+are the target's own greedy text. The generic trainer adds τ from real decoding.
 """
 
 from __future__ import annotations
@@ -35,23 +34,24 @@ from specdraft.heads.fspad import parse_fspad, partial_smooth_l1
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.training.data.records import load_distill_records, split_by_prompt
 from specdraft.training.heads.kinds import HeadKind
-from specdraft.training.objectives.losses import forward_kl, tvd, tvd_plus_plus
+from specdraft.training.objectives.losses import LOSSES, get_loss
+from specdraft.training.objectives.tau import chain_tau
 
-LOSS_NAMES = ("fkl", "tvd", "tvdpp")
 _OPTIONS = {"loss": "fkl", "ttt_steps": "7", "decay": "0.8", "draft_vocab": "8192", "aux_layers": "",
             "fspad_sampling": "0", "partial_alignment": "0", "align_weight": "1"}
 
 
 def parse_settings(options: dict[str, str], num_layers: int, vocab_size: int) -> dict:
-    """The ``--options`` of ``--kind eagle3`` (loss, ttt_steps, decay, draft_vocab, aux_layers='2,15,27', and
-    FSPAD's fspad_sampling, partial_alignment with its align_weight: :mod:`specdraft.heads.fspad`), checked, with
-    their defaults."""
-    unknown = sorted(set(options) - set(_OPTIONS))
+    """The ``--options`` of ``--kind eagle3`` (loss and its settings, ttt_steps, decay, draft_vocab,
+    aux_layers='2,15,27', and FSPAD's fspad_sampling, partial_alignment with its align_weight:
+    :mod:`specdraft.heads.fspad`), checked, with their defaults."""
+    loss = get_loss(options.get("loss", _OPTIONS["loss"]), eagle3=True, where="eagle3 option loss")
+    settings = {option.name for option in loss.options}
+    unknown = sorted(set(options) - set(_OPTIONS) - settings)
     if unknown:
-        raise SpecdraftError(f"unknown eagle3 option {', '.join(unknown)}; eagle3 takes: {', '.join(_OPTIONS)}")
+        raise SpecdraftError(f"unknown eagle3 option {', '.join(unknown)}; eagle3 takes: "
+                             f"{', '.join([*_OPTIONS, *sorted(settings)])}")
     raw = _OPTIONS | options
-    if raw["loss"] not in LOSS_NAMES:
-        raise SpecdraftError(f"eagle3 option loss must be one of {', '.join(LOSS_NAMES)}, got {raw['loss']!r}")
     try:
         steps, decay, vocab = int(raw["ttt_steps"]), float(raw["decay"]), int(raw["draft_vocab"])
         layers = [int(i) for i in raw["aux_layers"].split(",")] if raw["aux_layers"] else default_aux_layers(num_layers)
@@ -70,8 +70,9 @@ def parse_settings(options: dict[str, str], num_layers: int, vocab_size: int) ->
         weight = -1.0
     if not 0 <= weight < float("inf"):
         raise SpecdraftError(f"eagle3 option align_weight must be a finite number >= 0, got {raw['align_weight']!r}")
-    return {"loss": raw["loss"], "ttt_steps": steps, "decay": decay, "aux_layers": layers,
-            "draft_vocab_size": min(vocab, vocab_size)} | fspad | {"align_weight": weight}
+    loss_options = loss.settings({k: v for k, v in options.items() if k in settings}, f"eagle3 loss {loss.name}")
+    return {"loss": loss.name, "loss_options": loss_options, "ttt_steps": steps, "decay": decay,
+            "aux_layers": layers, "draft_vocab_size": min(vocab, vocab_size)} | fspad | {"align_weight": weight}
 
 
 def _spec(target_config, config, options: dict[str, str]) -> dict:
@@ -132,6 +133,13 @@ def unrolled(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: 
     only (the LM heads skip the prompt), the draft logits (n_i, N), the target's restricted logits (n_i, N) and,
     with ``greedy``, its greedy tokens (n_i,) (else None); then, with ``align``, step 0's outputs g_t and the
     target's next fused features fc(a_{t+1}) (detached) at its counted positions, (n_0, D) each (else None)."""
+    head, aux, p_logits, top, outputs = _unroll(module, target_model, batch, steps, greedy)
+    return _select(head, aux, p_logits, top, outputs, batch["mask"], align)
+
+
+def _unroll(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: bool):
+    """(head, the target's features (B, L, kD), its restricted logits (B, L, N), its greedy tokens (B, L) or None,
+    the head's outputs per step (B, T, D) each) of :func:`unrolled`."""
     head = getattr(module, "module", module)
     if head is not module:
         raise SpecdraftError("eagle3 heads train in one process (its unroll bypasses DistributedDataParallel)")
@@ -140,23 +148,29 @@ def unrolled(module: Eagle3Head, target_model, batch: dict, steps: int, greedy: 
     aux, p_logits, top = teacher(target_model, tokens, seen, head.aux_layers, head.draft_token_ids, greedy)
     embed, _ = target_weights(target_model)
     embeds = [F.embedding(_shift(tokens[:, 1:], i, 0), embed.detach()) for i in range(steps)]  # (B, T, D) each
-    outputs = head.unroll(aux[:, :-1], embeds)  # (B, T, D) each
-    masks = [_shift(batch["mask"], i, False) for i in range(steps)]  # (B, T) each
+    return head, aux, p_logits, top, head.unroll(aux[:, :-1], embeds)
+
+
+def _select(head: Eagle3Head, aux, p_logits, top, outputs, counted: torch.Tensor, align: bool = False):
+    """:func:`unrolled`'s rows, with step 0 counted at the pairs ``counted`` (B, T) and step i at those i pairs
+    before them (step i at pair t drafts the token step 0 drafts at pair t + i)."""
+    masks = [_shift(counted, i, False) for i in range(len(outputs))]  # (B, T) each
     draft = [head.logits(out[mask]) for out, mask in zip(outputs, masks, strict=True)]  # (n_i, N) each
     target = [_shift(p_logits[:, 1:], i, 0.0)[mask] for i, mask in enumerate(masks)]  # (n_i, N) each
-    tops = [_shift(top[:, 1:], i, -1)[mask] if greedy else None for i, mask in enumerate(masks)]  # (n_i,) each
+    tops = [_shift(top[:, 1:], i, -1)[mask] if top is not None else None for i, mask in enumerate(masks)]  # (n_i,)
     aligned = (outputs[0][masks[0]], head.fuse(aux[:, 1:]).detach()[masks[0]]) if align else None  # (n_0, D) each
     return masks, draft, target, tops, aligned
 
 
 def ttt_loss(name: str, decay: float, draft: list[torch.Tensor], target: list[torch.Tensor],
-             generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
-    """sum_i decay^i loss_i over the TTT steps' counted rows (n_i, N) (see the module docstring); returns (loss,
-    step-0 positions)."""
-    function = {"fkl": forward_kl, "tvd": tvd}.get(name)
+             generator: torch.Generator | None = None, options: dict | None = None) -> tuple[torch.Tensor, int]:
+    """sum_i decay^i loss_i over the TTT steps' counted rows (n_i, N) with the registered loss ``name`` and its
+    settings ``options`` (see the module docstring); returns (loss, step-0 positions)."""
+    loss = LOSSES[name]
+    drawn = {"generator": generator} if loss.takes_generator and generator is not None else {}
     total = None
     for i, (q, p) in enumerate(zip(draft, target, strict=True)):
-        value = function(q, p) if function else tvd_plus_plus(q, p, generator=generator)
+        value = loss(q, p, **(options or {}), **drawn)
         total = value * decay**i if total is None else total + value * decay**i
     return total, int(draft[0].shape[0])
 
@@ -175,30 +189,47 @@ def _loss(module, target_model, batch: dict, generator: torch.Generator | None =
     settings = module.train_settings
     align = settings.get("partial_alignment", 0.0) > 0
     _, draft, target, _, aligned = unrolled(module, target_model, batch, settings["ttt_steps"], align=align)
-    loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target, generator)
+    loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target, generator,
+                           settings.get("loss_options"))
     return loss + alignment_loss(settings, aligned), count
 
 
 @torch.no_grad()
 def _metrics(module: Eagle3Head, target_model, batch: dict) -> dict[str, tuple[float, int]]:
-    """Held-out loss, per-step top-1 agreement with the target's greedy token, and the τ estimates."""
+    """Held-out loss and per-step top-1 agreement with the target's greedy token on the training rows, and greedy
+    chain decoding replayed from the rows decoding drafts from (:func:`_greedy_tau`)."""
     settings = module.train_settings
     steps = settings["ttt_steps"]
     align = settings.get("partial_alignment", 0.0) > 0
-    masks, draft, target, tops, aligned = unrolled(module, target_model, batch, steps, greedy=True, align=align)
-    loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target)
-    ids = module.draft_token_ids
+    parts = _unroll(module, target_model, batch, steps, greedy=True)
+    masks, draft, target, tops, aligned = _select(*parts, batch["mask"], align)
+    generator = torch.Generator(device=draft[0].device).manual_seed(0)  # a loss that samples: the same draws
+    loss, count = ttt_loss(settings["loss"], settings["decay"], draft, target, generator, settings.get("loss_options"))
     metrics = {"heldout_loss": (float(loss + alignment_loss(settings, aligned)) * count, count)}
-    right = []  # (B, T) each: step i's draft token is the target's greedy token
-    for i, (q, top, mask) in enumerate(zip(draft, tops, masks, strict=True)):
-        hits = ids[q.argmax(-1)] == top  # (n_i,)
-        metrics[f"heldout_top1_step{i}"] = (float(hits.sum()), int(hits.shape[0]))
-        right.append(torch.zeros_like(mask).masked_scatter(mask, hits))
-    leading = torch.cumprod(torch.stack(right, dim=-1).long(), dim=-1)  # (B, T, steps): all right so far
-    for k in sorted({min(3, steps), min(5, steps), steps}):
-        accepted = leading[..., :k].sum(-1)[masks[0]].float()  # (n,)
-        metrics[f"heldout_tau_est@{k}"] = (float((1 + accepted).sum()), count)
-    return metrics
+    for i, hits in enumerate(_agreement(module, draft, tops, masks)):
+        metrics[f"heldout_top1_step{i}"] = (float(hits.sum()), int(masks[i].sum()))
+    return metrics | _greedy_tau(module, parts, batch["mask"], steps)
+
+
+def _agreement(module: Eagle3Head, draft: list[torch.Tensor], tops: list[torch.Tensor],
+               masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per step, (B, T) bool: at its counted pairs, the draft token is the target's greedy token."""
+    ids = module.draft_token_ids
+    return [torch.zeros_like(mask).masked_scatter(mask, ids[q.argmax(-1)] == top)
+            for q, top, mask in zip(draft, tops, masks, strict=True)]
+
+
+def _greedy_tau(module: Eagle3Head, parts: tuple, mask: torch.Tensor, steps: int) -> dict[str, tuple[float, int]]:
+    """``greedy_tau@k`` and ``greedy_first_accept@k`` for k in 3, 5 and ``ttt_steps`` (at most ``ttt_steps``).
+    Decoding drafts response token j from pair s - 2 + j (s: the prompt's length; step 0 there reads the feature
+    of the token before the last committed one, and that token), so the roots are the pairs whose next-but-one
+    token is a response token: one pair before the training rows. A generation's first step drafts nothing (the
+    drafter gets the prompt's features with its result), so nothing is accepted at each row's first root."""
+    roots = _shift(mask, 1, False)  # (B, T): x_{t+2} is a response token
+    first = roots & ~torch.cat([roots.new_zeros(roots.shape[0], 1), roots[:, :-1]], dim=1)  # (B, T)
+    masks, draft, _, tops, _ = _select(*parts, roots)
+    hits = [right & ~first for right in _agreement(module, draft, tops, masks)]
+    return chain_tau(hits, roots, sorted({min(3, steps), min(5, steps), steps}))
 
 
 def _drafter(module: Eagle3Head):

@@ -8,8 +8,9 @@ x_{t+i+1}, trained towards p at position t + i with the forward KL(p || q) over 
 sum_i decay^i KL_i. Positions count where the predicted token is a response token.
 
 Held-out metrics: the loss, ``heldout_top1_depth{i}`` (agreement of depth i's greedy draft with the target's greedy
-token, teacher-forced on the held-out text) and ``heldout_exact_tau@k``: greedy chain τ at γ = k on the held-out
-responses (:func:`chain_tau`), exact when they are the target's own greedy text.
+token, teacher-forced on the held-out text) and ``greedy_tau@k`` with ``greedy_first_accept@k``: greedy chain
+decoding replayed over the held-out responses at γ = k (:func:`chain_tau`), exact when they are the target's own
+greedy text.
 """
 
 from __future__ import annotations
@@ -21,44 +22,15 @@ from specdraft.heads.glide import GlideHead, build_glide, glide_spec, unroll
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.training.heads.kinds import HeadKind
 from specdraft.training.objectives.losses import forward_kl
+from specdraft.training.objectives.tau import chain_tau
 
-EXACT_DEPTHS = 4  # heldout_exact_tau@k for k = 1 .. 4
+EXACT_DEPTHS = 4  # greedy_tau@k for k = 1 .. 4
 
 
 def pair_roots(mask: torch.Tensor) -> torch.Tensor:
     """(B, L) bool: root t's next token x_{t+1} is a response token, from a collated batch's ``mask`` (B, L - 1)
     over its labels."""
     return torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
-
-
-def chain_tau(hits: list[torch.Tensor], roots: torch.Tensor) -> dict[str, tuple[float, int]]:
-    """Exact greedy chain τ on the target's own greedy text: ``heldout_exact_tau@k`` = (new tokens, target
-    forwards) for k = 1 .. len(hits).
-
-    A generation's first step feeds the prompt with the drafter's chain from the prompt's last token (root r0); a
-    step from root r accepts the leading depths i whose draft token equals x_{r+1+i} (``hits[i][b, r]``), at most k
-    and never past the response's end, then the target adds one token and the next root is the last token emitted.
-
-    Args:
-        hits: per depth i, (B, L) bool: the depth-(i+1) draft token from root t is the text's x_{t+1+i}.
-        roots: (B, L) bool, :func:`pair_roots`: one contiguous run per row (the prompt's last token onwards).
-    """
-    out = {}
-    table = torch.stack(hits, dim=-1).tolist()  # (B, L, depths)
-    for k in range(1, len(hits) + 1):
-        tokens = forwards = 0
-        for row, run in zip(table, roots.tolist(), strict=True):
-            where = [t for t, r in enumerate(run) if r]
-            if not where:
-                continue
-            root, end = where[0], where[-1] + 1  # the text runs to x_end
-            while root < end:
-                accepted = 0
-                while accepted < k and root + accepted + 1 < end and row[root][accepted]:
-                    accepted += 1
-                tokens, forwards, root = tokens + accepted + 1, forwards + 1, root + accepted + 1
-        out[f"heldout_exact_tau@{k}"] = (float(tokens), forwards)
-    return out
 
 
 def _spec(target_config, config, options: dict[str, str]) -> dict:
@@ -146,17 +118,15 @@ def _metrics(module: GlideHead, target_model, batch: dict) -> dict[str, tuple[fl
     γ = 1 .. :data:`EXACT_DEPTHS`."""
     settings = module.train_settings
     depths = settings["ttt_steps"]
-    tokens, roots, lm_head, masks, draft, target = unrolled(module, target_model, batch, max(depths, EXACT_DEPTHS))
+    _, roots, lm_head, masks, draft, target = unrolled(module, target_model, batch, max(depths, EXACT_DEPTHS))
     loss, count = depth_loss(settings["decay"], draft[:depths], target[:depths], lm_head)
     metrics = {"heldout_loss": (float(loss) * count, count)}
-    guesses = []
+    right = []  # (B, L) each: depth i's draft from root t is the target's greedy token there
     for i, (q, p, mask) in enumerate(zip(draft, target, masks, strict=True)):
-        guess = _logits(q, lm_head).argmax(-1)  # (n_i,)
-        hits = guess == _logits(p, lm_head).argmax(-1)
+        hits = _logits(q, lm_head).argmax(-1) == _logits(p, lm_head).argmax(-1)  # (n_i,)
         metrics[f"heldout_top1_depth{i + 1}"] = (float(hits.sum()), int(hits.shape[0]))
-        guesses.append(torch.full_like(tokens, -1).masked_scatter(mask, guess))  # (B, L): the draft at root t
-    hits = [g == _shift(tokens, i + 1) for i, g in enumerate(guesses[:EXACT_DEPTHS])]  # (B, L): it is x_{t+1+i}
-    metrics.update(chain_tau(hits, roots))
+        right.append(torch.zeros_like(mask).masked_scatter(mask, hits))
+    metrics.update(chain_tau(right[:EXACT_DEPTHS], roots, range(1, EXACT_DEPTHS + 1)))
     return metrics
 
 

@@ -33,9 +33,9 @@ class HeadKind:
         ``options`` (``KEY=VALUE`` strings already split into a dict); it must hold ``vocab_size`` and ``hidden_size``.
     build(spec) -> nn.Module: a fresh module (deterministic under ``torch.manual_seed``).
     init(module, target_model): copy what starts from the frozen transformers target (e.g. its LM head).
-    loss(module, target_model, batch) -> (scalar loss, counted positions): ``batch`` as
+    loss(module, target_model, batch, generator) -> (scalar loss, counted positions): ``batch`` as
         :func:`specdraft.training.data.batches.collate_distill` makes it; teacher features come from
-        :func:`teacher_hidden` (no gradient).
+        :func:`teacher_hidden` (no gradient); ``generator`` is the trainer's (checkpointed) for what the loss draws.
     metrics(module, target_model, batch) -> {name: (sum, count)}: held-out statistics, pooled over batches as
         sum / count by the evaluator.
     drafter(module) -> Drafter or None: a drafter over an in-memory module, for block-efficiency evaluation.
@@ -44,7 +44,7 @@ class HeadKind:
     spec: Callable[[Any, Any, dict[str, str]], dict]
     build: Callable[[dict], nn.Module]
     init: Callable[[nn.Module, nn.Module], None]
-    loss: Callable[[nn.Module, nn.Module, dict], tuple[torch.Tensor, int]]
+    loss: Callable[[nn.Module, nn.Module, dict, torch.Generator | None], tuple[torch.Tensor, int]]
     metrics: Callable[[nn.Module, nn.Module, dict], dict[str, tuple[float, int]]]
     drafter: Callable[[nn.Module], Any] | None = None
 
@@ -80,7 +80,8 @@ def _medusa_logits(module, target_model, batch: dict) -> tuple[torch.Tensor, tor
     return module(hidden, lm_head_weight(target_model) if heads.share_lm_head else None), teacher  # (K, B, T, V)
 
 
-def _medusa_loss(module, target_model, batch: dict) -> tuple[torch.Tensor, int]:
+def _medusa_loss(module, target_model, batch: dict,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
     decay = getattr(getattr(module, "module", module), "decay", DEFAULT_DECAY)
     logits, teacher = _medusa_logits(module, target_model, batch)
     loss, _, count = medusa_loss(logits, batch["labels"], batch["mask"], decay, teacher)

@@ -34,6 +34,7 @@ from specdraft.training.data.records import check_token_ids, load_distill_record
 from specdraft.training.heads.eagle3 import EAGLE3
 from specdraft.training.heads.glide import GLIDE
 from specdraft.training.heads.kinds import EAGLE, MEDUSA, HeadKind
+from specdraft.training.objectives.losses import loss_names
 from specdraft.training.runs.checkpoint import EXPORT_DTYPES, hardware, model_card
 from specdraft.training.runs.folders import owns_out
 from specdraft.training.runs.stages import begin_stage, data_inputs, end_stage
@@ -75,7 +76,8 @@ class HeadsConfig(TrainerConfig):
                                                                 "their own vocabulary projection (D*D params a head)"})
     options: str = field(default="", metadata={"help": "kind-specific settings, 'k=v;k=v' (medusa: decay=0.8, "
                                                           "distill=0|1; eagle: cls_weight=0.1, reg_weight=1, noise=0; "
-                                                          "eagle3: loss=fkl|tvd|tvdpp, ttt_steps=7, decay=0.8, "
+                                                          f"eagle3: loss={'|'.join(loss_names(eagle3=True))} "
+                                                          "and its settings, ttt_steps=7, decay=0.8, "
                                                           "draft_vocab=8192, aux_layers=2,15,27, align_weight=1; "
                                                           "eagle and eagle3, FSPAD: fspad_sampling=0, "
                                                           "partial_alignment=0; glide: layers=1, glimpse_layer=-1, "
@@ -191,7 +193,7 @@ def train_heads(config: HeadsConfig, command: str | None = None) -> Path:
     evaluate = make_evaluate(config, kind, target_model, target, heldout, pad_id,
                              eos_token_ids(tokenizer, config.target))
     result = train(module, DistillDataset(train_records, config.max_seq_len),
-                   lambda model, batch, generator: kind.loss(model, target_model, batch), run_config,
+                   lambda model, batch, generator: kind.loss(model, target_model, batch, generator), run_config,
                    lambda items: collate_distill(items, pad_id), evaluate)
     if rank == 0 and result.steps == config.steps:
         card = _card(config, result, command, spec, len(train_records), len(heldout))

@@ -13,14 +13,19 @@ Conventions shared by all of them:
 - An all-False mask returns ``0.0`` still attached to the graph (``backward()`` works and gives zero gradients),
   so a batch without response tokens is a no-op step rather than a crash; log the count if it matters.
 
-``LOSSES`` maps the CLI names to the functions and :func:`distillation_loss` is the trainer's single entry point.
+The registry. :data:`LOSSES` maps each name to its :class:`Loss`: the function, what it compares q with (the
+target's logits, or the data's tokens for cross-entropy), its settings (:class:`LossOption`) and whether online
+distillation (``serve --online-distill``) and EAGLE-3 heads can train with it. ``finetune --loss`` and its option
+flags, ``serve --online-loss`` and ``train-heads --kind eagle3 --options loss=...`` all read it, so a new loss is one
+function here under :func:`register`, plus its test. :func:`distillation_loss` is the trainer's single entry point.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +34,159 @@ from specdraft.errors import SpecdraftError
 
 WEIGHTINGS = ("q", "sample")
 NORMALIZATIONS = ("none", "vocab", "batch")
+REFERENCES = ("target", "labels")  # what a loss compares q with: the target's logits, or the data's tokens
 
 
+@dataclass(frozen=True)
+class LossOption:
+    """One setting of a loss: a finetune flag (``--NAME``) and recipe key, a ``NAME=VALUE`` option of online
+    distillation and of EAGLE-3 heads. ``choices`` for a word; else a number in [``low``, ``high``] (``high``
+    excluded when ``open_high``)."""
+
+    name: str
+    default: float | str
+    help: str
+    choices: tuple[str, ...] = ()
+    low: float = -math.inf
+    high: float = math.inf
+    open_high: bool = False
+
+    def parse(self, value: object, where: str) -> float | str:
+        """``value`` (a setting, or the text of ``NAME=VALUE``) as this option's type, checked; a bad one raises
+        :class:`SpecdraftError` naming ``where`` and the option."""
+        if self.choices:
+            if value not in self.choices:
+                raise SpecdraftError(f"{where} option {self.name} must be one of {', '.join(self.choices)}, "
+                                     f"got {value!r}")
+            return value
+        try:
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        inside = self.low <= number and (number < self.high if self.open_high else number <= self.high)
+        if not inside:
+            bounds = f"[{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            raise SpecdraftError(f"{where} option {self.name} must be a number in {bounds}, got {value!r}")
+        return number
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A registered loss (see :func:`register`).
+
+    Attributes:
+        name: the name every front takes (``--loss NAME``, ``--online-loss NAME``, ``loss=NAME``).
+        function: ``function(draft_logits, reference, mask, **options) -> float32 scalar``.
+        reference: "target" (compares q with the target's logits p) or "labels" (with the data's tokens).
+        options: its settings; the function's other keyword-only parameters (``eps``, ``generator``) are not.
+        online: online distillation can train with it (it compares with p, rebuilt from the stored top-k).
+        eagle3: EAGLE-3 heads can train with it (on p and q restricted to the draft vocabulary).
+        summary: one line for help texts.
+    """
+
+    name: str
+    function: Callable[..., torch.Tensor]
+    reference: str
+    options: tuple[LossOption, ...]
+    online: bool
+    eagle3: bool
+    summary: str
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether the loss reads the target's distributions (else only the data's tokens)."""
+        return self.reference == "target"
+
+    @property
+    def takes_generator(self) -> bool:
+        """Whether the function draws randomness (a ``generator`` keyword)."""
+        return "generator" in inspect.signature(self.function).parameters
+
+    def settings(self, given: Mapping[str, object] | None = None, where: str | None = None) -> dict:
+        """Every setting of the loss: the ``given`` values (settings, or ``NAME=VALUE`` texts) parsed and checked,
+        the rest at their defaults. A name the loss does not take raises, naming the ones it does."""
+        given, where = dict(given or {}), where or f"loss {self.name}"
+        names = [option.name for option in self.options]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            takes = f"its options are {', '.join(names)}" if names else "it takes no option"
+            raise SpecdraftError(f"{where} has no option {unknown[0]!r}; {takes}")
+        return {o.name: o.parse(given[o.name], where) if o.name in given else o.default for o in self.options}
+
+    def __call__(self, draft_logits: torch.Tensor, target_logits: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                 **options: object) -> torch.Tensor:
+        """The loss of ``draft_logits`` against ``target_logits`` or ``labels`` (its :attr:`reference`); shapes
+        as in :func:`cross_entropy`. ``options``: keyword-only parameters of :attr:`function`."""
+        accepted = [p.name for p in inspect.signature(self.function).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise SpecdraftError(f"loss {self.name!r} has no option {unknown[0]!r}; its options are {accepted}")
+        reference, what = (target_logits, "target_logits") if self.needs_target else (labels, "labels")
+        if reference is None:
+            raise SpecdraftError(f"loss {self.name!r} needs {what}, got None")
+        return self.function(draft_logits, reference, mask, **options)
+
+
+LOSSES: dict[str, Loss] = {}  # name -> Loss, in the order registered
+
+
+def register(name: str, *, summary: str, reference: str = "target", options: tuple[LossOption, ...] = (),
+             online: bool = False, eagle3: bool = False) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the loss ``name`` in :data:`LOSSES`. An option shared by several losses
+    must be the same :class:`LossOption` (one setting, one meaning); online and EAGLE-3 losses compare with p."""
+    if reference not in REFERENCES:
+        raise ValueError(f"loss {name}: reference must be one of {REFERENCES}")
+    if (online or eagle3) and reference != "target":
+        raise ValueError(f"loss {name}: online distillation and EAGLE-3 train against p (reference 'target')")
+
+    def add(function: Callable) -> Callable:
+        if name in LOSSES:
+            raise ValueError(f"loss {name} is registered twice")
+        known = all_options()
+        clash = [o.name for o in options if o.name in known and known[o.name] != o]
+        if clash:
+            raise ValueError(f"loss {name}: option {clash[0]} already means something else")
+        keyword = {p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        if not {o.name for o in options} <= keyword:
+            raise ValueError(f"loss {name}: every option must be a keyword-only parameter of {function.__name__}")
+        LOSSES[name] = Loss(name, function, reference, tuple(options), online, eagle3, summary)
+        return function
+
+    return add
+
+
+def all_options() -> dict[str, LossOption]:
+    """Every option of the registered losses, by name (a settings class exposes each once)."""
+    return {option.name: option for loss in LOSSES.values() for option in loss.options}
+
+
+def users(option: str) -> list[str]:
+    """The names of the losses that take the option ``option``."""
+    return [loss.name for loss in LOSSES.values() if any(o.name == option for o in loss.options)]
+
+
+def loss_names(*, online: bool = False, eagle3: bool = False) -> tuple[str, ...]:
+    """The registered names, or those online distillation / EAGLE-3 heads can train with."""
+    return tuple(name for name, loss in LOSSES.items() if (loss.online or not online) and (loss.eagle3 or not eagle3))
+
+
+def get_loss(name: str, *, online: bool = False, eagle3: bool = False, where: str = "loss") -> Loss:
+    """The registered loss ``name``, refused (naming the choices) unless it is one of :func:`loss_names`."""
+    names = loss_names(online=online, eagle3=eagle3)
+    if name not in names:
+        raise SpecdraftError(f"{where} must be one of {', '.join(names)}, got {name!r}")
+    return LOSSES[name]
+
+
+BETA = LossOption("beta", 0.5, "weight of p in the mixture", low=0.0, high=1.0)
+WEIGHTING = LossOption("weighting", "q", f"{' or '.join(WEIGHTINGS)}", choices=WEIGHTINGS)
+NORMALIZATION = LossOption("normalization", "batch", f"{', '.join(NORMALIZATIONS)}", choices=NORMALIZATIONS)
+ALPHA = LossOption("alpha", 0.1, "skew: the share of the other distribution in the mixture (0 = plain KL)",
+                   low=0.0, high=1.0, open_high=True)
+
+
+@register("ce", summary="cross-entropy on the data's tokens", reference="labels")
 def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy on the data tokens: mean over counted positions of ``-log q(label)``.
 
@@ -50,6 +206,7 @@ def cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor, mask: torch.
     return _mean(per_position)
 
 
+@register("fkl", summary="forward KL(p || q)", online=True, eagle3=True)
 def forward_kl(
     draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -61,6 +218,7 @@ def forward_kl(
     return _mean(_kl(log_p, log_q))
 
 
+@register("rkl", summary="reverse KL(q || p)")
 def reverse_kl(
     draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -72,6 +230,7 @@ def reverse_kl(
     return _mean(_kl(log_q, log_p))
 
 
+@register("jsd", summary="generalized Jensen-Shannon divergence (GKD)", options=(BETA,))
 def jsd(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
@@ -105,6 +264,7 @@ def jsd(
     return _mean(beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m))
 
 
+@register("tvd", summary="total variation distance", online=True, eagle3=True)
 def tvd(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Total variation distance TVD(p, q) = ½ Σ_x |p(x) − q(x)| ∈ [0, 1]; masked mean over positions.
 
@@ -116,6 +276,8 @@ def tvd(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Ten
     return _mean(0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1))
 
 
+@register("tvdpp", summary="TVD++ (Goel et al. 2024)", options=(WEIGHTING, NORMALIZATION), online=True,
+          eagle3=True)
 def tvd_plus_plus(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
@@ -187,14 +349,44 @@ def tvd_plus_plus(
     return _mean(-advantage * log_q.gather(-1, tokens).squeeze(-1))
 
 
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {
-    "ce": cross_entropy,
-    "fkl": forward_kl,
-    "rkl": reverse_kl,
-    "jsd": jsd,
-    "tvd": tvd,
-    "tvdpp": tvd_plus_plus,
-}
+@register("skl", summary="skew KL(p || a p + (1 - a) q) (DistiLLM)", options=(ALPHA,), online=True, eagle3=True)
+def skew_kl(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None = None, *, alpha: float = 0.1
+) -> torch.Tensor:
+    """α-skew forward KL of DistiLLM (Ko et al. 2024, "DistiLLM: Towards Streamlined Distillation for Large Language
+    Models", arXiv 2402.03898; default α = 0.1 as there):
+
+        SKL_α(p ‖ q) = KL(p ‖ α p + (1 − α) q) = Σ_x p(x) (log p(x) − log(α p(x) + (1 − α) q(x)))
+
+    α = 0 is forward KL(p ‖ q) exactly (special-cased); α → 1 tends to 0. Mixing p into q bounds the log ratio by
+    −log α where q(x) ≈ 0 < p(x), the terms that make forward KL's gradient spike: DistiLLM's reason for the skew.
+    Masked mean over positions; shapes as in :func:`cross_entropy`; returns a float32 scalar.
+
+    Args:
+        alpha: weight of p in the mixture, 0 ≤ α < 1.
+    """
+    log_q, log_p = _log_probs(draft_logits, target_logits, mask)  # (n, V) each
+    return _mean(_kl(log_p, _skewed(log_p, log_q, _check_alpha(alpha, "skl"))))
+
+
+@register("srkl", summary="skew reverse KL(q || (1 - a) p + a q) (DistiLLM)", options=(ALPHA,), online=True,
+          eagle3=True)
+def skew_reverse_kl(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None = None, *, alpha: float = 0.1
+) -> torch.Tensor:
+    """α-skew reverse KL of DistiLLM (Ko et al. 2024, arXiv 2402.03898; default α = 0.1 as there):
+
+        SRKL_α(q ‖ p) = KL(q ‖ (1 − α) p + α q) = Σ_x q(x) (log q(x) − log((1 − α) p(x) + α q(x)))
+
+    α = 0 is reverse KL(q ‖ p) exactly (special-cased); α → 1 tends to 0. The mixture keeps log p's tail, where the
+    target gives a token almost nothing, from dominating a mode-seeking loss.
+    Masked mean over positions; shapes as in :func:`cross_entropy`; returns a float32 scalar.
+
+    Args:
+        alpha: weight of q in the mixture, 0 ≤ α < 1.
+    """
+    log_q, log_p = _log_probs(draft_logits, target_logits, mask)  # (n, V) each
+    return _mean(_kl(log_q, _skewed(log_q, log_p, _check_alpha(alpha, "srkl"))))
 
 
 def distillation_loss(
@@ -205,30 +397,34 @@ def distillation_loss(
     mask: torch.Tensor | None = None,
     **options: object,
 ) -> torch.Tensor:
-    """The loss called ``name`` in :data:`LOSSES`: "ce" compares with ``labels``, the others with the target.
+    """The loss called ``name`` in :data:`LOSSES`, against ``labels`` or the target as it says
+    (:attr:`Loss.reference`).
 
     Args:
         name: a key of :data:`LOSSES`.
         draft_logits: (N, V) or (B, T, V) draft logits.
-        target_logits: same shape, target logits (no grad); may be None for "ce".
-        labels: (N,) or (B, T) long data tokens; may be None for the distillation losses.
+        target_logits: same shape, target logits (no grad); may be None for a loss on the labels.
+        labels: (N,) or (B, T) long data tokens; may be None for a loss on the target.
         mask: (N,) or (B, T) bool, True where a response token counts.
-        options: the loss's keyword-only options (``beta`` for jsd; ``weighting``, ``normalization``, ``eps``,
-            ``generator`` for tvdpp).
+        options: the loss's keyword-only parameters: its settings (``beta`` for jsd; ``weighting``,
+            ``normalization`` for tvdpp; ``alpha`` for skl and srkl), and ``eps``, ``generator`` for tvdpp.
     Returns:
         float32 scalar.
     """
     if name not in LOSSES:
         raise SpecdraftError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    loss = LOSSES[name]
-    accepted = [p.name for p in inspect.signature(loss).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise SpecdraftError(f"loss {name!r} has no option {unknown[0]!r}; its options are {accepted}")
-    reference, what = (labels, "labels") if loss is cross_entropy else (target_logits, "target_logits")
-    if reference is None:
-        raise SpecdraftError(f"loss {name!r} needs {what}, got None")
-    return loss(draft_logits, reference, mask, **options)
+    return LOSSES[name](draft_logits, target_logits, labels, mask, **options)
+
+
+def _check_alpha(alpha: float, name: str) -> float:
+    return float(ALPHA.parse(alpha, name))
+
+
+def _skewed(log_a: torch.Tensor, log_b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """log(α a + (1 − α) b) per entry (n, V), from log a and log b; exactly log b at α = 0."""
+    if alpha == 0.0:
+        return log_b
+    return torch.logsumexp(torch.stack([log_a + math.log(alpha), log_b + math.log(1.0 - alpha)]), dim=0)
 
 
 def _q_advantage(reward: torch.Tensor, q: torch.Tensor, normalization: str, eps: float) -> torch.Tensor:

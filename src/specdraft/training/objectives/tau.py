@@ -1,18 +1,21 @@
-"""Exact greedy block efficiency τ of a drafter on the target's own greedy answers, without decoding.
+"""Exact greedy block efficiency τ of a draft model on the target's own greedy answers, without decoding.
 
 In greedy chain drafting every draft token after an accepted one is predicted from the target's own prefix, so the
 accepted length of a block starting at response position t is the run of consecutive positions from t where the
 drafter's argmax equals the target's token, capped at γ; the target then adds one token (recovered or bonus) and the
-next block starts after it (:func:`greedy_blocks`). One teacher-forced forward of the drafter over each answer gives
-every position's match (:func:`response_ranks`), so τ at any γ costs one pass over the answers: the held-out metric
-``finetune --eval-data`` logs at every evaluation and ``benchmarks/heldout_tvd.py`` prints per drafter.
+next block starts after it (:func:`specdraft.tau.greedy_steps`, :func:`greedy_blocks`). One teacher-forced forward
+of the drafter over each answer gives every position's match (:func:`response_ranks`), so τ at any γ costs one pass
+over the answers: ``greedy_tau@γ``, which ``finetune --eval-data`` logs at every evaluation and
+``benchmarks/heldout_tvd.py`` prints per drafter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+
+from specdraft.tau import FIRST_ACCEPT, TAU, greedy_steps, leading, metric, tally
 
 
 def greedy_blocks(matches: list[bool], num_draft_tokens: int, sibling_hits: list[bool] | None = None
@@ -20,16 +23,13 @@ def greedy_blocks(matches: list[bool], num_draft_tokens: int, sibling_hits: list
     """(tokens, blocks, blocks whose first draft token is accepted) of greedy chain speculative decoding over one
     response, from ``matches[t]`` = the drafter's argmax at response position t equals the target's token there;
     ``sibling_hits[t]``: the target's token there is among the drafter's runners-up (siblings beside the chain)."""
-    tokens = blocks = first = t = 0
-    while t < len(matches):
-        accepted = 0
-        while accepted < num_draft_tokens and t + accepted < len(matches) and matches[t + accepted]:
-            accepted += 1
-        if sibling_hits is not None and accepted < num_draft_tokens and t + accepted < len(matches):
-            accepted += sibling_hits[t + accepted]  # the rejected depth's sibling leaf
-        emitted = min(accepted + 1, len(matches) - t)  # accepted tokens, then the target's own (recovered or bonus)
-        tokens, blocks, first, t = tokens + emitted, blocks + 1, first + (accepted > 0), t + emitted
-    return tokens, blocks, first
+    def accepted(t: int) -> int:
+        count = leading(matches[t : t + num_draft_tokens], num_draft_tokens)
+        if sibling_hits is not None and count < num_draft_tokens and t + count < len(matches):
+            count += sibling_hits[t + count]  # the rejected depth's sibling leaf
+        return count
+
+    return tally(greedy_steps(accepted, len(matches)))
 
 
 def response_ranks(draft_logits: Callable[[dict], torch.Tensor], batches: list[dict], keep: torch.Tensor | None,
@@ -73,14 +73,44 @@ def greedy_tau(ranks: list[list[int]], gammas: list[int], siblings: list[int] = 
     row = {}
     for m, hits in (copies or {}).items():
         for gamma in gammas:
-            row[f"greedy_tau@{gamma}:copy{m}"], row[f"greedy_first_accept@{gamma}:copy{m}"] = pooled(
+            row[metric(TAU, gamma, f":copy{m}")], row[metric(FIRST_ACCEPT, gamma, f":copy{m}")] = pooled(
                 greedy_blocks([h == 1 if h >= 0 else r == 0 for r, h in zip(rs, hs, strict=True)], gamma)
                 for rs, hs in zip(ranks, hits, strict=True))
     for gamma in gammas:
         for k in (0, *siblings):
             tau, first = pooled(greedy_blocks([r == 0 for r in rs], gamma, [0 < r <= k for r in rs] if k else None)
                                 for rs in ranks)
-            row[f"greedy_tau@{gamma}" + (f"+{k}" if k else "")] = tau
+            row[metric(TAU, gamma, f"+{k}" if k else "")] = tau
             if not k:
-                row[f"greedy_first_accept@{gamma}"] = first
+                row[metric(FIRST_ACCEPT, gamma)] = first
     return row
+
+
+def chain_tau(hits: list[torch.Tensor], roots: torch.Tensor, gammas: Iterable[int]) -> dict[str, tuple[float, int]]:
+    """Greedy chain decoding of a drafter that drafts from roots (heads: GliDe, EAGLE-3) replayed over held-out text
+    (:func:`specdraft.tau.greedy_steps`), at each γ in ``gammas`` (at most ``len(hits)``): ``greedy_tau@γ`` =
+    (new tokens, target forwards) and ``greedy_first_accept@γ`` = (steps whose first draft token is accepted, steps),
+    pooled as sums and counts. Exact on the target's own greedy text.
+
+    Response token j is drafted first from the j-th root of its row (the root of the first one being the prompt's
+    end); a step there accepts the leading depths i whose draft token is the target's greedy token (``hits[i]`` at
+    that root), at most γ and never past the response's end, then the target adds one token and the next step
+    drafts from the root of the token after them.
+
+    Args:
+        hits: per depth i, (B, L) bool: the depth-(i+1) draft token from root t is the target's greedy token there.
+        roots: (B, L) bool: one contiguous run per row, as long as the row's response.
+    """
+    out = {}
+    table = torch.stack(hits, dim=-1).tolist()  # (B, L, depths)
+    runs = [[t for t, r in enumerate(run) if r] for run in roots.tolist()]
+    for k in gammas:
+        tokens = steps = first = 0
+        for row, where in zip(table, runs, strict=True):
+            if where:
+                start = where[0]
+                walk = greedy_steps(lambda j, row=row, start=start, k=k: leading(row[start + j][:k], k), len(where))
+                tokens, steps, first = (a + b for a, b in zip((tokens, steps, first), tally(walk), strict=True))
+        out[metric(TAU, k)] = (float(tokens), steps)
+        out[metric(FIRST_ACCEPT, k)] = (float(first), steps)
+    return out
