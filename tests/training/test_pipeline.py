@@ -20,6 +20,7 @@ from specdraft.training.drafter.finetune import FinetuneConfig, finetune
 from specdraft.training.drafter.init_drafter import project_embeddings
 from specdraft.training.drafter.pretrain import PretrainConfig, build_drafter, pretrain
 from specdraft.training.runs.checkpoint import is_complete_export
+from specdraft.training.runs.folders import count_and_hash
 from toys import WORDS, save_tiny_checkpoint
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -165,8 +166,8 @@ def test_empty_or_malformed_data_files(run, tmp_path, content, message):
     data = _data_copy(run, tmp_path)
     (data / "shard-00001.jsonl").write_text(content)
     manifest = json.loads((data / "manifest.json").read_text())
-    del manifest["sha256"]
-    manifest["shards"]["shard-00001.jsonl"] = len(content.splitlines())
+    manifest["shards"]["shard-00001.jsonl"], manifest["sha256"]["shard-00001.jsonl"] = count_and_hash(
+        data / "shard-00001.jsonl")
     (data / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecdraftError, match=message):
         _finetune(run, tmp_path / "out", data=str(data))

@@ -224,7 +224,7 @@ def training_stage(run, config, inputs, export: str, overwrite: bool, command: s
         if hasattr(resolved, "with_budget"):
             resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
         defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-        if stage_changes(resolved, inputs(), export, defaults):
+        if stage_changes(resolved, inputs(), export, defaults, overwrite=True):
             run(replace(config, resume=False, overwrite=True), command=command)
             return
     resume = stage_changes(config, {}, export, {}) is not None

@@ -16,7 +16,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads
 from specdraft.models.registry import load_model
 from specdraft.training.commands import add_training_commands
-from toys import save_tiny_checkpoint
+from toys import save_tiny_checkpoint, write_data_folder
 
 
 def _cli(*argv):
@@ -35,10 +35,7 @@ def _setup(root):
         prompt = torch.randint(3, 64, (int(torch.randint(2, 7, (1,), generator=generator)),), generator=generator)
         response = generate(target, prompt.tolist(), None, GenerationConfig(20)).token_ids
         records.append({"prompt_id": number, "prompt_token_ids": prompt.tolist(), "response_token_ids": response})
-    (root / "data").mkdir()
-    (root / "data" / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (root / "data" / "manifest.json").write_text(json.dumps({"complete": True, "num_shards": 1,
-                                                             "shards": ["shard-00000.jsonl"]}))
+    write_data_folder(root / "data", records)
     return target, records
 
 

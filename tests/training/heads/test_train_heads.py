@@ -3,7 +3,6 @@ folder, per-head accuracy and τ in the evaluation log, exact resume, and the ba
 
 import argparse
 import csv
-import json
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads
 from specdraft.models.registry import load_model
 from specdraft.training.commands import add_training_commands
-from toys import save_tiny_checkpoint
+from toys import save_tiny_checkpoint, write_data_folder
 
 
 def _cli(*argv):
@@ -25,10 +24,7 @@ def _cli(*argv):
 
 
 def _write_data(folder, records) -> None:
-    folder.mkdir(parents=True)
-    (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (folder / "manifest.json").write_text(json.dumps({"complete": True, "num_shards": 1,
-                                                      "shards": ["shard-00000.jsonl"]}))
+    write_data_folder(folder, records)
 
 
 @pytest.fixture(scope="module")

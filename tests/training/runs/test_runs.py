@@ -3,6 +3,7 @@ train-drafter against changed configs, training stages that refuse to clobber a 
 outside. Each case ends in a correct complete result or a one-line refusal (exit 2) with no earlier file changed."""
 
 import hashlib
+import importlib.util
 import json
 import random
 import shutil
@@ -18,6 +19,8 @@ from specdraft.training.data.distill_data import DistillDataConfig, generate_dis
 from specdraft.training.data.records import load_distill_records
 from specdraft.training.runs import folders
 from toys import WORDS, save_tiny_checkpoint
+
+TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 PIPELINE = """
 target = "{root}/target"
@@ -323,28 +326,60 @@ def test_a_truncated_shard_is_found_by_readers_and_regenerated_by_distill_data(t
     assert (out / "shard-00001.jsonl.damaged").read_text() == whole[: len(whole) // 2]  # kept, not lost
 
 
-def test_a_legacy_run_without_checksums_or_fingerprints_loads_and_resumes(target, tmp_path, capsys):
-    """The format written before checksums (flat distill_config.json, manifest of record counts only)."""
-    prompts = _prompts(tmp_path / "p.jsonl", _texts(12))
-    out = tmp_path / "x"
-    config = _data(target, prompts, out)
-    generate_distillation_data(config, progress=False)
+def _older(out: Path) -> None:
+    """Turn a distill-data run into the layout written before checksums and fingerprints (a flat
+    distill_config.json, a manifest of record counts only)."""
     saved = json.loads((out / "distill_config.json").read_text())
     (out / "distill_config.json").write_text(json.dumps({k: v for k, v in saved.items()
                                                          if k not in ("inputs", "dtype_choice")}))
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["sha256"]
     (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_data_folder_of_an_older_layout_is_refused_saying_how_to_convert_it(target, tmp_path, capsys):
+    """Readers and distill-data refuse it in one line (exit 2) naming the conversion, and change nothing;
+    tools/add_shard_checksums.py converts it for readers, --overwrite makes it again."""
+    prompts = _prompts(tmp_path / "p.jsonl", _texts(12))
+    out = tmp_path / "x"
+    generate_distillation_data(_data(target, prompts, out), progress=False)
     records = load_distill_records(out)
-    assert "legacy, unverified" in capsys.readouterr().err
-    (out / "shard-00002.jsonl").unlink()  # a legacy run stopped part-way: resumed
-    manifest = generate_distillation_data(config, progress=False)
-    assert manifest["complete"] and load_distill_records(out) == records
-    assert "legacy" in capsys.readouterr().err and "sha256" in manifest
-    assert "inputs" in json.loads((out / "distill_config.json").read_text())
-    _prompts(tmp_path / "q.jsonl", list(reversed(_texts(12))))
-    with pytest.raises(SpecdraftError, match="prompts"):
-        generate_distillation_data(_data(target, str(tmp_path / "q.jsonl"), out), progress=False)
+    _older(out)
+    before = _snapshot(out)
+    with pytest.raises(SpecdraftError, match=r"lists its shards without their checksums \(an older specdraft's "
+                                             r"layout\): add them with `python tools/add_shard_checksums.py"):
+        load_distill_records(out)
+    capsys.readouterr()
+    assert _distill_cli(target, prompts, out) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "distill_config.json has no fingerprint of the prompts (an older specdraft's layout)" in line
+    assert "make it again with --overwrite" in line and _snapshot(out) == before
+    tool = importlib.util.spec_from_file_location("add_shard_checksums", TOOLS / "add_shard_checksums.py")
+    module = importlib.util.module_from_spec(tool)
+    tool.loader.exec_module(module)
+    assert module.main([str(out)]) == 0 and "3 shards, 12 records, checksums added" in capsys.readouterr().out
+    assert load_distill_records(out) == records  # readers take it again
+    (out / "shard-00001.jsonl").write_text("")
+    assert module.main([str(out)]) == 2 and "holds 0 records, the manifest says 4" in capsys.readouterr().err
+    (out / "shard-00001.jsonl").unlink()
+    assert _distill_cli(target, prompts, out, "--overwrite") == 0  # made again, whole
+    assert load_distill_records(out) == records and "inputs" in json.loads((out / "distill_config.json").read_text())
+
+
+def test_a_training_run_of_an_older_layout_is_refused_and_overwrite_replaces_it(pipeline, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _stage_cli(pipeline, "pretrain", out, "--steps", 2) == 0
+    (out / "run.json").unlink()  # a run made before run.json existed
+    before = _snapshot(out)
+    capsys.readouterr()
+    for extra in ((), ("--resume",)):
+        assert _stage_cli(pipeline, "pretrain", out, "--steps", 2, *extra) == 2
+        line = _error_line(capsys.readouterr().err)
+        assert "holds a training run without run.json (an older specdraft's layout)" in line
+        assert "its model/ folder loads as it is; to train it again, pass --overwrite" in line
+    assert _snapshot(out) == before
+    assert _stage_cli(pipeline, "pretrain", out, "--steps", 2, "--overwrite") == 0
+    assert json.loads((out / "run.json").read_text())["finished"]
 
 
 # --- dtype auto ------------------------------------------------------------------------------------------------------

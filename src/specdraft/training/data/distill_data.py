@@ -174,43 +174,38 @@ def _prepare_folder(config: DistillDataConfig, out: Path, prompts: list, choices
     if not overwrite and folders.staging_path(out).is_dir():
         folders.note(f"a replacement of {out} was interrupted ({folders.staging_path(out)}); rerun with --overwrite to "
                   "finish it")
-    saved = _saved_config(work)
+    saved = _saved_config(work, older_ok=work != out)
     current = config.data_fields() | {"inputs": {"prompts": prompts_fingerprint(prompts)}}
-    if saved is not None and work != out and _config_changes(saved, current, config):
+    if saved is not None and work != out and (not saved or _config_changes(saved, current, config)):
         shutil.rmtree(work)  # a staging folder of another replacement: never the user's data
         saved = None
     if saved is not None:
         changed = _config_changes(saved, current, config)
         folders.refuse_changes(work, "distill-data run", changed, "use a new --out, or --overwrite to replace it")
-        if "inputs" not in saved:
-            _check_legacy_prompts(work, config, prompts)
-            folders.note(f"{work}: made before input fingerprints were recorded (legacy); its shards' prompts match "
-                      "the current prompts, so it is continued and its fingerprint recorded")
     work.mkdir(parents=True, exist_ok=True)
     folders.atomic_write(work / CONFIG_FILE, json.dumps(current | choices, indent=1))
     return work
 
 
 def distill_changes(config: DistillDataConfig) -> list[str] | None:
-    """What differs between the run in ``config.out`` and this config and its prompts (None when it holds none)."""
+    """What differs between the run in ``config.out`` and this config and its prompts (None when it holds none; a
+    run of an older layout differs in everything: this is asked before replacing a run)."""
     config, _ = resolve_config(config)
     out = Path(config.out)
     folders.recover(out)
-    saved = _saved_config(out)
+    saved = _saved_config(out, older_ok=True)
     if saved is None:
         return None
+    if not saved:
+        return [f"{CONFIG_FILE} (an older layout)"]
     prompts = load_prompts(config)
-    changed = _config_changes(saved, config.data_fields() | {"inputs": {"prompts": prompts_fingerprint(prompts)}},
-                              config)
-    if not changed and "inputs" not in saved:
-        try:
-            _check_legacy_prompts(out, config, prompts)
-        except SpecdraftError:
-            changed = [f"prompts ({config.prompts}: content or order differs)"]
-    return changed
+    return _config_changes(saved, config.data_fields() | {"inputs": {"prompts": prompts_fingerprint(prompts)}},
+                           config)
 
 
-def _saved_config(folder: Path) -> dict | None:
+def _saved_config(folder: Path, older_ok: bool = False) -> dict | None:
+    """The saved config of the run in ``folder`` (None when it holds none). One of an older layout (no prompts
+    fingerprint) is refused, or with ``older_ok`` (it is about to be replaced) returned empty."""
     path = folder / CONFIG_FILE
     if not path.is_file():
         if folder.is_dir() and any(folder.glob("shard-*.jsonl")):
@@ -222,40 +217,24 @@ def _saved_config(folder: Path) -> dict | None:
             raise ValueError
     except (OSError, ValueError):
         raise SpecdraftError(f"{path} is damaged; use a new --out, or --overwrite to replace the run") from None
+    if "inputs" not in saved:
+        if older_ok:
+            return {}
+        folders.older_layout(path, "has no fingerprint of the prompts",
+                             "finetune and train-heads read the folder as it is; to add to it, make it again with "
+                             "--overwrite")
     return saved
 
 
 def _config_changes(saved: dict, current: dict, config: DistillDataConfig) -> list[str]:
     """What differs between a saved run's config and this one (a setting added since counts at its default)."""
     defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-    old = {k: v for k, v in saved.items()
-           if k not in ("dtype_choice", "device_choice") and (k != "inputs" or "inputs" in current)}
-    if "inputs" not in saved:  # legacy: the prompts are checked against the shards instead
-        old["inputs"] = current["inputs"]
-    changed = folders.changes({k: v for k, v in old.items() if k != "inputs"},
-                           {k: v for k, v in current.items() if k != "inputs"}, defaults)
-    if old.get("inputs", {}).get("prompts") != current["inputs"]["prompts"]:
+    skip = ("dtype_choice", "device_choice", "inputs")
+    changed = folders.changes({k: v for k, v in saved.items() if k not in skip},
+                              {k: v for k, v in current.items() if k not in skip}, defaults)
+    if saved["inputs"].get("prompts") != current["inputs"]["prompts"]:
         changed.append(f"prompts ({config.prompts}: content or order differs)")
     return changed
-
-
-def _check_legacy_prompts(out: Path, config: DistillDataConfig, prompts: list) -> None:
-    """A run without a prompts fingerprint: the first record of each present shard must be the prompt that the
-    current prompts put first in that shard."""
-    for path in sorted(out.glob("shard-*.jsonl")):
-        index = int(path.stem.split("-")[1])
-        with open(path) as file:
-            first = file.readline()
-        try:
-            record = json.loads(first)
-        except ValueError:
-            continue  # a damaged shard is found and regenerated by the shard check
-        expected = prompts[index * config.shard_size] if index * config.shard_size < len(prompts) else None
-        if expected is None or [record.get("prompt_id"), record.get("messages")] != list(expected):
-            raise SpecdraftError(f"{out} holds data for other prompts ({path.name} starts with "
-                                 f"{record.get('prompt_id')!r}, the prompts now put "
-                                 f"{expected[0] if expected else 'nothing'!r} there); use a new --out, or "
-                                 "--overwrite to replace it")
 
 
 def _check_present_shards(out: Path, shards: list, config: DistillDataConfig) -> dict[str, tuple[int, str]]:

@@ -155,7 +155,7 @@ def _source_count(data: Path, name: str) -> int:
 
 def _annotates(path: Path, source: Path) -> bool:
     """Whether the first record of an output shard is the first record of ``source`` plus its top-k (a shard
-    written before checksums were recorded)."""
+    written just before a kill, which the manifest does not list yet)."""
     try:
         with open(path) as mine, open(source) as theirs:
             record, original = json.loads(mine.readline()), json.loads(theirs.readline())

@@ -6,8 +6,10 @@ run by building the new one beside it.
   refused with one line naming what changed (:func:`changes`, :func:`refuse_changes`).
 - **Shard checksums.** A data folder's ``manifest.json`` lists each shard's record count and, under ``sha256``, its
   checksum. :func:`verify_shards` checks both before a stage reads or reuses the folder, so a shard truncated or
-  edited from outside is found. Manifests written before checksums existed are "legacy, unverified": their record
-  counts are still checked, with a note.
+  edited from outside is found.
+- **Older layouts are refused**, with one line saying how to convert the folder: a manifest without checksums
+  (``tools/add_shard_checksums.py`` adds them), a distill-data run without its prompts fingerprint, a training run
+  without ``run.json`` (:func:`older_layout`).
 - **One writer.** A stage holds its run folder's lock while it runs (:func:`owns_out`,
   :func:`specdraft.files.owning`): a second writer of the same folder is refused with one line. On the next start of
   a run, what killed writes left in its folder (``.NAME.*.tmp``) is removed (:func:`clear_leftovers`), and a resumed
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError, utf8_error
 from specdraft.files import owning, remove_leftovers, write_text_atomic
-from specdraft.training.runs.checkpoint import CHECKPOINT_FILE, is_complete_export, load_training_state
+from specdraft.training.runs.checkpoint import CHECKPOINT_FILE
 
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"  # of a data folder: shards, their checksums, config, completeness
@@ -142,18 +144,28 @@ def note(message: str) -> None:
 
 
 def read_manifest(folder: str | Path) -> dict:
-    """A data folder's manifest; a missing or malformed one is a SpecdraftError."""
+    """A data folder's manifest; a missing or malformed one is a SpecdraftError, and so is one of an older layout
+    (shards listed without their checksums: :func:`older_layout`)."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
-        if isinstance(manifest.get("shards"), list):  # names only (written by hand or another tool)
-            manifest["shards"] = dict.fromkeys(manifest["shards"])
-        if not isinstance(manifest.get("shards"), dict):
+        shards = manifest.get("shards")
+        if not isinstance(shards, (dict, list)):
             raise TypeError
     except (OSError, ValueError, TypeError, AttributeError):
         hint = interrupted_hint(folder)
         raise SpecdraftError(f"{folder} is not a distill-data folder (missing or bad {MANIFEST_FILE}){hint}") from None
+    sums = manifest.get("sha256")
+    if isinstance(shards, list) or not isinstance(sums, dict) or not set(shards) <= set(sums):
+        older_layout(folder / MANIFEST_FILE, "lists its shards without their checksums",
+                     f"add them with `python tools/add_shard_checksums.py {folder}` (it trusts the shards as they "
+                     "are), or make the folder again")
     return manifest
+
+
+def older_layout(where: str | Path, what: str, how: str) -> None:
+    """Refuse a folder or file written in an older layout, in one line: what it lacks and how to convert it."""
+    raise SpecdraftError(f"{where} {what} (an older specdraft's layout): {how}")
 
 
 def shard_entries(folder: Path, names: Iterable[str]) -> tuple[dict[str, int], dict[str, str]]:
@@ -166,10 +178,9 @@ def shard_entries(folder: Path, names: Iterable[str]) -> tuple[dict[str, int], d
 
 def verify_shards(folder: str | Path, manifest: dict, names: Iterable[str] | None = None) -> dict[str, str]:
     """Check that every shard the manifest lists (or ``names`` of them) is on disk with its record count and
-    checksum; returns the checksums. A manifest without checksums (legacy) is checked by record counts only, with a
-    note; a damaged shard raises naming it."""
+    checksum; returns the checksums. A damaged shard raises naming it."""
     folder = Path(folder)
-    listed, sums = manifest["shards"], manifest.get("sha256") or {}
+    listed, sums = manifest["shards"], manifest["sha256"]
     names = sorted(listed) if names is None else list(names)
     found = {}
     for name in names:
@@ -178,17 +189,12 @@ def verify_shards(folder: str | Path, manifest: dict, names: Iterable[str] | Non
             raise SpecdraftError(f"{path} is missing but listed in {folder / MANIFEST_FILE}: the folder was changed "
                                  "from outside; rerun the command that made it to regenerate the shard")
         count, digest = count_and_hash(path)
-        expected = sums.get(name)
-        if count != (listed[name] if listed[name] is not None else count) or (expected not in (None, digest)):
+        if count != listed[name] or digest != sums[name]:
             why = (f"{count} records, the manifest says {listed[name]}" if count != listed[name]
                    else "its checksum differs from the manifest's")
             raise SpecdraftError(f"{path} is damaged ({why}): it was truncated or edited outside specdraft; rerun "
                                  "the command that made it to regenerate it")
         found[name] = digest
-    unverified = [n for n in names if n not in sums]
-    if unverified:
-        note(f"{folder}: {len(unverified)} shard(s) listed without checksums (legacy, unverified: record counts "
-             "checked only)")
     return found
 
 
@@ -336,36 +342,34 @@ class RunPlan:
     record: dict
 
 
-def _held_run(folder: Path, export: str) -> dict | None:
-    """The record of the run a folder holds (``run.json``; for a run made before records existed, its checkpoint's
-    config, marked legacy), or None when it holds no run."""
+def _held_run(folder: Path, export: str, overwrite: bool = False) -> dict | None:
+    """The record of the run a folder holds (``run.json``), or None when it holds no run. A run of an older layout
+    (a checkpoint, an export or a log, no ``run.json``) is refused, unless it is being replaced (``overwrite``:
+    then it counts as a run of unknown settings)."""
     path = folder / RUN_FILE
     if path.is_file():
         try:
             return json.loads(path.read_text())
         except ValueError:
             raise SpecdraftError(f"{path} is damaged; pass --overwrite to replace the run") from None
-    if (folder / CHECKPOINT_FILE).is_file():
-        config = load_training_state(folder / CHECKPOINT_FILE).get("config", {})
-        return {"settings": training_settings(config), "legacy": True}
-    if (folder / export).exists() or (folder / "train_log.csv").is_file():
-        return {"legacy": True}
+    if any((folder / name).exists() for name in (CHECKPOINT_FILE, export, "train_log.csv")):
+        if overwrite:
+            return {}
+        older_layout(folder, f"holds a training run without {RUN_FILE}",
+                     f"its {export}/ folder loads as it is; to train it again, pass --overwrite")
     return None
 
 
 def _run_changes(held: dict, record: dict, defaults: dict) -> list[str]:
-    changed = changes(held["settings"], record["settings"], defaults) if "settings" in held else []
+    changed = changes(held["settings"], record["settings"], defaults)
     for name, digest in record["inputs"].items():
-        old = held.get("inputs", {}).get(name)
-        if not held.get("legacy") and old != digest:
+        if held.get("inputs", {}).get(name) != digest:
             changed.append(f"{name} ({record['sources'].get(name, name)}: content differs)")
     return changed
 
 
-def _state(folder: Path, held: dict, export: str) -> str:
-    if held.get("finished") or (held.get("legacy") and is_complete_export(folder / export)):
-        return "finished"
-    return "interrupted"
+def _state(held: dict) -> str:
+    return "finished" if held.get("finished") else "interrupted"
 
 
 def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str, defaults: dict) -> RunPlan:
@@ -384,36 +388,37 @@ def plan_run(stage: str, config, inputs: dict[str, tuple[str, str]], export: str
     settings = training_settings(_plain(asdict(config)))
     record = {"stage": stage, "settings": settings, "inputs": {k: v[1] for k, v in inputs.items()},
               "sources": {k: v[0] for k, v in inputs.items()}}
-    held = _held_run(out, export)
+    held = _held_run(out, export, config.overwrite)
     hint = "pass --overwrite to replace it, or use another --out"
     if config.overwrite and held is not None:
         work = staging_path(out)
-        staged = _held_run(work, export) if work.is_dir() else None
-        same = staged is not None and not staged.get("legacy") and not _run_changes(staged, record, defaults)
+        staged = _held_run(work, export, overwrite=True) if work.is_dir() else None
+        same = bool(staged) and not _run_changes(staged, record, defaults)
         return RunPlan(out, work, same and (work / CHECKPOINT_FILE).is_file(), False, record | {"fresh": not same})
     if held is None:
         if config.resume:
             raise SpecdraftError(f"nothing to resume: {out} holds no {stage} run (no training checkpoint)")
         return RunPlan(out, out, False, False, record | {"fresh": True})
     if not config.resume:
-        raise SpecdraftError(f"{out} holds a {stage} run ({_state(out, held, export)}); pass --resume to continue "
-                             "it, or --overwrite to replace it")
+        raise SpecdraftError(f"{out} holds a {stage} run ({_state(held)}); pass --resume to continue it, or "
+                             "--overwrite to replace it")
     refuse_changes(out, f"{stage} run", _run_changes(held, record, defaults), hint)
-    if held.get("legacy"):
-        note(f"{out}: a {stage} run made before input fingerprints were recorded (legacy): its settings are "
-             "checked, its inputs unverified")
-    finished = _state(out, held, export) == "finished"
+    finished = _state(held) == "finished"
     return RunPlan(out, out, (out / CHECKPOINT_FILE).is_file(), finished, record | {"fresh": False})
 
 
-def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defaults: dict) -> list[str] | None:
-    """What differs between the run in ``config.out`` and this config and inputs (None when it holds no run)."""
+def stage_changes(config, inputs: dict[str, tuple[str, str]], export: str, defaults: dict,
+                  overwrite: bool = False) -> list[str] | None:
+    """What differs between the run in ``config.out`` and this config and inputs (None when it holds no run). A
+    run of an older layout is refused, or with ``overwrite`` (it is about to be replaced) differs in everything."""
     from dataclasses import asdict
 
     recover(config.out)
-    held = _held_run(Path(config.out), export)
+    held = _held_run(Path(config.out), export, overwrite)
     if held is None:
         return None
+    if not held:
+        return [f"{RUN_FILE} (an older layout)"]
     record = {"settings": training_settings(_plain(asdict(config))), "inputs": {k: v[1] for k, v in inputs.items()},
               "sources": {k: v[0] for k, v in inputs.items()}}
     return _run_changes(held, record, defaults)
