@@ -6,7 +6,8 @@ drafter's argmax equals the target's token, capped at γ; the target then adds o
 next block starts after it (:func:`specdraft.tau.greedy_steps`, :func:`greedy_blocks`). One teacher-forced forward
 of the drafter over each answer gives every position's match (:func:`response_ranks`), so τ at any γ costs one pass
 over the answers: ``greedy_tau@γ``, which ``finetune --eval-data`` logs at every evaluation and
-``benchmarks/heldout_tvd.py`` prints per drafter.
+``benchmarks/heldout_tvd.py`` prints per drafter. Heads that draft from roots (GliDe, EAGLE-3) give the same walk
+from their training unroll (:func:`chain_tau`).
 """
 
 from __future__ import annotations
