@@ -109,7 +109,8 @@ def finetune(config: FinetuneConfig, command: str | None = None) -> Path:
     keep = None if keep is None else keep.to(device)
     evaluate = make_evaluate(config.evaluation(), config.objective(), target_model, target, heldout, pad_id,
                              eos_token_ids(tokenizer, config.target), keep)
-    pool = regenerate.regenerator(run_config, train_records, need_topk, target_model, tokenizer, keep)  # adds a pool
+    pool = regenerate.regenerator(run_config.regeneration(), train_records, need_topk, target_model, tokenizer,
+                                  keep)  # adds a pool
     result = train(drafter, DistillDataset(train_records, config.max_seq_len, need_topk),
                    make_kd_loss(config.objective(), target_model, keep), run_config,
                    lambda items: collate_distill(items, pad_id), evaluate, after_step=pool)

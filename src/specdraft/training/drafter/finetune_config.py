@@ -117,6 +117,12 @@ class FinetuneConfig(TrainerConfig):
         """What the loss reads."""
         return Objective(self.loss, self.loss_settings(), self.use_stored_topk, self.only_mismatched)
 
+    def regeneration(self) -> regenerate.Regeneration:
+        """What the on-policy pool reads."""
+        return regenerate.Regeneration(self.regenerate_every, self.regenerate_prompts, self.regenerate_temperature,
+                                       self.regenerate_max_new_tokens, self.target, self.target_dtype,
+                                       self.batch_size, self.seed, self.steps, self.out, self.resume)
+
     def evaluation(self) -> Evaluation:
         """What the evaluation reads."""
         return Evaluation(self.num_draft_tokens(), self.eval_prompts, self.eval_max_new_tokens, self.max_seq_len,

@@ -8,6 +8,7 @@ distill-data machinery of :mod:`specdraft.training.data.distill_data` with ``pol
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,11 +36,28 @@ def check_regeneration(config) -> None:
         raise SpecdraftError("--regenerate-every needs the whole drafter on every process: drop --fsdp")
 
 
-def regenerator(config, records: list[dict], need_topk: bool, target_model, tokenizer,
+@dataclass(frozen=True)
+class Regeneration:
+    """What the pool reads of ``finetune``'s settings (``regenerate_*``, and where and how the run trains)."""
+
+    every: int  # regenerate_every: refresh after every this many steps (0: no pool)
+    prompts: int  # regenerate_prompts: the pool's size
+    temperature: float  # regenerate_temperature: the drafter's sampling
+    max_new_tokens: int  # regenerate_max_new_tokens
+    target: str
+    target_dtype: str
+    batch_size: int
+    seed: int
+    steps: int
+    out: str  # the run's working folder
+    resume: bool
+
+
+def regenerator(config: Regeneration, records: list[dict], need_topk: bool, target_model, tokenizer,
                 keep: torch.Tensor | None = None) -> Regenerator | None:
     """``finetune``'s pool (appended to ``records``), refilled as of the checkpoint on resume; None when
-    ``regenerate_every`` is 0."""
-    if not config.regenerate_every:
+    ``config.every`` is 0."""
+    if not config.every:
         return None
     topk = len(records[0]["top_ids"][0]) if need_topk else 0
     pool = Regenerator(config, records, topk, target_model, tokenizer, keep)
@@ -61,7 +79,7 @@ class Regenerator:
     last folder at or before its checkpoint's step.
     """
 
-    def __init__(self, config, records: list[dict], topk: int, target_model, tokenizer,
+    def __init__(self, config: Regeneration, records: list[dict], topk: int, target_model, tokenizer,
                  keep: torch.Tensor | None = None) -> None:
         self.config, self.records, self.topk, self.keep = config, records, topk, keep
         if any("messages" not in record for record in records):
@@ -72,7 +90,7 @@ class Regenerator:
         for record in records:
             first.setdefault(record.get("prompt_id", str(record["prompt_token_ids"])), record)
         self.prompts = list(first.items())
-        self.size = min(config.regenerate_prompts, len(self.prompts))
+        self.size = min(config.prompts, len(self.prompts))
         self.start = len(records)
         records.extend(first[pid] for pid, _ in self._pool_prompts(0))
 
@@ -86,18 +104,18 @@ class Regenerator:
 
     def restore(self, step: int) -> None:
         """Refill the pool as it was after ``step`` (a resumed run), from the folder of the last refresh."""
-        every = self.config.regenerate_every
+        every = self.config.every
         if every and step >= every:
             self._fill(self.folder(step // every * every))
 
     def __call__(self, step: int, drafter) -> None:
         """The trainer's after-step hook: refresh the pool when ``step`` is a multiple of ``regenerate_every``."""
-        if not self.config.regenerate_every or step % self.config.regenerate_every or step == self.config.steps:
+        if not self.config.every or step % self.config.every or step == self.config.steps:
             return  # nothing after the last step: no training would read it
         c = self.config
         data = DistillDataConfig(
             target=c.target, out=str(self.folder(step)), prompts=f"pool:{step}", responses_per_prompt=1,
-            max_new_tokens=c.regenerate_max_new_tokens, temperature=c.regenerate_temperature,
+            max_new_tokens=c.max_new_tokens, temperature=c.temperature,
             top_logprobs=self.topk, batch_size=c.batch_size, dtype=c.target_dtype, seed=c.seed + step,
             policy="draft", draft=f"{c.out} at step {step}")
         prompts = [(pid, record["messages"]) for pid, record in self._pool_prompts(step)]
