@@ -32,8 +32,8 @@ test-slow: $(STAMP)
 # The tests of the kernels, precision choices, training arithmetic and resume again on torch's, oneDNN's and MKL's
 # AVX2 code paths (on an AVX-512 machine they would otherwise run only the AVX-512 ones)
 AVX2_PATHS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-AVX2_TESTS := tests/models tests/test_hardware.py tests/test_devices.py tests/training/test_trainer.py \
-	tests/training/test_checkpoint.py tests/training/test_run_folders.py tests/training/test_losses.py
+AVX2_TESTS := tests/models tests/test_hardware.py tests/test_devices.py tests/training/runs/test_trainer.py \
+	tests/training/runs/test_checkpoint.py tests/training/runs/test_run_folders.py tests/training/objectives/test_losses.py
 test-avx2: $(STAMP)
 	$(AVX2_PATHS) $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS)
 

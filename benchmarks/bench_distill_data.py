@@ -25,9 +25,9 @@ import torch
 
 from specdraft.hardware import cpu_model, resolve_device, resolve_dtype
 from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
-from specdraft.training.generation import DistillDataConfig, generate_shard
-from specdraft.training.native_generation import StaticEngine
-from specdraft.training.prompt_sources import load_prompt_sources
+from specdraft.training.data.distill_data import DistillDataConfig, generate_shard
+from specdraft.training.data.native_generation import StaticEngine
+from specdraft.training.data.prompt_sources import load_prompt_sources
 
 
 def load_engine(engine: str, target: str, dtype: str, device: str):

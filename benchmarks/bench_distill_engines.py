@@ -5,7 +5,7 @@ tokens/s of each (generation only, and with the engine's start), and whether the
         [--dtype bfloat16] [--top-logprobs 8] [--engines native,vllm]
 
 Each engine writes a complete ``distill-data`` folder (``OUT/native``, ``OUT/vllm``) through
-:func:`specdraft.training.generation.generate_distillation_data`, with the model (or vLLM's engine) started first
+:func:`specdraft.training.data.distill_data.generate_distillation_data`, with the model (or vLLM's engine) started first
 and timed apart. Prints one JSON line: per engine the start seconds, generation seconds, answer tokens, tokens/s;
 then the record fields of each engine, and how many answers are token-identical across the engines.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specdraft.models.registry import SMOLLM2, load_model, load_tokenizer, parse_dtype
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data, load_prompts
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data, load_prompts
 
 
 def _records(folder: Path) -> list[dict]:
@@ -31,7 +31,7 @@ def _start(config: DistillDataConfig):
     """The model, or vLLM's engine, for ``config``: (models tuple, closer)."""
     tokenizer = load_tokenizer(config.target)
     if config.engine == "vllm":
-        from specdraft.training.vllm_generation import start_engine
+        from specdraft.training.data.vllm_generation import start_engine
 
         engine = start_engine(config)
         return (engine, tokenizer, None), engine.close

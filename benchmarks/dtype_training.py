@@ -31,8 +31,8 @@ def measure(steps: int, batch_size: int, seq_len: int) -> dict:
 
     from specdraft.hardware import cpu_capability, fast_dtype
     from specdraft.models.registry import SMOLLM2, load_model, resolve
-    from specdraft.training.drafter_config import DrafterConfig
-    from specdraft.training.losses import distillation_loss
+    from specdraft.training.drafter.init_drafter import DrafterConfig
+    from specdraft.training.objectives.losses import distillation_loss
 
     torch.manual_seed(0)
     target = load_model(SMOLLM2, torch.float32, backend="hf").model.eval().requires_grad_(False)

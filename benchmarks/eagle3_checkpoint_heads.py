@@ -14,9 +14,9 @@ from specdraft.heads import save_heads
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import build_eagle3
 from specdraft.models.registry import resolve
-from specdraft.training.checkpoint import load_training_state
-from specdraft.training.eagle3 import parse_settings
-from specdraft.training.heads import HeadsConfig
+from specdraft.training.heads.eagle3 import parse_settings
+from specdraft.training.heads.train_heads import HeadsConfig
+from specdraft.training.runs.checkpoint import load_training_state
 
 parser = argparse.ArgumentParser()
 parser.add_argument("run")

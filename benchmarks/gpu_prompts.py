@@ -16,9 +16,9 @@ import json
 import random
 from collections import Counter
 
-from specdraft.training.data import sharegpt_prompts
-from specdraft.training.prompt_sources import load_prompt_sources
-from specdraft.training.task_prompts import build_task_prompts
+from specdraft.corpus import sharegpt_prompts
+from specdraft.training.data.prompt_sources import load_prompt_sources
+from specdraft.training.data.task_prompts import build_task_prompts
 
 
 def pool(tasks: int, per_task: int, first_turns: int, turns: int, max_chars: int, seed: int) -> list[tuple[str, dict]]:

@@ -28,7 +28,7 @@ for h in heads-eagle heads-medusa heads-medusa-distill; do
   "$(dirname "$sd")/python" - "$h" <<'PY'
 import sys
 from specdraft.draft_vocab import rank_tokens, save_token_ranking
-from specdraft.training.records import load_distill_records, split_by_prompt
+from specdraft.training.data.records import load_distill_records, split_by_prompt
 train, _ = split_by_prompt(load_distill_records("dd-sharegpt-train-t1", allow_incomplete=True), 20)
 save_token_ranking(sys.argv[1] + "/heads", rank_tokens((r["response_token_ids"] for r in train), 49152))
 PY

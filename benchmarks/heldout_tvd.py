@@ -33,11 +33,11 @@ import torch
 
 from specdraft.draft_vocab import draft_subset
 from specdraft.models.registry import resolve
-from specdraft.training.batches import DistillDataset, collate_distill
-from specdraft.training.distillation import draft_logits_fn, heldout_metrics
-from specdraft.training.exact_tau import greedy_blocks, greedy_tau, response_ranks  # noqa: F401 (greedy_blocks: tests)
-from specdraft.training.finetune import FinetuneConfig, load_models
-from specdraft.training.records import load_distill_records
+from specdraft.training.data.batches import DistillDataset, collate_distill
+from specdraft.training.data.records import load_distill_records
+from specdraft.training.drafter.distillation import draft_logits_fn, heldout_metrics
+from specdraft.training.drafter.finetune import FinetuneConfig, load_models
+from specdraft.training.objectives.tau import greedy_blocks, greedy_tau, response_ranks  # noqa: F401 (greedy_blocks: tests)
 
 
 def copy_hits(records: list[dict], smallest: int) -> list[list[int]]:
@@ -76,7 +76,7 @@ def evaluate(target: str, drafter: str, records: list[dict], batch_size: int, ta
     batches = [collate_distill([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))], pad_id)
                for s in range(0, len(dataset), batch_size)]
     with torch.no_grad():
-        metrics = heldout_metrics(model.eval(), target_model, batches, config, keep)
+        metrics = heldout_metrics(model.eval(), target_model, batches, config.objective(), True, keep)
         top = max(siblings, default=0) + 1  # the greedy token and k runners-up
         ranks = response_ranks(draft_logits_fn(model, keep, bf16=True), batches, keep, top) if gammas else None
         tau = greedy_tau(ranks, gammas, siblings, copies) if gammas else {}

@@ -8,8 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
+from specdraft.corpus import iter_sharegpt, sharegpt_prompts
 from specdraft.models.registry import load_tokenizer
-from specdraft.training.data import iter_sharegpt, sharegpt_prompts
+from specdraft.training.runs.folders import shard_entries
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -46,6 +47,7 @@ for index in range(0, len(records), args.shard_size):
     (out / name).write_text("".join(json.dumps(r) + "\n" for r in records[index : index + args.shard_size]))
     shards[name] = len(records[index : index + args.shard_size])
 manifest = {"num_shards": len(shards), "complete": True, "shards": shards, "records": len(records),
+            "sha256": shard_entries(out, sorted(shards))[1],
             "config": {"prompts": "sharegpt", "split": "train", "responses": "dataset", "max_tokens": args.max_tokens}}
 (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 print(f"{out}: {len(records)} records in {len(shards)} shards")

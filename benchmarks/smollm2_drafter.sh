@@ -95,7 +95,7 @@ OMP_NUM_THREADS=2 $sd finetune --drafter grow4-init --target $T --data dd-tasks3
 py=${PYTHON:-python}
 $py - "${SPEC_BENCH:?question.jsonl of Spec-Bench}" <<'PY'
 import collections, json, sys
-from specdraft.training.prompt_sources import load_prompt_sources
+from specdraft.training.data.prompt_sources import load_prompt_sources
 with open("tasks-rest2.jsonl", "w") as out:
     for prompt_id, messages in load_prompt_sources("sharegpt-tasks", "train")[2112:9000]:
         out.write(json.dumps({"id": prompt_id, "messages": messages}) + "\n")

@@ -8,9 +8,9 @@ import pytest
 
 from specdraft import datastore
 from specdraft.cli import main
+from specdraft.corpus import split_of
 from specdraft.datastore import SEPARATOR, Datastore, suffix_array
 from specdraft.errors import SpecdraftError
-from specdraft.training import data
 from toys import WORDS, save_tiny_checkpoint, tiny_tokenizer
 
 
@@ -93,13 +93,13 @@ def test_build_save_load_round_trip_and_byte_identical_rebuild(corpus, tmp_path)
 
 def test_sharegpt_source_keeps_held_out_conversations_out(tmp_path, monkeypatch):
     ids = [f"c{i}" for i in range(200)]
-    train = next(i for i in ids if data.split_of(i) == "train")
-    heldout = next(i for i in ids if data.split_of(i) == "heldout")
+    train = next(i for i in ids if split_of(i) == "train")
+    heldout = next(i for i in ids if split_of(i) == "heldout")
     conversations = [{"id": cid, "conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": text}]}
                      for cid, text in ((train, "w5 w6 w7"), (heldout, "w8 w9"))]
     fake = tmp_path / "sharegpt.json"
     fake.write_text(json.dumps(conversations))
-    monkeypatch.setattr(data, "sharegpt_path", lambda: fake)
+    monkeypatch.setattr("specdraft.corpus.sharegpt_path", lambda: fake)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     tokenizer = tiny_tokenizer()
     out, manifest = datastore.build(tokenizer)

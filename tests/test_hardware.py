@@ -64,7 +64,7 @@ def test_auto_device_is_cuda_only_where_one_is_visible(monkeypatch):
 
 def test_torchrun_processes_take_their_local_rank(monkeypatch):
     from specdraft.errors import SpecdraftError
-    from specdraft.training.trainer import init_distributed
+    from specdraft.training.runs.trainer import init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -1,8 +1,11 @@
 """The package's dependencies run one way, read from the source with ``ast`` (imports inside functions included):
 
 models, head architectures and the shared core (sampling, trees, verification, ...) at the bottom; drafters; the
-decoding loop; then training, bench and the demo; then the fronts (``cli``, ``api``, the package itself and any
-other front-end package), which nothing below imports. No module uses another module's private names (``_x``).
+decoding loop; then training, bench and the demo; then the fronts (``cli``, ``api``, the package itself and
+``export``), which nothing below imports. Every module has its layer here. Inside a package, its subpackages are
+layered too (:data:`SUBLAYERS`), and a module of a subpackage never imports the modules of a package above it
+(``training/runs/folders.py`` never imports ``training/commands.py``). No module uses another module's private
+names (``_x``).
 """
 
 from __future__ import annotations
@@ -17,16 +20,23 @@ import specdraft
 PACKAGE = "specdraft"
 SRC = Path(specdraft.__file__).resolve().parent
 
-# Layer of a module, by its longest matching prefix; a module no prefix names is a front (the top layer).
+# Layer of a module, by its longest matching prefix (every module has one: test_every_module_has_a_layer).
 LAYERS = {
     "errors": 0, "files": 0, "hardware": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0, "costs": 0,
-    "engines": 0,
+    "corpus": 0, "tau": 0, "engines": 0,
     "drafters": 1,
     "decoding": 2, "batching": 2, "batch_drafting": 2, "speculation": 2, "step": 2,
     "training": 3, "bench": 3, "demo": 3, "datastore": 3, "serve": 3,
+    "cli": 4, "api": 4, "export": 4,
 }
 FRONT = 4
+# The layers inside a package, by subpackage (its plain modules, e.g. training/commands.py, sit above them all).
+SUBLAYERS = {
+    "training": {"runs": 0, "objectives": 0, "data": 1, "heads": 2, "drafter": 2},
+}
+MAP = SRC.parent.parent / "docs" / "architecture.md"
+MAX_MODULES = 12  # a folder of training holds at most this many modules (its __init__ aside)
 NAMES = {0: "models, heads and core", 1: "drafters", 2: "decoding", 3: "training, bench and tools", FRONT: "fronts"}
 
 
@@ -110,6 +120,49 @@ def layer(name: str) -> int:
         if ".".join(parts[:end]) in LAYERS:
             return LAYERS[".".join(parts[:end])]
     return FRONT
+
+
+def climbs(name: str, other: str, known: dict) -> str | None:
+    """Why ``name`` importing ``other`` climbs back up inside a package, or None: ``other`` is a plain module of a
+    package that holds ``name`` in one of its subpackages (that package's front), or a sibling subpackage of a higher
+    :data:`SUBLAYERS` layer. The root package is layered by :data:`LAYERS` instead."""
+    mine, theirs = name.split("."), other.split(".")
+    common = 0
+    while common < min(len(mine), len(theirs)) and mine[common] == theirs[common]:
+        common += 1
+    folder = len(mine) - (0 if known[name][1] else 1)  # parts of the package that holds name's file
+    if common < 2 or common >= folder or common == len(theirs):
+        return None  # other package trees, other in name's own folder or below it, or an enclosing package
+    package = ".".join(theirs[:common])
+    if common == len(theirs) - 1 and not known[other][1]:
+        return f"{other} is a plain module of {package}, above its subpackages"
+    order = SUBLAYERS.get(".".join(theirs[1:common]), {})
+    here, there = order.get(mine[common]), order.get(theirs[common])
+    if here is None or there is None:
+        return f"SUBLAYERS has no order for {package}.{mine[common]} and {package}.{theirs[common]}"
+    return f"{package}.{theirs[common]} is above {package}.{mine[common]}" if there > here else None
+
+
+def map_entries(text: str) -> set[str]:
+    """The module paths (below ``src/specdraft``) a map names: a path in full (``training/runs/folders.py``), or a
+    file name on a line that names its folder (``training/runs/  folders.py  trainer.py``) or on the lines that
+    follow it up to a blank line or a line naming another folder."""
+    found, folders = set(), []
+    for line in text.splitlines():
+        words = line.replace("`", " ").replace(",", " ").split()
+        named = [w for w in words if w.endswith("/")]
+        folders = named or (folders if words and not line.startswith("```") else [])
+        for word in (w for w in words if w.endswith(".py")):
+            found.add(word)
+            found.update(folder + word for folder in folders)
+    return found
+
+
+def unmapped(prefix: str = "") -> list[str]:
+    """The module files under ``src/specdraft/<prefix>`` that docs/architecture.md does not name."""
+    entries = map_entries(MAP.read_text())
+    files = [str(path.relative_to(SRC)) for path in sorted(SRC.rglob("*.py"))]
+    return [f for f in files if f.startswith(prefix) and not f.endswith("__init__.py") and f not in entries]
 
 
 def _is_private(name: str) -> bool:
@@ -219,3 +272,51 @@ def test_drafters_never_import_training_bench_cli_or_api(graph):
 def test_api_is_a_front_nothing_below_imports(graph):
     importers = sorted(name for name, edges in graph.items() if f"{PACKAGE}.api" in edges)
     assert all(layer(name) == FRONT for name in importers), importers
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name in modules() if name != PACKAGE
+                and not any(".".join(name.split(".")[1:end]) in LAYERS for end in range(2, name.count(".") + 2))]
+    assert unplaced == [], "give each its layer in LAYERS, and its place in docs/architecture.md"
+
+
+def test_the_climb_check_sees_fronts_and_sublayers():
+    known = {"specdraft.training": (None, True), "specdraft.training.commands": (None, False),
+             "specdraft.training.runs": (None, True), "specdraft.training.runs.folders": (None, False),
+             "specdraft.training.runs.trainer": (None, False), "specdraft.training.data": (None, True),
+             "specdraft.training.data.records": (None, False), "specdraft.training.lab": (None, True),
+             "specdraft.training.lab.x": (None, False), "specdraft.decoding": (None, False)}
+    assert "plain module" in climbs("specdraft.training.runs.folders", "specdraft.training.commands", known)
+    assert "is above" in climbs("specdraft.training.runs.folders", "specdraft.training.data.records", known)
+    assert "no order" in climbs("specdraft.training.lab.x", "specdraft.training.runs.folders", known)
+    assert climbs("specdraft.training.data.records", "specdraft.training.runs.folders", known) is None
+    assert climbs("specdraft.training.runs.folders", "specdraft.training.runs.trainer", known) is None
+    assert climbs("specdraft.training.runs.folders", "specdraft.training", known) is None
+    assert climbs("specdraft.training.commands", "specdraft.training.runs.folders", known) is None
+    assert climbs("specdraft.training.runs.folders", "specdraft.decoding", known) is None  # LAYERS' business
+
+
+def test_no_import_climbs_back_up_inside_a_package(graph):
+    known = modules()
+    climbing = [f"{name} imports {other}: {why}" for name, edges in sorted(graph.items()) for other in sorted(edges)
+                if (why := climbs(name, other, known))]
+    assert climbing == []
+
+
+def test_training_folders_hold_at_most_12_modules():
+    folders = {path.parent for path in (SRC / "training").rglob("*.py")}
+    crowded = {str(folder.relative_to(SRC)): count for folder in sorted(folders)
+               if (count := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES}
+    assert len(folders) > 1 and crowded == {}
+
+
+def test_the_map_check_reads_paths_and_folder_lines():
+    entries = map_entries("`training/runs/folders.py` and\n training/data/   records.py, batches.py\n   scoring.py\n"
+                          "\n sampling.py\n")
+    assert {"training/runs/folders.py", "training/data/records.py", "training/data/batches.py",
+            "training/data/scoring.py", "sampling.py"} <= entries
+    assert "training/data/folders.py" not in entries and "training/data/sampling.py" not in entries
+
+
+def test_every_training_module_is_in_the_map():
+    assert unmapped("training") + unmapped("corpus") + unmapped("tau") == []

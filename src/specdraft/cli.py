@@ -365,6 +365,8 @@ def _add_serve(sub) -> None:
     online.add_argument("--online-distill", metavar="DIR",
                         help="keep training the draft model on the served traffic; buffer and drafter saved in DIR")
     online.add_argument("--online-loss", choices=ONLINE_LOSSES, default="fkl", help="distillation loss")
+    online.add_argument("--online-loss-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the loss (e.g. alpha=0.2 for skl)")
     online.add_argument("--online-every-tokens", type=int, default=2048, help="a training round every N served tokens")
     online.add_argument("--online-steps", type=int, default=32, help="optimizer steps per round")
     online.add_argument("--online-lr", type=float, default=1e-4, help="learning rate")
@@ -400,7 +402,8 @@ def _online_config(args: argparse.Namespace):
 
     return OnlineDistillConfig(folder=args.online_distill, loss=args.online_loss, every_tokens=args.online_every_tokens,
                                steps=args.online_steps, lr=args.online_lr, max_records=args.online_max_records,
-                               nice=args.online_nice)
+                               nice=args.online_nice,
+                               loss_options=tuple(parse_options(args.online_loss_option).items()))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """Build a REST datastore (He et al. 2023, arXiv 2311.08252) from a text corpus: ``specdraft build-datastore``.
 
 The index and its on-disk format live in :mod:`specdraft.datastore_index` (what the REST drafter reads); this module
-adds the corpus side (ShareGPT or local files, :mod:`specdraft.training.data`) and re-exports the index's names.
+adds the corpus side (ShareGPT or local files, :mod:`specdraft.corpus`) and re-exports the index's names.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ def build(tokenizer, source: str = DEFAULT_SOURCE, out: str | Path | None = None
 
     Args:
         source: ``"sharegpt"`` (assistant turns of the ShareGPT *train* split: held-out conversations stay out) or
-            a .txt / .jsonl path (:func:`specdraft.training.data.text_source`).
+            a .txt / .jsonl path (:func:`specdraft.corpus.text_source`).
         out: the folder; default :func:`default_dir`.
         max_docs: only the first N documents.
     """
     from specdraft.compat import tokenizer_fingerprint
-    from specdraft.training.data import text_source, tokenize_documents
+    from specdraft.corpus import text_source, tokenize_documents
 
     if max_docs is not None and max_docs < 1:
         raise SpecdraftError(f"max_docs must be at least 1, got {max_docs}")

@@ -189,7 +189,7 @@ def test_config_mismatch_is_an_error(tmp_path):
 
 def test_sharegpt_heldout_questions_are_the_heldout_split():
     from specdraft.bench.questions import SHAREGPT_HELDOUT
-    from specdraft.training.data import sharegpt_prompts
+    from specdraft.corpus import sharegpt_prompts
 
     questions = load_questions(SHAREGPT_HELDOUT)
     heldout = sharegpt_prompts(split="heldout")

@@ -106,7 +106,7 @@ def test_vllm_refuses_the_speculators_export_of_an_independent_drafter(exports):
 def test_distill_data_from_vllm_equals_the_native_engines_in_float32(tmp_path):
     """The first 4 ShareGPT training prompts, greedy, 32 tokens, top-4: the same records, and log p within 1e-3
     where the answers agree (vLLM's raw log-probabilities are the target's own)."""
-    from specdraft.training.generation import DistillDataConfig, generate_distillation_data
+    from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
 
     def run(engine: str) -> list[dict]:
         config = DistillDataConfig(target=SMOLLM2, out=str(tmp_path / engine), limit=4, max_new_tokens=32,

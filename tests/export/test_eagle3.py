@@ -14,7 +14,7 @@ from specdraft.export.eagle3 import export_eagle3
 from specdraft.heads import save_heads
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import build_eagle3
-from specdraft.training.eagle3 import parse_settings
+from specdraft.training.heads.eagle3 import parse_settings
 from toys import save_tiny_checkpoint, tiny_llama
 
 

@@ -49,7 +49,7 @@ def _heads(tmp_path, target_dir) -> tuple[Path, bool]:
     from specdraft.heads import save_heads
     from specdraft.heads.eagle import head_config
     from specdraft.heads.eagle3 import build_eagle3
-    from specdraft.training.eagle3 import parse_settings
+    from specdraft.training.heads.eagle3 import parse_settings
 
     config = AutoConfig.from_pretrained(target_dir)
     spec = head_config(config) | parse_settings({"draft_vocab": "4096"}, config.num_hidden_layers, 49152)

@@ -17,9 +17,9 @@ from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
-from specdraft.training.batches import collate_distill
-from specdraft.training.head_kinds import EAGLE
-from specdraft.training.heads import HEAD_KINDS
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.kinds import EAGLE
+from specdraft.training.heads.train_heads import HEAD_KINDS
 from specdraft.trees import depths
 from specdraft.verification import VerifyResult
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
@@ -229,16 +229,13 @@ def test_train_heads_cli_trains_and_exports_an_eagle_head(tmp_path):
 
     from specdraft.models.registry import load_model
     from specdraft.training.commands import add_training_commands
-    from toys import save_tiny_checkpoint
+    from toys import save_tiny_checkpoint, write_data_folder
 
     save_tiny_checkpoint(tmp_path / "target", seed=0, layers=1, hidden=32)
     target = load_model(str(tmp_path / "target"))
     records = [{"prompt_id": n, "prompt_token_ids": p, "response_token_ids": generate(
         target, p, None, GenerationConfig(16)).token_ids} for n, p in enumerate([[5 + n, 9, 3 + n] for n in range(8)])]
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"complete": True, "num_shards": 1,
-                                                                 "shards": ["shard-00000.jsonl"]}))
+    write_data_folder(tmp_path / "data", records)
     parser = argparse.ArgumentParser(prog="specdraft")
     add_training_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args([str(a) for a in (

@@ -17,9 +17,9 @@ from specdraft.heads.eagle3 import build_eagle3, default_aux_layers
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from specdraft.training.batches import collate_distill
-from specdraft.training.eagle3 import EAGLE3, parse_settings, unrolled
-from specdraft.training.heads import HEAD_KINDS
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.eagle3 import EAGLE3, parse_settings, unrolled
+from specdraft.training.heads.train_heads import HEAD_KINDS
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7, 7, 31, 12], [50, 4, 18, 18, 33, 2, 61], [11, 23]]
@@ -118,8 +118,8 @@ def test_losses_and_metrics_on_the_unroll():
     assert torch.equal(greedy[1][:first], greedy[0][:first])
     torch.testing.assert_close(target[2][:first], target[0][:first])
     metrics = EAGLE3.metrics(head.eval(), model, batch)
-    assert set(metrics) >= {"heldout_loss", "heldout_top1_step0", "heldout_top1_step2", "heldout_tau_est@3"}
-    total, count = metrics["heldout_tau_est@3"]
+    assert set(metrics) >= {"heldout_loss", "heldout_top1_step0", "heldout_top1_step2", "greedy_tau@3"}
+    total, count = metrics["greedy_tau@3"]
     assert 1.0 <= total / count <= 4.0
 
 
@@ -154,6 +154,22 @@ def test_trained_head_drafts_the_continuation(trained):
             result = generate(target, prompt, drafter, GenerationConfig(24, 4, speculation="fixed"))
             assert result.token_ids == plain
             assert result.stats.block_efficiency > max(1.5, base), (result.stats.block_efficiency, base)
+
+
+def test_trained_head_greedy_tau_equals_decoded_tau(trained):
+    """On the target's own continuations the held-out greedy τ replayed from the unroll is the τ greedy chain
+    decoding measures: the same new tokens in the same target forwards (the first step drafting nothing)."""
+    model, head = trained
+    target = NativeLlama.from_hf(model)
+    metrics = EAGLE3.metrics(head, model, _batch(model, PROMPTS))
+    tokens = forwards = 0
+    for prompt in PROMPTS:
+        drafter = Eagle3Drafter.from_module(head, top_k=1, tree_nodes=3)
+        stats = generate(target, prompt, drafter, GenerationConfig(24, 3, speculation="fixed")).stats
+        tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forward_calls
+    assert metrics["greedy_tau@3"] == (float(tokens), forwards) and tokens / forwards > 2
+    first, steps = metrics["greedy_first_accept@3"]
+    assert steps == forwards and 0 < first < steps
 
 
 @pytest.mark.parametrize("kind", ["native", "hf"])

@@ -16,8 +16,8 @@ from specdraft.heads.eagle3 import build_eagle3
 from specdraft.heads.fspad import aligned_width, parse_fspad, partial_smooth_l1
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
-from specdraft.training.batches import collate_distill
-from specdraft.training.eagle3 import EAGLE3, parse_settings, unrolled
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.eagle3 import EAGLE3, parse_settings, unrolled
 from toys import tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7, 7, 31, 12]]

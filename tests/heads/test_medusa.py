@@ -17,8 +17,8 @@ from specdraft.heads.medusa import MedusaHeads, build_medusa, medusa_loss
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
-from specdraft.training.batches import collate_distill
-from specdraft.training.head_kinds import MEDUSA
+from specdraft.training.data.batches import collate_distill
+from specdraft.training.heads.kinds import MEDUSA
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7, 7, 31, 12], [50, 4, 18, 18, 33, 2, 61], [11, 23]]

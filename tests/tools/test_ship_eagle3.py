@@ -15,7 +15,7 @@ from specdraft.heads import load_heads, save_heads
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import build_eagle3
 from specdraft.models.registry import SMOLLM2
-from specdraft.training.eagle3 import parse_settings
+from specdraft.training.heads.eagle3 import parse_settings
 from toys import tiny_llama
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "ship_eagle3.py"
@@ -47,7 +47,7 @@ def _run(folder: Path, heads: Path | None, step: int, tokens: int, init: str = "
     run = folder.parent
     run.mkdir(parents=True, exist_ok=True)
     (run / "train_log.csv").write_text(f"step,tokens,lr,loss,wall_s\n{step},{tokens},0.001,9.5,3600\n")
-    (run / "eval_log.csv").write_text("step,tokens,heldout_top1_step0,heldout_top1_step1,heldout_tau_est@3,"
+    (run / "eval_log.csv").write_text("step,tokens,heldout_top1_step0,heldout_top1_step1,greedy_tau@3,"
                                       f"block_efficiency@4\n{step},{tokens},0.35,0.3,1.5,1.9\n")
     (run / "run.json").write_text(json.dumps({"settings": {"batch_size": 4, "lr": 0.001, "init_heads": init,
                                                            "options": "loss=fkl;ttt_steps=4;draft_vocab=100"}}))

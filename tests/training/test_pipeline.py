@@ -13,13 +13,14 @@ from transformers import AutoModelForCausalLM
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import load_model
-from specdraft.training.checkpoint import is_complete_export
 from specdraft.training.commands import add_training_commands
-from specdraft.training.distillation import block_efficiency
-from specdraft.training.drafter_config import project_embeddings
-from specdraft.training.finetune import FinetuneConfig, finetune
-from specdraft.training.pretrain import PretrainConfig, build_drafter, pretrain
-from specdraft.training.records import load_distill_records, split_by_prompt
+from specdraft.training.data.records import load_distill_records, split_by_prompt
+from specdraft.training.drafter.distillation import block_efficiency
+from specdraft.training.drafter.finetune import FinetuneConfig, finetune
+from specdraft.training.drafter.init_drafter import project_embeddings
+from specdraft.training.drafter.pretrain import PretrainConfig, build_drafter, pretrain
+from specdraft.training.runs.checkpoint import is_complete_export
+from specdraft.training.runs.folders import count_and_hash
 from toys import WORDS, save_tiny_checkpoint
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -165,8 +166,8 @@ def test_empty_or_malformed_data_files(run, tmp_path, content, message):
     data = _data_copy(run, tmp_path)
     (data / "shard-00001.jsonl").write_text(content)
     manifest = json.loads((data / "manifest.json").read_text())
-    del manifest["sha256"]
-    manifest["shards"]["shard-00001.jsonl"] = len(content.splitlines())
+    manifest["shards"]["shard-00001.jsonl"], manifest["sha256"]["shard-00001.jsonl"] = count_and_hash(
+        data / "shard-00001.jsonl")
     (data / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SpecdraftError, match=message):
         _finetune(run, tmp_path / "out", data=str(data))
@@ -191,6 +192,21 @@ def test_stored_topk_training_through_the_cli(run, tmp_path, device):
     assert json.loads((tmp_path / "fine" / "run.json").read_text())["device"]["device"].startswith(device)
     card = (tmp_path / "fine" / "model" / "README.md").read_text()
     assert "approximated from the stored top-k" in card and "--use-stored-topk" in card and "'sample'" in card
+
+
+def test_a_registered_loss_brings_its_settings_as_flags(run, tmp_path):
+    """DistiLLM's skew KL through the CLI: ``--loss skl --alpha 0.2`` trains and exports, the run records the
+    setting among its settings and the card names it; a bad value is refused at parse time."""
+    flags = ["--drafter", run / "pre" / "model", "--target", run / "target", "--data", run / "data", "--steps", 3,
+             "--batch-size", 4, "--no-bf16", "--heldout-every", 8, "--eval-prompts", 1, "--eval-max-new-tokens", 4,
+             "--no-progress", "--loss", "skl"]
+    _cli("finetune", *flags, "--alpha", 0.2, "--out", tmp_path / "skl")
+    assert json.loads((tmp_path / "skl" / "run.json").read_text())["settings"]["alpha"] == 0.2
+    card = (tmp_path / "skl" / "model" / "README.md").read_text()
+    assert "skl {'alpha': 0.2}" in card and "--alpha 0.2" in card and "heldout_loss" in card
+    with pytest.raises(SpecdraftError, match=r"alpha must be a number in \[0, 1\)"):
+        _cli("finetune", *flags, "--alpha", 1.0, "--out", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_drafter_trained_on_a_draft_vocabulary_ships_it_as_its_default_option(run, tmp_path):
@@ -242,7 +258,7 @@ def test_every_subcommand_documents_its_flags(name, capsys):
     flags = {"pretrain": ["--preset", "--tokens", "--init-from-target", "--no-bf16", "--resume", "--stop-after"],
              "distill-data": ["--top-logprobs", "--overwrite"],
              "finetune": ["--loss", "--beta", "--use-stored-topk", "--allow-incomplete", "--eval-num-draft-tokens",
-                          "--freeze-embeddings", "--share-embeddings", "--draft-vocab"],
+                          "--freeze-embeddings", "--share-embeddings", "--draft-vocab", "--alpha", "skl, srkl:"],
              "init-drafter": ["--layers", "--target", "--grow"],
              "task-prompts": ["--out", "--per-task", "--seed"],
              "train-drafter": ["--config"]}[name]
@@ -386,7 +402,7 @@ def test_finetune_pools_several_data_folders(run, tmp_path):
 
 def test_pretrain_tokenises_only_what_its_steps_need(run, tmp_path):
     from specdraft.models.registry import load_tokenizer
-    from specdraft.training.pretrain import load_corpus
+    from specdraft.training.drafter.pretrain import load_corpus
 
     rng = random.Random(1)
     (tmp_path / "big.txt").write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(20))

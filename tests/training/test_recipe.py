@@ -121,7 +121,7 @@ def test_the_recipe_exports_a_drafter_and_heads_with_a_learning_curve_of_exact_t
     assert second["sources"]["drafter"] == str(recipe / "fkl" / "model")  # the phases chain
     assert "greedy_tau@3" in _rows(recipe / "tvdpp" / "eval_log.csv")[-1]
     heads = _rows(recipe / "eagle3" / "eval_log.csv")
-    assert [int(r["step"]) for r in heads] == [20, 40] and "heldout_tau_est@2" in heads[-1]
+    assert [int(r["step"]) for r in heads] == [20, 40] and "greedy_tau@2" in heads[-1]
     held = json.loads((recipe / "heldout" / "distill_config.json").read_text())
     assert held["temperature"] == 0.0 and held["device_choice"]["device"] == "cpu"
 
@@ -132,7 +132,7 @@ def test_exact_tau_equals_the_tau_of_decoding_the_held_out_questions(recipe):
     from specdraft.decoding import GenerationConfig, generate
     from specdraft.drafters.loading import load_drafter
     from specdraft.models.registry import load_target
-    from specdraft.training.records import load_distill_records
+    from specdraft.training.data.records import load_distill_records
 
     target, tokenizer = load_target(str(recipe / "target"))
     drafter = load_drafter(target, tokenizer, draft=str(recipe / "tvdpp" / "model"))

@@ -52,9 +52,9 @@ def builtin_questions() -> list[Question]:
 
 
 def sharegpt_heldout_questions() -> list[Question]:
-    """The held-out split of ShareGPT first prompts (``specdraft.training.data.sharegpt_prompts(split="heldout")``)
+    """The held-out split of ShareGPT first prompts (``specdraft.corpus.sharegpt_prompts(split="heldout")``)
     as single-turn questions of category ``sharegpt``: chat prompts the drafter was never trained on."""
-    from specdraft.training.data import sharegpt_prompts
+    from specdraft.corpus import sharegpt_prompts
 
     return [Question(f"sharegpt:{r.id}", "sharegpt", (r.text,)) for r in sharegpt_prompts(split="heldout")]
 

@@ -25,6 +25,7 @@ from specdraft.drafters.rest import RESTDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.speculation import FixedPolicy, StepBounds, propose
+from specdraft.tau import greedy_steps
 from specdraft.trees import chain_parents, follow_path
 
 REPLAYABLE = (DraftModelDrafter, PromptLookupDrafter, RESTDrafter)  # proposals are a function of the context
@@ -60,12 +61,12 @@ def replay(drafter: Drafter, prompt_ids: Sequence[int], answer_ids: Sequence[int
     if target is not None:
         drafter.begin(target, None)
     prompt, answer = [int(t) for t in prompt_ids], [int(t) for t in answer_ids]
-    greedy, lengths, done, policy = SamplingConfig(), [], 0, FixedPolicy(num_draft_tokens)
-    while done < len(answer):
+    greedy, policy = SamplingConfig(), FixedPolicy(num_draft_tokens)
+
+    def accepted(done: int) -> int:  # the greedy walk over the answer (specdraft.tau) asks where each step starts
         context = torch.tensor(prompt + answer[:done], dtype=torch.long)  # (L,)
         bounds = StepBounds(max_new_tokens - done - 1, sys.maxsize, sys.maxsize)  # no cache or position limits
         draft = propose(policy, drafter, context, len(context) - 1, bounds, greedy, None)
-        accepted = accepted_length(draft, answer[done:], num_draft_tokens)
-        lengths.append(min(accepted + 1, len(answer) - done))
-        done += lengths[-1]
-    return lengths
+        return accepted_length(draft, answer[done:], num_draft_tokens)
+
+    return [committed for _, committed in greedy_steps(accepted, len(answer))]

@@ -22,7 +22,7 @@ plus ``cls_weight`` (EAGLE: 0.1) times the cross-entropy of the head's token dis
 softmax(W_lm f_{t+1}).
 EAGLE's optional feature noise (uniform, added to the input features during training) is ``noise`` here.
 
-Trained as the ``eagle`` kind of ``specdraft train-heads`` (:mod:`specdraft.training.head_kinds`); the exported
+Trained as the ``eagle`` kind of ``specdraft train-heads`` (:mod:`specdraft.training.heads.kinds`); the exported
 folder (see :mod:`specdraft.heads`) holds only fc and the layer, 2 D^2 + D + (H + 2 K) hd D + H hd D + 3 D F + D
 parameters (4.2 M for SmolLM2-135M, whose vocabulary projection alone has 28 M).
 """

@@ -21,8 +21,8 @@ node of a step whose root (the last context token) is at position r reads those 
 runs, the verify forward of the last step has written every context token but the root, and no draft token. A
 position with nothing to read (the first one) gets a zero cross-attention output.
 
-Training (``specdraft train-heads --kind glide``, :mod:`specdraft.training.glide`) teaches every depth of the chain
-from every root at once, exactly as drafting sees it (the training-time test of EAGLE-3, Li et al. 2025): step 0
+Training (``specdraft train-heads --kind glide``, :mod:`specdraft.training.heads.glide`) teaches every depth of the
+chain from every root at once, exactly as drafting sees it (the training-time test of EAGLE-3, Li et al. 2025): step 0
 feeds the sequence as context; step i feeds, for every root t, the token x_{t+i} at position t + i, which attends
 the step-0 slots <= t, the slots of steps 1..i at root t (its ancestors and itself), and the target's keys < t.
 Since the inputs are tokens, all steps go through one forward over the concatenated steps with that mask

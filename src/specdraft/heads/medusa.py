@@ -82,7 +82,7 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, 
 
     Args:
         logits: (K, B, T, V) head logits at every position t.
-        labels: (B, T) label t is token t+1 (as :func:`~specdraft.training.batches.collate_distill` makes them),
+        labels: (B, T) label t is token t+1 (as :func:`~specdraft.training.data.batches.collate_distill` makes them),
             so head k's label at t is ``labels[:, t + k]``.
         mask: (B, T) True where the label is a response token.
         teacher: (B, T, V) the target's probabilities of label t (self-distillation's soft labels), or None.

@@ -167,7 +167,8 @@ class OnlineDistiller:
             return self.history[-1]
         candidate = finetune_copy(
             self._current, train, loss=config.loss, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
-            max_seq_len=config.max_seq_len, keep=self.keep, pad_id=self.pad_id, seed=config.seed + entry["round"])
+            max_seq_len=config.max_seq_len, keep=self.keep, pad_id=self.pad_id, seed=config.seed + entry["round"],
+            loss_options=config.loss_settings())
         score = {"keep": self.keep, "pad_id": self.pad_id, "max_seq_len": config.max_seq_len}
         current = top1_agreement(self._current, heldout, **score)
         new = top1_agreement(candidate, heldout, **score)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdraft.errors import SpecdraftError
+from specdraft.training.objectives.losses import get_loss, loss_names
 
-ONLINE_LOSSES = ("fkl", "tvd", "tvdpp")  # forward KL, TVD, TVD++ (Goel et al. 2024) of specdraft.training.losses
+ONLINE_LOSSES = loss_names(online=True)  # the registered losses that train against p (the stored top-k)
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,9 @@ class OnlineDistillConfig:
     """Settings of ``specdraft serve --online-distill DIR``."""
 
     folder: str = field(metadata={"help": "replay buffer, accepted drafter and history"})
-    loss: str = field(default="fkl", metadata={"help": "fkl, tvd or tvdpp (TVD++, Goel et al. 2024)"})
+    loss: str = field(default="fkl", metadata={"help": f"one of {', '.join(ONLINE_LOSSES)}"})
+    loss_options: tuple[tuple[str, str], ...] = field(default=(), metadata={
+        "help": "settings of the loss, (NAME, VALUE) pairs (e.g. ('alpha', '0.2') for skl)"})
     every_tokens: int = field(default=2048, metadata={"help": "a training round after this many served tokens"})
     steps: int = field(default=32, metadata={"help": "optimizer steps per round"})
     batch_size: int = field(default=4, metadata={"help": "records per optimizer step"})
@@ -29,8 +32,7 @@ class OnlineDistillConfig:
     nice: int = field(default=19, metadata={"help": "CPU niceness of the training thread (0 = as the server)"})
 
     def __post_init__(self) -> None:
-        if self.loss not in ONLINE_LOSSES:
-            raise SpecdraftError(f"online loss must be one of {ONLINE_LOSSES}, got {self.loss!r}")
+        self.loss_settings()  # the loss and its settings, checked
         for name in ("every_tokens", "steps", "batch_size", "max_records", "heldout_records", "top_k", "max_seq_len"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SpecdraftError(f"online {name} must be an integer >= 1, got {getattr(self, name)}")
@@ -40,3 +42,8 @@ class OnlineDistillConfig:
             raise SpecdraftError(f"online heldout_every must be >= 2, got {self.heldout_every}")
         if not self.lr > 0:
             raise SpecdraftError(f"online lr must be > 0, got {self.lr}")
+
+    def loss_settings(self) -> dict:
+        """Every setting of the loss (those not given at their defaults), checked."""
+        loss = get_loss(self.loss, online=True, where="online loss")
+        return loss.settings(dict(self.loss_options), f"online loss {self.loss}")

@@ -1,7 +1,7 @@
 """One round of online distillation on the replay buffer: fine-tune a copy of the drafter on the stored top-k p
-(the losses of :mod:`specdraft.training.losses`: forward KL, TVD, TVD++ of Goel et al. 2024), and score a drafter
-by its top-1 agreement with p on held-back records (Online Speculative Decoding, Liu et al. 2023, arXiv
-2310.07177, Alg. 2). Records, batches and the loss's target are those of ``specdraft finetune --use-stored-topk``.
+(any loss of :mod:`specdraft.training.objectives.losses` that trains against p), and score a drafter by its top-1
+agreement with p on held-back records (Online Speculative Decoding, Liu et al. 2023, arXiv 2310.07177, Alg. 2).
+Records, batches and the loss's target are those of ``specdraft finetune --use-stored-topk``.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import copy
 import torch
 
 from specdraft.models.native_llama import NativeLlama
-from specdraft.training.batches import (
+from specdraft.training.data.batches import (
     DistillDataset,
     collate_distill,
     dense_from_topk,
     response_logits,
     subset_from_topk,
 )
-from specdraft.training.losses import distillation_loss
+from specdraft.training.objectives.losses import LOSSES, distillation_loss
 
 
 def hf_from_native(native: NativeLlama):
@@ -46,21 +46,25 @@ def native_from_hf(model, like: NativeLlama) -> NativeLlama:
     return native
 
 
-def kd_loss(model, batch: dict, loss: str, keep: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """The chosen loss between the drafter's q and the stored top-k p at the response positions of ``batch``;
-    with a draft vocabulary ``keep`` (N,), over those N tokens (p renormalised on them)."""
+def kd_loss(model, batch: dict, loss: str, keep: torch.Tensor | None, vocab_size: int,
+            options: dict | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The chosen loss (with its settings ``options``; ``generator`` for a loss that samples) between the
+    drafter's q and the stored top-k p at the response positions of ``batch``; with a draft vocabulary ``keep``
+    (N,), over those N tokens (p renormalised on them)."""
     mask = batch["mask"]  # (B, T)
     draft = response_logits(model, batch, keep)  # (n, N or V)
     top_ids, top_logprobs = batch["top_ids"][mask], batch["top_logprobs"][mask]  # (n, k)
     target = (dense_from_topk(top_ids, top_logprobs, vocab_size) if keep is None
               else subset_from_topk(top_ids, top_logprobs, keep, vocab_size))  # (n, N or V)
-    return distillation_loss(loss, draft, target, batch["labels"][mask])
+    drawn = {"generator": generator} if LOSSES[loss].takes_generator and generator is not None else {}
+    return distillation_loss(loss, draft, target, batch["labels"][mask], **(options or {}), **drawn)
 
 
 def finetune_copy(model, records: list[dict], *, loss: str, steps: int, batch_size: int, lr: float,
-                  max_seq_len: int, keep: torch.Tensor | None, pad_id: int, seed: int):
+                  max_seq_len: int, keep: torch.Tensor | None, pad_id: int, seed: int,
+                  loss_options: dict | None = None):
     """A copy of ``model`` after ``steps`` AdamW steps on ``records`` (batches of ``batch_size``, reshuffled each
-    pass); ``model`` itself is left unchanged."""
+    pass) with the loss ``loss`` and its settings ``loss_options``; ``model`` itself is left unchanged."""
     candidate = copy.deepcopy(model).train()
     params = [p for p in candidate.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -72,7 +76,7 @@ def finetune_copy(model, records: list[dict], *, loss: str, steps: int, batch_si
             order += torch.randperm(len(dataset), generator=generator).tolist()
         chosen, order = order[:batch_size], order[batch_size:]
         batch = collate_distill([dataset[i] for i in chosen], pad_id)
-        value = kd_loss(candidate, batch, loss, keep, model.config.vocab_size)
+        value = kd_loss(candidate, batch, loss, keep, model.config.vocab_size, loss_options, generator)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

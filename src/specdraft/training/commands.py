@@ -15,14 +15,14 @@ import json
 import shlex
 from dataclasses import MISSING, fields
 
-from specdraft.training.drafter_config import InitDrafterConfig, init_drafter
-from specdraft.training.finetune import FinetuneConfig, finetune
-from specdraft.training.generation import DistillDataConfig, generate_distillation_data
-from specdraft.training.heads import HeadsConfig, train_heads
-from specdraft.training.pretrain import PretrainConfig, pretrain
+from specdraft.training.data.distill_data import DistillDataConfig, generate_distillation_data
+from specdraft.training.data.distill_topk import TeacherTopkConfig, annotate_topk
+from specdraft.training.data.task_prompts import build_task_prompts, write_task_prompts
+from specdraft.training.drafter.finetune import FinetuneConfig, finetune
+from specdraft.training.drafter.init_drafter import InitDrafterConfig, init_drafter
+from specdraft.training.drafter.pretrain import PretrainConfig, pretrain
+from specdraft.training.heads.train_heads import HeadsConfig, train_heads
 from specdraft.training.recipe import load_pipeline_file, train_drafter
-from specdraft.training.task_prompts import build_task_prompts, write_task_prompts
-from specdraft.training.teacher import TeacherTopkConfig, annotate_topk
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
@@ -143,7 +143,7 @@ def add_training_commands(sub) -> None:
 
 
 def _add_train_heads(sub) -> None:
-    """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.training.heads`)."""
+    """``train-heads``: Medusa / EAGLE heads on a frozen target (:mod:`specdraft.training.heads.train_heads`)."""
     p = sub.add_parser("train-heads", help="train self-drafting heads (medusa, eagle, eagle3) on a frozen target")
     add_config_arguments(p, HeadsConfig)
     p.set_defaults(run=_run_train_heads, subcommand="train-heads")

@@ -4,8 +4,8 @@ prompts to an exported drafter (Goel et al. 2024, arXiv 2403.00858) and, optiona
 Sections, run in this order (``[finetune]`` may be one table or several ``[[finetune]]`` phases):
 
 - ``[heldout_data]`` (optional): the target's greedy answers to held-out questions (e.g. Spec-Bench's): every
-  training stage evaluates on them, the drafter with its exact greedy τ (:mod:`specdraft.training.exact_tau`);
-- ``[distill_data]``: the target's answers to the training prompts (:mod:`specdraft.training.generation`);
+  training stage evaluates on them, the drafter with its exact greedy τ (:mod:`specdraft.training.objectives.tau`);
+- ``[distill_data]``: the target's answers to the training prompts (:mod:`specdraft.training.data.distill_data`);
 - ``[pretrain]`` or ``[init_drafter]``: the drafter to start from (trained from scratch, or the target's layers);
 - ``[finetune]`` / ``[[finetune]]``: distillation; each phase starts from the previous one's export, on
   ``[distill_data]`` unless it names its data;
@@ -36,17 +36,17 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 from specdraft.hardware import resolve_bf16, resolve_device
-from specdraft.training.checkpoint import export_path, is_complete_export
-from specdraft.training.drafter_config import InitDrafterConfig, init_drafter
-from specdraft.training.finetune import finetune
-from specdraft.training.finetune_config import FinetuneConfig
-from specdraft.training.generation import DistillDataConfig, distill_changes, generate_distillation_data
-from specdraft.training.heads import HEADS_FOLDER, HeadsConfig, train_heads
-from specdraft.training.pretrain import PretrainConfig, pretrain, source_inputs
-from specdraft.training.records import data_folders
-from specdraft.training.runs import note, stage_changes
-from specdraft.training.stages import data_inputs
-from specdraft.training.trainer import barrier, init_distributed
+from specdraft.training.data.distill_data import DistillDataConfig, distill_changes, generate_distillation_data
+from specdraft.training.data.records import data_folders
+from specdraft.training.drafter.finetune import finetune
+from specdraft.training.drafter.finetune_config import FinetuneConfig
+from specdraft.training.drafter.init_drafter import InitDrafterConfig, init_drafter
+from specdraft.training.drafter.pretrain import PretrainConfig, pretrain, source_inputs
+from specdraft.training.heads.train_heads import HEADS_FOLDER, HeadsConfig, train_heads
+from specdraft.training.runs.checkpoint import export_path, is_complete_export
+from specdraft.training.runs.folders import note, stage_changes
+from specdraft.training.runs.stages import data_inputs
+from specdraft.training.runs.trainer import barrier, init_distributed
 
 SECTIONS = ("heldout_data", "distill_data", "pretrain", "init_drafter", "finetune", "heads")
 SHARED = ("target", "device")  # top-level keys every section that has the setting takes
@@ -224,7 +224,7 @@ def training_stage(run, config, inputs, export: str, overwrite: bool, command: s
         if hasattr(resolved, "with_budget"):
             resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
         defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-        if stage_changes(resolved, inputs(), export, defaults):
+        if stage_changes(resolved, inputs(), export, defaults, overwrite=True):
             run(replace(config, resume=False, overwrite=True), command=command)
             return
     resume = stage_changes(config, {}, export, {}) is not None
