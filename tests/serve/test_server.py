@@ -9,10 +9,11 @@ import pytest
 from running import RunningServer
 
 from specdraft.api import eos_token_ids, load_target
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.serve import ServeConfig, build_server_app
 from specdraft.serve.engine import Engine, QueueFull, Request
 
