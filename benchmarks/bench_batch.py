@@ -6,6 +6,7 @@ chat prompts repeated to fill the batch; tokens/s counts every generated token o
 the whole batch (prefill included).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_batch.py [--dtype bfloat16] [--batch-sizes 1,2,4,8,16,32]
+        [--speculation adaptive|fixed]
 
 Prints a table and one JSON line with every number.
 """
@@ -22,9 +23,10 @@ import torch
 from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target, parse_dtype
 from specdraft.batch_drafting import lockstep_factory
 from specdraft.batching import drafter_factory, generate_batch
-from specdraft.decoding import GenerationConfig
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
 from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.sequence import GenerationConfig
+from specdraft.speculation import SPECULATION
 
 
 def _run(target, prompts, make, config) -> dict:
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--draft", default=SMOLLM2_DRAFTER)
+    parser.add_argument("--speculation", choices=SPECULATION, default="adaptive", help="the rows' speculation policy")
     args = parser.parse_args()
     dtype = parse_dtype(args.dtype)
     target, tokenizer = load_target(SMOLLM2, dtype)
@@ -54,7 +57,7 @@ def main() -> None:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     one_by_one = drafter_factory(prototype)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens,
-                              eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
+                              eos_token_ids=eos_token_ids(tokenizer, SMOLLM2), speculation=args.speculation)
     prompts = [encode_prompt(tokenizer, p.text, chat=True) for p in BUILTIN_PROMPTS]
     capacity = max(len(ids) for ids in prompts) + args.max_new_tokens + 64
     lockstep = lockstep_factory(prototype, 2 * max(sizes) + 2, capacity, one_by_one)
@@ -73,7 +76,7 @@ def main() -> None:
     print(json.dumps({"dtype": args.dtype, "cpu": torch.backends.cpu.get_cpu_capability(),
                       "threads": torch.get_num_threads(), "machine": platform.machine(), "draft": args.draft,
                       "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-                      "rows": rows}))
+                      "speculation": args.speculation, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ import torch
 import transformers
 
 from specdraft.api import encode_prompt, eos_token_ids, load_target, parse_dtype
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import PromptLookupDrafter
 from specdraft.models.registry import SMOLLM2, load_model
 from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.sequence import GenerationConfig
 
 
 def _hf_generate(model, ids: list[int], max_new: int, eos: tuple[int, ...]) -> tuple[int, float]:

@@ -17,10 +17,11 @@ import time
 import torch
 
 from specdraft.api import encode_prompt, eos_token_ids, load_target, parse_dtype
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters.loading import load_drafter
+from specdraft.decoding import generate
+from specdraft.drafters import load_drafter
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
 from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.sequence import GenerationConfig
 
 
 @torch.inference_mode()

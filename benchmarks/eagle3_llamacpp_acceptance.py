@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.models.registry import SMOLLM2, cache_dir, eos_token_ids, load_model, load_tokenizer
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
+from specdraft.sequence import GenerationConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("heads")

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from specdraft.bench.questions import BUILTIN, load_questions, select_questions
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import NAMED_DRAFTERS, parse_options
 from specdraft.hardware import cpu_bf16, cpu_capability, cpu_model
 from specdraft.models.registry import SMOLLM2, eos_token_ids, load_model, load_tokenizer
 from specdraft.prompts import encode_prompt
+from specdraft.sequence import GenerationConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("methods", nargs="+")

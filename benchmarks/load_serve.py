@@ -28,9 +28,9 @@ import time
 import httpx
 
 from specdraft.api import encode_prompt, eos_token_ids, generate, load_drafter, load_target, parse_dtype
-from specdraft.decoding import GenerationConfig
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
 from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.sequence import GenerationConfig
 
 _VARIANTS = ["", " Answer briefly.", " Be precise."]
 
@@ -46,7 +46,7 @@ def _start_server(args, port: int) -> subprocess.Popen:
                "--num-draft-tokens", str(args.num_draft_tokens), "--max-tokens", str(args.max_tokens)]
     command += ["--draft", args.draft] if args.draft else ["--drafter", args.drafter] if args.drafter else []
     command += ["--max-draft-batch", str(args.max_draft_batch)] if args.max_draft_batch else []
-    command += ["--batch-speculation", args.batch_speculation]
+    command += ["--speculation", args.speculation]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
 
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--max-draft-batch", type=int, default=0, help="the server's --max-draft-batch")
-    parser.add_argument("--batch-speculation", default="adaptive", help="the server's --batch-speculation")
+    parser.add_argument("--speculation", default="adaptive", help="the server's --speculation (adaptive or fixed)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any one round may take")
     parser.add_argument("--throughput-only", action="store_true",
@@ -159,7 +159,7 @@ def main() -> None:
             server.kill()
             code = "killed after 60 s"
     print(json.dumps({"dtype": args.dtype, "draft": args.draft, "drafter": args.drafter, "clients": args.clients,
-                      "max_draft_batch": args.max_draft_batch, "batch_speculation": args.batch_speculation,
+                      "max_draft_batch": args.max_draft_batch, "speculation": args.speculation,
                       "errors": errors, "identical": same, "single_tokens_per_second": speed["single"],
                       "concurrent_tokens_per_second": speed["concurrent"], "server_exit": code}))
     sys.exit(0 if not errors and same in (None, args.clients) else 1)

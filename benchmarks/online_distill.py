@@ -32,9 +32,8 @@ import torch
 from specdraft.api import eos_token_ids, load_target
 from specdraft.batch_drafting import lockstep_factory
 from specdraft.batching import drafter_factory
-from specdraft.decoding import GenerationConfig
-from specdraft.drafters import parse_options
-from specdraft.drafters.loading import load_drafter
+from specdraft.drafters import load_drafter, parse_options
+from specdraft.sequence import GenerationConfig
 from specdraft.serve.engine import Engine, Request
 from specdraft.serve.online import OnlineDistiller
 from specdraft.serve.online_config import OnlineDistillConfig

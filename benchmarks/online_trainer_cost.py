@@ -23,9 +23,8 @@ from online_distill import RecordingEngine, code_prompts, stream_all
 from specdraft.api import eos_token_ids, load_target
 from specdraft.batch_drafting import lockstep_factory
 from specdraft.batching import drafter_factory
-from specdraft.decoding import GenerationConfig
-from specdraft.drafters import parse_options
-from specdraft.drafters.loading import load_drafter
+from specdraft.drafters import load_drafter, parse_options
+from specdraft.sequence import GenerationConfig
 from specdraft.serve.online_train import finetune_copy, hf_from_native
 from specdraft.serve.replay import ReplayBuffer
 

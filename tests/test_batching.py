@@ -1,18 +1,23 @@
 """Batched speculative decoding: every row equals batch-1 decoding (greedy, token for token, fp32), each row
-samples from the target's distribution, ragged acceptance, sequences joining and leaving between steps."""
+samples from the target's distribution, ragged acceptance, sequences joining and leaving between steps, and each
+row's speculation policy deciding, at the batch size of each step, whether drafting pays."""
 
 import itertools
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 
-from specdraft.batching import BatchDecoder, DraftGate, generate_batch
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.batching import BatchDecoder, generate_batch
+from specdraft.costs import CostCurve
+from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithPromptLookup
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
+from specdraft.speculation import AdaptivePolicy, FixedPolicy
 from toys import PatternDrafter, assert_follows, hf_target, second_token_marginal, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7], [11, 12, 13, 11, 12], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
@@ -47,7 +52,7 @@ def test_every_row_equals_batch_one_greedy(target, drafter_model, kind):
         "pattern": pattern,
         "tree": lambda: DraftModelDrafter(drafter_model, tree_branching=2, tree_nodes=6),
     }
-    config = GenerationConfig(30, 3)
+    config = GenerationConfig(30, 3, speculation="fixed")  # γ every step: ragged acceptance in every step
     expected = [_alone(target, p, makers[kind](), config) for p in PROMPTS]
     offsets = itertools.count()
     results = generate_batch(target, PROMPTS, makers[kind], config)
@@ -66,17 +71,17 @@ def test_rows_join_and_leave_between_steps(target, drafter_model):
 
 
 def test_drafting_stops_above_max_draft_batch_and_output_is_unchanged(target, drafter_model):
-    config = GenerationConfig(20, 3)
+    config = GenerationConfig(20, 3, speculation="fixed")
     expected = [_alone(target, p, None, config) for p in PROMPTS]
     make = lambda: DraftModelDrafter(drafter_model)  # noqa: E731
-    full = generate_batch(target, PROMPTS, make, config, max_draft_batch=3)  # 4 rows, then 3, 2, 1 as they end
+    full = generate_batch(target, PROMPTS, make, replace(config, max_draft_batch=3))  # 4 rows, then 3, 2, 1
     assert [r.token_ids for r in full] == expected
-    never = generate_batch(target, PROMPTS, make, config, max_draft_batch=1, batch_size=4)
+    never = generate_batch(target, PROMPTS, make, replace(config, max_draft_batch=1), batch_size=4)
     assert [r.token_ids for r in never] == expected
     drafted = [r.stats.draft_tokens_proposed for r in never]
     assert sum(drafted) < sum(r.stats.draft_tokens_proposed for r in generate_batch(target, PROMPTS, make, config))
     with pytest.raises(SpecdraftError, match="max_draft_batch"):
-        BatchDecoder(target, 2, 64, max_draft_batch=-1)
+        GenerationConfig(max_draft_batch=-1)
 
 
 def test_decoder_with_per_sequence_settings_and_eos(target):
@@ -148,7 +153,7 @@ def test_lockstep_drafting_equals_one_drafter_at_a_time(target, drafter_model, s
     from specdraft.batching import drafter_factory
 
     prototype = WithPromptLookup(DraftModelDrafter(drafter_model, confidence_threshold=0.2), PromptLookupDrafter(2))
-    config = GenerationConfig(25, 3, sampling)
+    config = GenerationConfig(25, 3, sampling, speculation="fixed")  # draft sizes that do not follow timings
     prompts = PROMPTS * 2
 
     def run(make):
@@ -162,34 +167,47 @@ def test_lockstep_drafting_equals_one_drafter_at_a_time(target, drafter_model, s
     assert sum(r.stats.draft_tokens_accepted for r in together) > 0
 
 
-def test_draft_gate_tries_both_then_keeps_the_faster_and_explores():
-    gate = DraftGate(explore_every=4)
-    assert gate.drafting(1)  # one sequence: always (its own policy sizes the draft)
-    assert gate.drafting(3)  # untried: draft first
-    gate.record(3, True, tokens=6, seconds=1.0)
-    assert not gate.drafting(3)  # then a plain step
-    gate.record(3, False, tokens=9, seconds=1.0)
-    choices = [gate.drafting(3) for _ in range(8)]
-    assert choices.count(False) == 6 and choices.count(True) == 2  # plain is faster; drafting retried every 4th
-    gate.record(3, True, tokens=30, seconds=1.0)  # drafting got faster: the moving average moves towards it
-    gate.record(3, True, tokens=30, seconds=1.0)
-    gate.record(3, True, tokens=30, seconds=1.0)
-    assert gate.rates[(3, True)] > gate.rates[(3, False)] and gate.drafting(3)
-    gate.record(1, True, tokens=5, seconds=1.0)
-    assert (1, True) not in gate.rates
+def _fills_at(rows: int) -> CostCurve:
+    """A target whose forward costs one second up to ``rows`` new tokens and grows linearly beyond: extra tokens are
+    free for one sequence, and a batch of ``rows`` sequences already fills the machine. (Seconds, so that the toy
+    drafters' real drafting time is negligible beside it.)"""
+    sizes = (1, 2, 4, 8, 16, 32)
+    return CostCurve(sizes, (64,), (tuple(max(1.0, size / rows) for size in sizes),), {"name": "toy"}, {"cpu": "toy"})
 
 
-def test_gated_batch_output_is_unchanged(target, drafter_model):
-    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, speculation="fixed")
-    make = lambda: DraftModelDrafter(drafter_model)  # noqa: E731
-    plain = generate_batch(target, PROMPTS, None, config)
-    decoder = BatchDecoder(target, 4, max(len(p) for p in PROMPTS) + 12, gate=DraftGate(explore_every=2))
-    for i, prompt in enumerate(PROMPTS):
-        decoder.add(prompt, make(), config).tag = i
-    out = {}
+def test_adaptive_speculation_switches_a_batchs_drafting_off_and_on(target, monkeypatch):
+    """GenerationConfig.speculation (adaptive by default) in a batch: each sequence's policy is made from its config
+    and priced at the number of sequences in each step. One sequence alone drafts; three more join and the batch
+    fills the machine, so drafting stops (but for a rare exploring draft); they leave and it drafts again. Output
+    equals batch-1 plain decoding throughout."""
+    import specdraft.sequence
+
+    monkeypatch.setattr(specdraft.sequence, "cost_curve", lambda model, log=None: _fills_at(4))  # not this machine's
+    config = GenerationConfig(60, 3)
+    pattern = lambda: PatternDrafter(target, lambda step, i: False)  # noqa: E731  (always right)
+    decoder = BatchDecoder(target, 4, 128)
+    drafted: dict[int, list[tuple[int, int]]] = {}  # id(sequence) -> (sequences in the step, draft size) per step
+    decoder.on_verify = lambda seq, logits, missed, size: drafted.setdefault(id(seq), []).append(
+        (len(decoder.rows), size))
+    first = decoder.add(PROMPTS[0], pattern(), config)
+    assert isinstance(first.policy, AdaptivePolicy)
+    assert isinstance(decoder.add(PROMPTS[1], pattern(), replace(config, speculation="fixed")).policy, FixedPolicy)
+    decoder.remove(decoder.rows[1])
+    for _ in range(4):
+        decoder.step()
+    others = [decoder.add(p, pattern(), config) for p in PROMPTS[1:]]
+    for _ in range(10):
+        decoder.step()
+    for seq in others:
+        decoder.remove(seq)
     while decoder.rows:
-        for seq, _ in decoder.step():
-            if seq.finish_reason is not None:
-                out[seq.tag] = seq.generated
-    assert [out[i] for i in range(len(PROMPTS))] == [r.token_ids for r in plain]
-    assert any(key[1] for key in decoder.gate.rates) and any(not key[1] for key in decoder.gate.rates)
+        decoder.step()
+    steps = drafted[id(first)]
+    alone_before, batched, alone_after = steps[:4], steps[4:14], steps[14:]
+    assert all(rows == 1 and size == 3 for rows, size in alone_before)  # alone: drafting pays
+    assert all(rows == 4 for rows, _ in batched) and sum(size > 0 for _, size in batched) <= 2  # off (explores)
+    assert len(alone_after) > 2 and all(rows == 1 for rows, _ in alone_after)
+    assert sum(size > 0 for _, size in alone_after) >= len(alone_after) - 1  # on again (the last step may not)
+    for seq in others:
+        assert sum(size > 0 for _, size in drafted[id(seq)]) <= 2  # the sequences that joined never paid to draft
+    assert first.generated == _alone(target, PROMPTS[0], None, config)

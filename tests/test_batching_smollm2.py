@@ -6,9 +6,10 @@ import torch
 from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target
 from specdraft.batch_drafting import lockstep_factory
 from specdraft.batching import drafter_factory, generate_batch
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
 from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.sequence import GenerationConfig
 
 pytestmark = pytest.mark.slow
 

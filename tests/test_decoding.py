@@ -5,10 +5,11 @@ from collections import Counter
 import pytest
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithChainCopies, WithSiblings
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from toys import PatternDrafter, assert_sequences_follow, bigram_sequence_probs, hf_target, random_bigram
 
 PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]

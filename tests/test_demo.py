@@ -26,8 +26,8 @@ def test_demo_runs_each_method_and_skips_what_cannot_load(tmp_path, monkeypatch)
 
 def test_why_not_faster_prices_a_step_in_plain_steps():
     from specdraft.costs import CostCurve
-    from specdraft.decoding import GenerationResult
     from specdraft.demo import why_not_faster
+    from specdraft.sequence import GenerationResult
     from specdraft.stats import GenerationStats
 
     plain = [GenerationResult([1] * 10, "length", GenerationStats(new_tokens=10, target_forward_calls=10,

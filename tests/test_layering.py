@@ -5,12 +5,14 @@ decoding loop; then training, bench and the demo; then the fronts (``cli``, ``ap
 ``export``), which nothing below imports. Every module has its layer here. Inside a package, its subpackages are
 layered too (:data:`SUBLAYERS`), and a module of a subpackage never imports the modules of a package above it
 (``training/runs/folders.py`` never imports ``training/commands.py``). No module uses another module's private
-names (``_x``).
+names (``_x``). The two decoding loops are peers: neither imports the other, and neither makes a speculation
+policy. Every module is drawn in its layer in docs/architecture.md's module map.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import specdraft
 
 PACKAGE = "specdraft"
 SRC = Path(specdraft.__file__).resolve().parent
+ARCHITECTURE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 
 # Layer of a module, by its longest matching prefix (every module has one: test_every_module_has_a_layer).
 LAYERS = {
@@ -26,7 +29,7 @@ LAYERS = {
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0, "costs": 0,
     "corpus": 0, "tau": 0, "engines": 0,
     "drafters": 1,
-    "decoding": 2, "batching": 2, "batch_drafting": 2, "speculation": 2, "step": 2,
+    "decoding": 2, "batching": 2, "batch_drafting": 2, "speculation": 2, "step": 2, "sequence": 2,
     "training": 3, "bench": 3, "demo": 3, "datastore": 3, "serve": 3,
     "cli": 4, "api": 4, "export": 4,
 }
@@ -38,6 +41,7 @@ SUBLAYERS = {
 MAP = SRC.parent.parent / "docs" / "architecture.md"
 MAX_MODULES = 12  # a folder of training holds at most this many modules (its __init__ aside)
 NAMES = {0: "models, heads and core", 1: "drafters", 2: "decoding", 3: "training, bench and tools", FRONT: "fronts"}
+MAP_LABELS = {"core": 0, "drafters": 1, "decoding": 2, "tools": 3, "fronts": FRONT}  # the map's layer names
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
@@ -320,3 +324,59 @@ def test_the_map_check_reads_paths_and_folder_lines():
 
 def test_every_training_module_is_in_the_map():
     assert unmapped("training") + unmapped("corpus") + unmapped("tau") == []
+
+
+def module_map(text: str) -> dict[str, str]:
+    """The module map of docs/architecture.md: file (relative to ``src/specdraft``) -> the layer it is drawn in.
+
+    The map is the first fenced block after the heading "## Layers"; a line that starts in the first column starts a
+    layer (its first word, one of :data:`MAP_LABELS`), indented lines continue it, and every ``*.py`` path on them is
+    a module drawn in that layer (text in parentheses says what it does)."""
+    section = text[text.index("\n## Layers"):]
+    block = section.split("```", 2)[1]
+    drawn, label = {}, None
+    for line in block.splitlines()[1:]:
+        if line[:1].strip():
+            label = line.split()[0]
+        for path in re.findall(r"(?<![\w/.])((?:\w+/)*\w+\.py)\b", line):
+            drawn[path] = label
+    return drawn
+
+
+def test_the_map_reader_sees_layers_and_continued_lines():
+    text = "x\n## Layers: map\n\n```\nfronts  cli.py (a job)\n        api.py\n\ncore  models/base.py\n```\n"
+    assert module_map(text) == {"cli.py": "fronts", "api.py": "fronts", "models/base.py": "core"}
+
+
+def test_every_module_is_drawn_in_its_layer_in_the_architecture_map():
+    drawn = module_map(ARCHITECTURE.read_text())
+    files = {str(path.relative_to(SRC)): path for path in SRC.rglob("*.py")}
+    assert sorted(set(files) - set(drawn)) == [], "draw these modules in docs/architecture.md's module map"
+    assert sorted(set(drawn) - set(files)) == [], "the module map names files that do not exist"
+    wrong = []
+    for relative, label in sorted(drawn.items()):
+        parts = [PACKAGE, *Path(relative).with_suffix("").parts]
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if MAP_LABELS.get(label) != layer(name):
+            wrong.append(f"{relative} is drawn in {label!r} but lies in {NAMES[layer(name)]}")
+    assert wrong == []
+
+
+def _calls(path: Path) -> set[str]:
+    """The names a module calls (``f(...)`` and ``x.f(...)``)."""
+    calls = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            calls.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
+    return calls
+
+
+def test_the_two_loops_are_peers_and_neither_makes_a_policy(graph):
+    loops = (f"{PACKAGE}.decoding", f"{PACKAGE}.batching")
+    for name in loops:
+        other = next(loop for loop in loops if loop != name)
+        assert other not in reachable(graph, name), f"{name} reaches {other}"
+        assert f"{PACKAGE}.sequence" in graph[name] and f"{PACKAGE}.step" in graph[name]
+        made = _calls(modules()[name][0]) & {"FixedPolicy", "AdaptivePolicy", "speculation_policy", "cost_curve"}
+        assert made == set(), f"{name} makes a policy itself ({', '.join(sorted(made))})"

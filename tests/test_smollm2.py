@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from specdraft.api import encode_prompt, eos_token_ids, load_target
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdraft.models.registry import SMOLLM2, load_model
 from specdraft.prompts import BUILTIN_PROMPTS
+from specdraft.sequence import GenerationConfig
 
 pytestmark = pytest.mark.slow
 

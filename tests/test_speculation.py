@@ -9,11 +9,12 @@ import torch
 from scipy.stats import chisquare
 
 from specdraft.costs import CostCurve
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import Draft, NoDrafter
 from specdraft.sampling import SamplingConfig
-from specdraft.speculation import AdaptivePolicy, FixedPolicy, depth_key, make_policy, sequential_stop
+from specdraft.sequence import GenerationConfig, speculation_policy
+from specdraft.speculation import AdaptivePolicy, FixedPolicy, depth_key, sequential_stop
 from specdraft.verification import VerifyResult
 from toys import PatternDrafter, hf_target, random_bigram
 
@@ -144,12 +145,49 @@ def test_adaptive_greedy_equals_plain_with_a_persistent_policy(pattern: str) -> 
         assert result.stats.draft_tokens_proposed < 40 / 3
 
 
-def test_make_policy_measures_the_target_once() -> None:
-    target = hf_target(0)
-    assert isinstance(make_policy(target, "fixed", 4), FixedPolicy)
-    policy = make_policy(target, "adaptive", 4)
-    assert policy.costs is make_policy(target, "adaptive", 4).costs  # remembered, not remeasured
+def test_the_policy_is_chosen_from_the_config_and_measures_the_target_once() -> None:
+    target, drafter = hf_target(0), PromptLookupDrafter()
+    fixed = speculation_policy(GenerationConfig(num_draft_tokens=4, speculation="fixed"), target, drafter)
+    assert isinstance(fixed, FixedPolicy) and fixed.num_draft_tokens == 4
+    assert speculation_policy(GenerationConfig(), target, None).budget(100, 8) == 0  # no drafter: plain steps
+    assert speculation_policy(GenerationConfig(), target, NoDrafter()).budget(100, 8) == 0
+    policy = speculation_policy(GenerationConfig(num_draft_tokens=4, max_draft_batch=2), target, drafter)
+    assert isinstance(policy, AdaptivePolicy) and policy.max_draft_tokens == 4 and policy.max_sequences == 2
+    assert policy.costs is speculation_policy(GenerationConfig(), target, drafter).costs  # remembered, not remeasured
     assert all(math.isfinite(s) and s > 0 for row in policy.costs.table for s in row)
+
+
+def test_a_batch_that_fills_the_machine_stops_drafting() -> None:
+    """A step of n sequences is priced as n rows of the verify forward: where a 1-row forward leaves idle compute
+    (extra tokens nearly free) drafting pays alone, and where n rows already fill it (each token costs its share)
+    the same acceptance does not pay; the policy stops drafting at that batch size by itself."""
+    sizes = (1, 2, 4, 8, 16, 32)
+    curve = CostCurve(sizes, (64,), (tuple(0.01 * max(1.0, size / 4) for size in sizes),), {"name": "toy"},
+                      {"cpu": "toy"})  # flat up to 4 new tokens, then linear
+    policy = AdaptivePolicy(curve, 3)
+    for _ in range(40):  # every depth accepted 80% of the time
+        for depth in range(1, 4):
+            policy.acceptance.update(depth_key(depth, None), _ % 5 != 0)
+    assert policy.budget(100, 3, sequences=1) == 3
+    assert policy.budget(100, 3, sequences=8) == 0
+    assert len(policy.trim(_chain([0.9] * 3), 100, 1, 0.0, True, sequences=8)) == 0
+    assert len(policy.trim(_chain([0.9] * 3), 100, 1, 0.0, True, sequences=1)) == 3
+    capped = AdaptivePolicy(curve, 3, max_sequences=2)  # a fixed cut, as vLLM's speculative_disable_by_batch_size
+    capped.acceptance = policy.acceptance
+    assert capped.budget(100, 3, sequences=2) > 0 and capped.budget(100, 3, sequences=3) == 0
+    assert FixedPolicy(3, max_sequences=2).budget(100, 5, sequences=3) == 0
+    assert FixedPolicy(3).budget(100, 5, sequences=64) == 3
+
+
+def test_the_verify_scale_is_learned_from_the_whole_batch_forward() -> None:
+    """In a batch the loop reports the seconds of the whole forward; the policy compares them with the curve's price
+    of the whole forward (every row as wide as its own), so a batch step measured as predicted leaves the scale."""
+    policy = AdaptivePolicy(_curve(0.5), 3)
+    for _ in range(30):
+        depth = policy.budget(100, 3, sequences=4)
+        draft = _chain([0.9] * depth)
+        policy.observe(draft, VerifyResult(depth, depth, 0), 0.0, policy.costs.seconds(4 * (1 + depth), 100))
+    assert policy.verify_scale == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("drafter_kind", ["draft-model", "prompt-lookup"])

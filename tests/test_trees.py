@@ -7,12 +7,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters.base import Draft, TargetFeatures
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig, warp
+from specdraft.sequence import GenerationConfig
 from specdraft.trees import (
     AuxBranch,
     ancestor_mask,

@@ -213,7 +213,8 @@ def sample_second_tokens(target, prompt: list[int], drafter, sampling, trials: i
     seeded generations of 3 tokens; for self-drafting heads, whose first draft is at the second token."""
     from collections import Counter
 
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
+    from specdraft.sequence import GenerationConfig
 
     counts, accepted = Counter(), 0
     for seed in range(trials):

@@ -6,11 +6,12 @@ Glossary: p = target distribution, q = draft distribution; accepted / recovered 
 
 from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target
 from specdraft.compat import check_compatible
-from specdraft.decoding import GenerationConfig, GenerationResult, generate
+from specdraft.decoding import generate
 from specdraft.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models import load_model, load_tokenizer
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig, GenerationResult
 from specdraft.stats import GenerationStats
 from specdraft.verification import VerifyResult
 

@@ -10,11 +10,12 @@ A thin front: every name here is defined in the module that owns it, and no modu
 
 from __future__ import annotations
 
-from specdraft.decoding import GenerationConfig, GenerationResult, generate
-from specdraft.drafters.draft_models import load_draft_model
-from specdraft.drafters.loading import load_drafter
+from specdraft.decoding import generate
+from specdraft.drafters.loading import load_draft_model
+from specdraft.drafters.registry import load_drafter
 from specdraft.models.registry import DTYPES, eos_token_ids, load_target, parse_dtype
 from specdraft.prompts import encode_prompt
+from specdraft.sequence import GenerationConfig, GenerationResult
 
 __all__ = [
     "DTYPES", "GenerationConfig", "GenerationResult", "encode_prompt", "eos_token_ids", "generate",

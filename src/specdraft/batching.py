@@ -1,17 +1,21 @@
 """Batched speculative decoding: several sequences share every target forward, each accepting its own number of
-draft tokens (ragged), each with its own cache row, positions, drafter, sampling settings and generator.
+draft tokens (ragged), each with its own cache row, positions, drafter, speculation policy, sampling settings and
+generator.
 
-One step of :class:`BatchDecoder` is :func:`specdraft.decoding.generate`'s step for every active sequence at once:
-each sequence's speculation policy decides its draft (:func:`specdraft.speculation.propose`: a chain, a token tree,
-or nothing: plain decoding is the same loop with empty drafts), and :func:`specdraft.step.speculative_step` feeds the
-uncached tail and the draft of every row in one ragged forward (:class:`BatchRows`,
-:func:`specdraft.models.batched_llama.batched_forward`) and verifies each row on its own logits, so every row is
-lossless exactly as batch-1 decoding is (Leviathan et al. 2023, Alg. 1; SpecInfer, Miao et al. 2024, for trees).
-Sequences join (:meth:`BatchDecoder.add`, which prefills the prompt) and leave (:meth:`BatchDecoder.remove`) between
-steps: continuous batching as in Orca (Yu et al. 2022).
+The peer of batch-1 decoding (:mod:`specdraft.decoding`), over the same step (:mod:`specdraft.step`) and the same
+per-sequence state (:class:`~specdraft.sequence.SequenceState`: setup, prefill, the step's draft, commit). One step
+of :class:`BatchDecoder` is that loop's step for every active sequence at once: each sequence's policy decides its
+draft (a chain, a token tree, or nothing: plain decoding is the same loop with empty drafts) knowing how many
+sequences share the forward, so adaptive speculation stops drafting where the batch already fills the machine; and
+:func:`specdraft.step.speculative_step` feeds the uncached tail and the draft of every row in one ragged forward
+(:class:`BatchRows`, :func:`specdraft.models.batched_llama.batched_forward`) and verifies each row on its own
+logits, so every row is lossless exactly as batch-1 decoding is (Leviathan et al. 2023, Alg. 1; SpecInfer, Miao et
+al. 2024, for trees). Sequences join (:meth:`BatchDecoder.add`, which prefills the prompt) and leave
+(:meth:`BatchDecoder.remove`) between steps: continuous batching as in Orca (Yu et al. 2022).
 
-Drafters keep per-generation state, so every sequence has its own drafter instance. A drafter that drafts through
-the target's own KV cache (layer-skip) cannot share the batched cache and fails with a clear error.
+Drafters keep per-generation state, so every sequence has its own drafter instance. A drafter that reads or drafts
+through the target's own KV cache (GliDe, layer-skip; ``DrafterFacts.batchable`` False) cannot share the batched
+cache and is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -20,20 +24,17 @@ import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 
 import torch
 
 from specdraft.batch_drafting import DraftBatcher, batcher_of
-from specdraft.decoding import GenerationConfig, GenerationResult, check_inputs
-from specdraft.drafters.base import Draft, Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
+from specdraft.drafters.base import Draft, Drafter, TargetFeatures, facts_of
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.models.batched_llama import BatchedKVCache, batched_forward, new_batched_cache, supports_batching
-from specdraft.speculation import FixedPolicy, SpeculationPolicy, StepBounds, propose
-from specdraft.stats import GenerationStats
-from specdraft.step import STEP_ROOM, Layout, StepInput, StepResult, speculative_step
-from specdraft.stopping import Stopper
+from specdraft.sequence import GenerationConfig, GenerationResult, SequenceState
+from specdraft.speculation import SpeculationPolicy
+from specdraft.step import STEP_ROOM, Layout, speculative_step
 from specdraft.trees import chain_parents
 
 
@@ -43,31 +44,6 @@ class _UnsharedCache:
     def __getattr__(self, name: str):
         raise SpecdraftError("this drafter drafts on the target's KV cache, which batched decoding does not share; "
                              "use it at batch size 1 (specdraft generate)")
-
-
-@dataclass
-class BatchSequence:
-    """One sequence of a batch: its settings, drafter and generator, and what it has generated so far."""
-
-    prompt: torch.Tensor  # (L,)
-    config: GenerationConfig
-    drafter: Drafter
-    generator: torch.Generator | None
-    stopper: Stopper
-    context: torch.Tensor  # (N,) prompt and committed tokens
-    policy: SpeculationPolicy  # how much it drafts each step
-    generated: list[int] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str | None = None
-    row: int = -1
-    started: float = 0.0
-    hidden: torch.Tensor | None = None  # (L - 1, D) the prompt's features, for a drafter that reads them
-    features: TargetFeatures | None = None  # the target features its drafter reads, if any
-    tag: object = None  # the caller's handle (a request, an index)
-    error: Exception | None = None  # why this sequence alone failed (finish_reason "error"); the batch went on
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats)
 
 
 class CacheRow:
@@ -97,6 +73,11 @@ class BatchRows:
 
     def __init__(self, target: CausalLM, cache: BatchedKVCache, features: Sequence[TargetFeatures | None]) -> None:
         self.target, self.cache, self.features = target, cache, list(features)
+
+    def prefill(self, row: int, tokens: torch.Tensor) -> torch.Tensor | None:
+        _, hidden = features_forward(self.target, self.cache, tokens[None], [tokens.shape[0]], row,
+                                     [self.features[row]], want_logits=False)
+        return hidden[0]  # (T, D or k*D), None when the drafter reads no features
 
     def cached(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -139,74 +120,57 @@ def features_forward(target: CausalLM, cache: BatchedKVCache, input_ids: torch.T
     return logits, rows
 
 
-MAX_NUM_DRAFT_TOKENS = STEP_ROOM // 2 - 1  # the largest num_draft_tokens (γ) batched decoding takes
 MAX_TREE_NODES = STEP_ROOM - 2  # a token tree keeps at most this many nodes in batched decoding (beside its tail)
 
 
 class BatchDecoder:
     """Continuous batching over one target: up to ``max_batch`` sequences of up to ``capacity`` positions each
     (prompt and generated tokens; a step's draft lives in :data:`~specdraft.step.STEP_ROOM` extra slots). Each
-    sequence drafts ``num_draft_tokens`` tokens a step (a :class:`~specdraft.speculation.FixedPolicy`).
-
-    ``max_draft_batch`` = k > 0 drafts only in steps with at most k sequences, and decodes plainly in fuller steps
-    (as vLLM's ``speculative_disable_by_batch_size``): a full batch already keeps the CPU busy, and every draft
-    token multiplies the rows of the verify forward. Lossless either way; 0 drafts at every batch size.
-    ``gate`` (a :class:`DraftGate`, optional) decides the same from measured tokens/s at each batch size instead.
+    sequence drafts as its speculation policy decides, priced at the number of sequences in each step
+    (:func:`specdraft.sequence.speculation_policy`: ``GenerationConfig.speculation`` and ``max_draft_batch``).
     """
 
-    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None,
-                 max_draft_batch: int = 0, gate: DraftGate | None = None) -> None:
-        if max_draft_batch < 0:
-            raise SpecdraftError(f"max_draft_batch must be >= 0 (0 = always draft), got {max_draft_batch}")
-        self.max_draft_batch = max_draft_batch
-        self.gate = gate
+    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None) -> None:
         if not supports_batching(target):
             raise SpecdraftError(f"batched decoding needs a native Llama target; {target.name!r} is not one "
                                  "(load it with backend auto or native)")
         self.target, self.tokenizer = target, tokenizer
         self.capacity = min(capacity, target.max_context)
         self.cache = new_batched_cache(target, max_batch, self.capacity + STEP_ROOM)
-        self.rows: list[BatchSequence] = []  # row i of the cache holds rows[i]
+        self.rows: list[SequenceState] = []  # row i of the cache holds rows[i]
         # Called after each row's verification with (sequence, the target's logits (m + 1, V) that chose the m
         # accepted tokens and the next one, whether the draft had a token at the first rejected position, draft
         # size); set by a caller that records verified positions (online distillation).
-        self.on_verify: Callable[[BatchSequence, torch.Tensor, bool, int], None] | None = None
+        self.on_verify: Callable[[SequenceState, torch.Tensor, bool, int], None] | None = None
 
     @property
     def free_rows(self) -> int:
         return self.cache.max_rows - len(self.rows)
 
+    def _target(self) -> BatchRows:
+        """The step target over the rows in use."""
+        return BatchRows(self.target, self.cache, [seq.features for seq in self.rows])
+
     @torch.inference_mode()
     def add(self, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter | None = None,
-            config: GenerationConfig | None = None, generator: torch.Generator | None = None) -> BatchSequence:
-        """Check a new sequence, give it a free row and prefill its prompt (all but the last token)."""
-        config = config or GenerationConfig()
-        drafter = drafter or NoDrafter()
-        prompt = check_inputs(prompt_ids, self.target, drafter, config.max_new_tokens)
-        if prompt.numel() + config.max_new_tokens > self.capacity:
-            raise SpecdraftError(f"prompt too long: {prompt.numel()} prompt tokens + max_new_tokens "
-                                 f"{config.max_new_tokens} exceed the batch's context of {self.capacity}")
-        if config.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
-            raise SpecdraftError(f"num_draft_tokens must be below {MAX_NUM_DRAFT_TOKENS + 1} in batched decoding, "
-                                 f"got {config.num_draft_tokens}")
+            config: GenerationConfig | None = None, generator: torch.Generator | None = None,
+            policy: SpeculationPolicy | None = None) -> SequenceState:
+        """Set a new sequence up (:meth:`~specdraft.sequence.SequenceState.start`), give it a free row and prefill
+        its prompt (all but the last token). ``policy``: by default one made from ``config``."""
+        if drafter is not None and not facts_of(drafter).batchable:
+            raise SpecdraftError(f"drafter {drafter.name!r} reads or drafts through the target's KV cache, which "
+                                 "batched decoding does not share; use it at batch size 1 (specdraft generate)")
         if not self.free_rows:
             raise SpecdraftError(f"the batch is full ({self.cache.max_rows} sequences)")
-        stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, self.tokenizer)
-        seq = BatchSequence(prompt, config, drafter, generator, stopper, prompt, FixedPolicy(config.num_draft_tokens),
-                            row=len(self.rows), started=time.perf_counter())
-        drafter.begin(self.target, _UnsharedCache())
-        share_target_cache(drafter, _UnsharedCache())  # a drafter that reads the target's cache is refused here
-        seq.features = target_features(drafter)
+        seq = SequenceState.start(self.target, prompt_ids, drafter, config, generator, self.tokenizer, policy,
+                                  lambda needed: _UnsharedCache(), self.capacity)
+        seq.row = len(self.rows)
         self.cache.lengths[seq.row] = 0
         self.rows.append(seq)
-        if prompt.shape[0] > 1:
-            _, hidden = features_forward(self.target, self.cache, prompt[None, :-1], [prompt.shape[0] - 1], seq.row,
-                                         [seq.features], want_logits=False)
-            seq.hidden = hidden[0]  # (L - 1, D or k*D), None when the drafter reads no features
-        seq.stats.prefill_seconds = time.perf_counter() - seq.started
+        seq.prefill(self._target())
         return seq
 
-    def remove(self, seq: BatchSequence) -> None:
+    def remove(self, seq: SequenceState) -> None:
         """Drop ``seq`` from the batch (finished or abandoned); the last row moves into its place."""
         if seq.row < 0 or seq.row >= len(self.rows) or self.rows[seq.row] is not seq:
             return
@@ -218,51 +182,17 @@ class BatchDecoder:
             self.cache.lengths[seq.row] = 0
         seq.row = -1
 
-    def _propose(self, seq: BatchSequence, drafting: bool = True) -> Draft:
-        """The row's draft (none unless ``drafting``), decided by its policy as batch-1 decoding decides it; the
-        room beside the one-token tail is the same for every row (what the batch's padding leaves)."""
-        config = seq.config
-        limit = config.max_new_tokens - len(seq.generated) - 1 if drafting else 0
-        bounds = StepBounds(limit, MAX_TREE_NODES, self.target.max_context - 1 - seq.context.shape[0])
-        return propose(seq.policy, seq.drafter, seq.context, self.cache.lengths[seq.row], bounds, config.sampling,
-                       seq.generator)
-
-    def _commit(self, seq: BatchSequence, draft: Draft, step: StepResult, draft_s: float, verify_s: float) -> list[int]:
-        """Hand the row's verified step to ``on_verify``, its drafter, policy and stats; returns the tokens it
-        commits."""
-        result = step.result
-        if self.on_verify is not None:
-            nodes = result.accepted_nodes
-            parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
-            missed = len(draft) > 0 and bool((parents == (nodes[-1] if nodes else -1)).any())
-            self.on_verify(seq, step.verified_logits, missed, len(draft))  # (m + 1, V)
-        if seq.hidden is not None and result.hidden is not None:  # the prompt's features with the first step's
-            result, seq.hidden = replace(result, hidden=torch.cat([seq.hidden, result.hidden])), None
-        keep, seq.finish_reason = seq.stopper.scan(seq.generated, step.tokens)
-        seq.generated += step.tokens[:keep]
-        seq.context = torch.cat([seq.context, torch.tensor(step.tokens[:keep], dtype=torch.long)])
-        seq.drafter.observe(result)
-        seq.policy.observe(draft, result, draft_s, verify_s)
-        seq.stats.record_step(result, keep, draft_s=draft_s, verify_s=verify_s)
-        return step.tokens[:keep]
-
-    def _greedy(self) -> bool:
-        """Whether every row decodes greedily: only then may timing decide about drafting (a sampled row's draws
-        depend on whether it drafted, so a seeded request would stop being reproducible)."""
-        return all(seq.config.sampling.greedy for seq in self.rows)
-
-    def _propose_or_error(self, seq: BatchSequence, drafting: bool = True) -> Draft | Exception:
-        """The row's :meth:`_propose`, or the exception it raised: one drafter's failure is its sequence's alone."""
+    def _propose(self, seq: SequenceState) -> Draft | Exception:
+        """The row's draft, decided by its policy for a step of this many sequences (the room beside the one-token
+        tail is the same for every row: what the batch's padding leaves), or the exception it raised: one
+        drafter's failure is its sequence's alone."""
         try:
-            return self._propose(seq, drafting)
+            return seq.propose(self.cache.lengths[seq.row], MAX_TREE_NODES, len(self.rows))
         except Exception as exc:
             return exc
 
     def _propose_all(self) -> list[Draft | Exception]:
         """Every row's draft; drafters whose draft model runs in lockstep draft together (their forwards batched)."""
-        if (self.max_draft_batch and len(self.rows) > self.max_draft_batch) or \
-                (self.gate is not None and self._greedy() and not self.gate.drafting(len(self.rows))):
-            return [self._propose_or_error(seq, drafting=False) for seq in self.rows]
         drafts: list[Draft | Exception | None] = [None] * len(self.rows)
         groups: dict[int, tuple[DraftBatcher, list[int]]] = {}
         for i, seq in enumerate(self.rows):
@@ -270,13 +200,13 @@ class BatchDecoder:
             if batcher is not None:
                 groups.setdefault(id(batcher), (batcher, []))[1].append(i)
         for batcher, rows in groups.values():
-            together = batcher.run([functools.partial(self._propose_or_error, self.rows[i]) for i in rows])
+            together = batcher.run([functools.partial(self._propose, self.rows[i]) for i in rows])
             for i, draft in zip(rows, together, strict=True):
                 drafts[i] = draft
-        return [draft if draft is not None else self._propose_or_error(seq)
-                for draft, seq in zip(drafts, self.rows, strict=True)]
+        return [draft if draft is not None else self._propose(seq) for draft, seq in zip(drafts, self.rows,
+                                                                                           strict=True)]
 
-    def _drop_failed(self, proposals: list[Draft | Exception]) -> tuple[list[BatchSequence], list[Draft]]:
+    def _drop_failed(self, proposals: list[Draft | Exception]) -> tuple[list[SequenceState], list[Draft]]:
         """Rows whose proposal raised end alone with their error (``error``, finish_reason "error") and leave the
         batch; returns them and the drafts of the rows that stay, in row order."""
         draft_of = {id(seq): draft for seq, draft in zip(self.rows, proposals, strict=True)}
@@ -286,8 +216,17 @@ class BatchDecoder:
             self.remove(seq)
         return failed, [draft_of[id(seq)] for seq in self.rows]
 
+    def _verified(self, seq: SequenceState, draft: Draft, step) -> None:
+        """Hand the row's verified step to ``on_verify``, if set."""
+        if self.on_verify is None:
+            return
+        nodes = step.result.accepted_nodes
+        parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
+        missed = len(draft) > 0 and bool((parents == (nodes[-1] if nodes else -1)).any())
+        self.on_verify(seq, step.verified_logits, missed, len(draft))  # (m + 1, V)
+
     @torch.inference_mode()
-    def step(self) -> list[tuple[BatchSequence, list[int]]]:
+    def step(self) -> list[tuple[SequenceState, list[int]]]:
         """One draft-verify step of every active sequence. Returns (sequence, tokens it committed) for each; the
         sequences that finished (``finish_reason`` set) have left the batch. A sequence whose own draft, distribution
         or verification raised (a non-finite distribution, a failing drafter) ends alone: ``error`` set,
@@ -300,17 +239,17 @@ class BatchDecoder:
             return [(seq, []) for seq in failed]
         tock = time.perf_counter()
         rows = list(self.rows)
-        inputs = [StepInput(seq.context, draft, seq.config.sampling, seq.generator)
-                  for seq, draft in zip(rows, drafts, strict=True)]
-        target = BatchRows(self.target, self.cache, [seq.features for seq in rows])
-        steps = speculative_step(target, inputs, isolate=True)
+        steps = speculative_step(self._target(), [seq.step_input(draft) for seq, draft in zip(rows, drafts,
+                                                                                              strict=True)],
+                                 isolate=True)
         verified = time.perf_counter()
         committed, done = [(seq, []) for seq in failed], []
         for seq, draft, step in zip(rows, drafts, steps, strict=True):
             try:
                 if isinstance(step, Exception):
                     raise step
-                new = self._commit(seq, draft, step, (tock - tick) / len(rows), verified - tock)
+                self._verified(seq, draft, step)
+                new = seq.commit(draft, step, (tock - tick) / len(rows), verified - tock)
             except Exception as exc:  # this row's distribution or verification failed: the others are unaffected
                 seq.error, seq.finish_reason = exc, "error"
                 committed.append((seq, []))
@@ -320,46 +259,10 @@ class BatchDecoder:
             if seq.finish_reason is not None:
                 done.append(seq)
         now = time.perf_counter()
-        if self.gate is not None and self._greedy():
-            drafted = any(len(draft) for draft in drafts)
-            self.gate.record(len(rows), drafted, sum(len(new) for _, new in committed), now - tick)
         for seq in done:
-            seq.stats.decode_seconds = now - seq.started
+            seq.finish(now)
             self.remove(seq)
         return committed
-
-
-class DraftGate:
-    """Whether a step of several sequences drafts: the choice (drafting or a plain step) with the higher measured
-    tokens/s at that number of sequences, each tried first, the other retried every ``explore_every`` steps.
-
-    Batching is speculation's rival for the same idle compute (Liu et al. 2024, "Optimizing Speculative Decoding
-    for Serving Large Language Models Using Goodput"): where a plain batched step already fills the machine, draft
-    tokens only add rows to the verify forward. A step of one sequence always drafts; its own speculation policy
-    sizes the draft. Only whether to draft changes, so output is as lossless as either path. Consulted for greedy
-    steps only (:meth:`BatchDecoder._greedy`).
-    """
-
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.2) -> None:
-        self.explore_every, self.smoothing = explore_every, smoothing
-        self.rates: dict[tuple[int, bool], float] = {}  # (sequences, drafted) -> tokens/s, moving average
-        self._steps = 0
-
-    def drafting(self, rows: int) -> bool:
-        if rows <= 1:
-            return True
-        self._steps += 1
-        draft, plain = self.rates.get((rows, True)), self.rates.get((rows, False))
-        if draft is None or plain is None:
-            return draft is None
-        better = draft >= plain
-        return not better if self._steps % self.explore_every == 0 else better
-
-    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
-        if rows <= 1 or seconds <= 0:
-            return
-        rate, old = tokens / seconds, self.rates.get((rows, drafted))
-        self.rates[(rows, drafted)] = rate if old is None else old + self.smoothing * (rate - old)
 
 
 def _pad(layouts: Sequence[Layout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -391,12 +294,10 @@ def generate_batch(
     generators: Sequence[torch.Generator | None] | None = None,
     tokenizer=None,
     batch_size: int | None = None,
-    max_draft_batch: int = 0,
 ) -> list[GenerationResult]:
     """Generate from ``target`` after every prompt, ``batch_size`` sequences at a time (default: all at once);
     a finished sequence's row goes to the next prompt. ``drafters``: one per prompt, or a factory called once per
-    prompt (drafters keep per-generation state), or None for plain decoding; ``max_draft_batch`` as
-    :class:`BatchDecoder`'s. Row i's output equals
+    prompt (drafters keep per-generation state), or None for plain decoding. Row i's output equals
     ``generate(target, prompts[i], drafters[i], config, generators[i], tokenizer)`` (greedy: token for token in
     fp32; sampling: in distribution)."""
     config = config or GenerationConfig()
@@ -407,7 +308,7 @@ def generate_batch(
     drafter_of = (lambda i: make()) if callable(drafters) else make
     generators = generators or [None] * count
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
-    decoder = BatchDecoder(target, min(batch_size or count, count), capacity, tokenizer, max_draft_batch)
+    decoder = BatchDecoder(target, min(batch_size or count, count), capacity, tokenizer)
     results: list[GenerationResult | None] = [None] * count
     waiting = list(range(count))
     while waiting or decoder.rows:

@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS, parse_options
-from specdraft.drafters.loading import load_drafter
+from specdraft.decoding import generate
+from specdraft.drafters import NAMED_DRAFTERS, facts_of, load_drafter, parse_options
 from specdraft.errors import SpecdraftError, os_error, utf8_error
+from specdraft.hardware import resolve_device
 from specdraft.models.registry import (
     DTYPE_CHOICES,
     DTYPES,
@@ -28,13 +28,10 @@ from specdraft.models.registry import (
 )
 from specdraft.prompts import encode_prompt
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import SPECULATION_HELP, GenerationConfig, speculation_policy
 from specdraft.serve.online_config import ONLINE_LOSSES
-from specdraft.speculation import SPECULATION, make_policy
+from specdraft.speculation import SPECULATION
 from specdraft.training.commands import add_training_commands
-
-SPECULATION_HELP = ("adaptive (default): each step proposes the draft that maximises expected tokens/s under this "
-                    "machine's measured costs, down to none (sampled text is exact in distribution, but draft lengths "
-                    "follow timings, so a seed replays it only with fixed); fixed: always num_draft_tokens")
 
 
 def _add_precision(p, dense_default: str) -> None:
@@ -91,13 +88,11 @@ def _add_generate(sub) -> None:
 
 DEVICE_HELP = ("where the target (and a draft model) run: cpu (default), auto (CUDA when visible), cuda or cuda:N; "
                "on CUDA models run through transformers (--backend auto or hf)")
-CPU_DRAFTERS = ("eagle", "eagle3", "medusa", "layer-skip")  # they read the target's weights on the CPU
 
 
 def decoding_device(device: str, backend: str, drafter: str | None = None) -> str:
-    """The resolved device name for decoding, refusing what only runs on the CPU (the native backend, the heads
-    and layer-skip drafters)."""
-    from specdraft.hardware import resolve_device
+    """The resolved device name for decoding, refusing what only runs on the CPU (the native backend, a drafter
+    whose facts say ``cpu_only``: the heads and layer-skip drafters)."""
 
     try:
         name = resolve_device(device).name
@@ -105,7 +100,7 @@ def decoding_device(device: str, backend: str, drafter: str | None = None) -> st
         raise SpecdraftError(str(exc)) from None
     if name != "cpu" and backend == "native":
         raise SpecdraftError(f"--backend native decodes on the CPU; on {name} use --backend hf (or auto)")
-    if name != "cpu" and drafter in CPU_DRAFTERS:
+    if name != "cpu" and drafter in NAMED_DRAFTERS and facts_of(NAMED_DRAFTERS[drafter]).cpu_only:
         raise SpecdraftError(f"--drafter {drafter} drafts on the CPU beside a CPU target; use --device cpu")
     return name
 
@@ -123,7 +118,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     drafter = load_drafter(target, tokenizer, args.draft, args.drafter, precision.draft_dtype, args.backend,
                            parse_options(args.drafter_option))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    policy = make_policy(target, args.speculation, args.num_draft_tokens, log) if drafter is not None else None
+    policy = speculation_policy(config, target, drafter, log)  # one for every completion: it learns across them
     ids = args.prompt_ids if args.prompt_ids is not None else encode_prompt(tokenizer, args.prompt, args.chat)
     for i in range(args.n):
         result = generate(target, ids, drafter, config, torch.Generator().manual_seed(args.seed + i), tokenizer,
@@ -348,10 +343,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--served-model-name", help="model id clients ask for (default: --target)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.add_argument("--max-draft-batch", type=int, default=0,
-                   help="draft only in steps with at most this many sequences, plain decoding above (0 = always)")
-    p.add_argument("--batch-speculation", choices=("adaptive", "always"), default="adaptive",
-                   help="adaptive: steps of several sequences draft only where drafting measured more tokens/s")
+                   help="draft only in steps with at most this many sequences, plain decoding above (0 = at every "
+                        "batch size)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting sequences; more answer 429")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt accepted")
     p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
@@ -388,7 +383,7 @@ def _run_serve(args: argparse.Namespace) -> None:
         target=args.target, draft=args.draft, drafter=args.drafter, drafter_options=options, dtype=args.dtype,
         quantize=args.quantize,
         served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
-        max_draft_batch=args.max_draft_batch, batch_speculation=args.batch_speculation,
+        speculation=args.speculation, max_draft_batch=args.max_draft_batch,
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
         shutdown_grace=args.shutdown_grace, host=args.host, port=args.port, online_distill=_online_config(args),

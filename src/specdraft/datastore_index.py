@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specdraft.compat import tokenizer_fingerprint
 from specdraft.errors import SpecdraftError
+from specdraft.files import cache_dir
 
 SEPARATOR = -1
 FORMAT = "specdraft-datastore"
@@ -183,8 +185,6 @@ class Datastore:
 
 def default_dir(source: str, fingerprint: str) -> Path:
     """``<specdraft cache>/datastores/<source name>-<tokenizer fingerprint>``."""
-    from specdraft.models.registry import cache_dir
-
     name = source if source == DEFAULT_SOURCE else re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(source).stem) or "corpus"
     return cache_dir() / "datastores" / f"{name}-{fingerprint}"
 
@@ -258,8 +258,6 @@ def load(path: str | Path, tokenizer=None, verify: bool = True) -> Datastore:
         tokenizer: when given, its fingerprint must equal the one the datastore was built with.
         verify: check each file's SHA-256 (reads the files once; sizes are always checked).
     """
-    from specdraft.compat import tokenizer_fingerprint
-
     path = Path(path).expanduser()
     manifest = _read_manifest(path)
     if tokenizer is not None and manifest.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):

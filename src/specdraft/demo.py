@@ -17,9 +17,9 @@ import torch
 import specdraft.models.rowgemm as rowgemm
 from specdraft import hardware
 from specdraft.costs import CostCurve, cost_curve
-from specdraft.decoding import GenerationConfig, GenerationResult, generate
+from specdraft.decoding import generate
 from specdraft.drafters import NAMED_DRAFTERS
-from specdraft.drafters.loading import load_drafter
+from specdraft.drafters.registry import load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import (
     DEFAULT_DRAFTERS,
@@ -31,7 +31,7 @@ from specdraft.models.registry import (
     load_target,
 )
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
-from specdraft.speculation import make_policy
+from specdraft.sequence import GenerationConfig, GenerationResult, speculation_policy
 
 # layer-skip is left out by default: its first use calibrates for minutes, and on this small target it drafts slower
 # than plain decoding; medusa and eagle need trained heads (--drafter-option heads=PATH in generate)
@@ -95,12 +95,12 @@ def _load_methods(config: DemoConfig, precision: Precision, out) -> tuple[object
     return target, tokenizer, methods
 
 
-def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, speculation: str, out,
+def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, out,
                 label: str = "") -> dict[str, list[GenerationResult]]:
     """Every method answers every prompt; a policy per method learns across its prompts."""
     results: dict[str, list[GenerationResult]] = {}
     for name, drafter in methods.items():
-        policy = make_policy(target, speculation, gen.num_draft_tokens) if drafter is not None else None
+        policy = speculation_policy(gen, target, drafter)
         results[name] = []
         for i, x in enumerate(ids):
             results[name].append(generate(target, x, drafter, gen, torch.Generator().manual_seed(0), policy=policy))
@@ -122,7 +122,7 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
     ids = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
     out(f"warming up, then {len(methods)} methods x {len(ids)} prompts x up to {config.max_new_tokens} tokens ...")
     generate(target, ids[0], None, GenerationConfig(8))  # warm-up
-    results = _answer_all(target, methods, ids, gen, config.speculation, out)
+    results = _answer_all(target, methods, ids, gen, out)
     for prompt, *answers in zip(prompts, *results.values(), strict=True):
         out(f"\n## [{prompt.category}] {prompt.text[:100]}{'...' if len(prompt.text) > 100 else ''}")
         out(tokenizer.decode(answers[0].token_ids, skip_special_tokens=True).strip())
@@ -156,8 +156,8 @@ def _identity(config: DemoConfig, precision: Precision, ids: list, results: dict
         fp32 = Precision(None, torch.float32, torch.float32)
         target, _, methods = _load_methods(config, fp32, lambda line: None)
         gen = GenerationConfig(config.check_tokens, config.num_draft_tokens, speculation=config.speculation)
-        checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen,
-                              config.speculation, out, label="float32 check, ")
+        checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen, out,
+                              label="float32 check, ")
         how = f"float32 pass, first {config.check_tokens} tokens"
     plain = checked["plain"]
     counts = {name: sum(r.token_ids == b.token_ids for r, b in zip(rs, plain, strict=True))

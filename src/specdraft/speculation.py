@@ -3,11 +3,13 @@
 :func:`propose` is the one place that decides how many tokens a step drafts; every decoding loop calls it once per
 step. It asks the step's :class:`SpeculationPolicy`
 
-- ``budget(context_length, limit, kind)``: how many draft tokens (depth) to ask the drafter for; 0 = a plain step.
+- ``budget(context_length, limit, kind, sequences)``: how many draft tokens (depth) to ask the drafter for; 0 = a
+  plain step; ``sequences`` share the step's forward (1 in batch-1 decoding).
   ``kind`` is the drafter's hint of what it would draft from this context before drafting
   (:func:`~specdraft.drafters.base.draft_kind`: a prompt-lookup drafter's matched n-gram size, a combined drafter's
   "copy alone" or "model chain"), so steps that differ in cost and acceptance are priced apart;
-- ``trim(draft, ...)``: which drafted nodes to verify (a prefix of a chain, an ancestor-closed subset of a tree);
+- ``trim(draft, ..., sequences)``: which drafted nodes to verify (a prefix of a chain, an ancestor-closed subset of a
+  tree);
 
 and then fits the draft to what the step can feed (:func:`fit`: no deeper than the budget, within the cache's room
 and the model's positions). After verification the loop tells the policy what happened:
@@ -29,6 +31,14 @@ target's forward over the T0 uncached tokens and |S| draft nodes at context L, r
 a threshold on the predicted rejection probability; AdaEDL: an entropy bound; DISCO: a learned classifier; vLLM:
 profiled per-batch costs with a constant per-token verify cost); none prices how the verify cost itself grows with
 the number of verified tokens, which on CPUs without fast skinny GEMMs is what decides.
+
+In a batch of n sequences every row of the verify forward is padded to the longest, so a sequence that drafts d
+tokens is priced as if every row fed as many: its share of the forward is c(n (T0 + d), L) / n, against
+c(n T0, L) / n for a plain step. Batching is speculation's rival for the same idle compute (Liu et al. 2024,
+"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"): where n rows already fill the
+machine, drafting stops paying, and the policy stops drafting at that batch size by itself; its verify-cost scale
+is learned from the batch's measured forwards. ``max_sequences`` (both policies) is a fixed cut instead, as vLLM's
+``speculative_disable_by_batch_size``: no drafting in steps of more sequences.
 
 The confidence-to-acceptance map is learned online: counts of accepted / reached nodes per (source, confidence
 decile) or, for nodes without a confidence (prompt lookup, REST, Lookahead, heads), per (source, depth), with a
@@ -67,12 +77,14 @@ _EXPLORE_EVERY = 8  # after this many plain steps in a row, one cheap draft keep
 class SpeculationPolicy(Protocol):
     """Decides, step by step, how much to propose (see the module docstring)."""
 
-    def budget(self, context_length: int, limit: int, kind: Hashable = None) -> int:
+    def budget(self, context_length: int, limit: int, kind: Hashable = None, sequences: int = 1) -> int:
         """Draft tokens (chain length or tree depth) to ask for, 0 .. ``limit``; 0 = a plain step. ``kind``: the
-        drafter's hint of what it would draft (:func:`specdraft.drafters.base.draft_kind`), None without one."""
+        drafter's hint of what it would draft (:func:`specdraft.drafters.base.draft_kind`), None without one;
+        ``sequences``: how many sequences share the step's forward."""
         ...
 
-    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
+    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool,
+             sequences: int = 1) -> Draft:
         """The part of ``draft`` to verify; ``tail`` uncached context tokens are fed with it."""
         ...
 
@@ -82,15 +94,19 @@ class SpeculationPolicy(Protocol):
 
 
 class FixedPolicy:
-    """Always γ = ``num_draft_tokens``, everything drafted is verified (the classic setting)."""
+    """Always γ = ``num_draft_tokens``, everything drafted is verified (the classic setting); none in steps of more
+    than ``max_sequences`` sequences, when set."""
 
-    def __init__(self, num_draft_tokens: int) -> None:
-        self.num_draft_tokens = num_draft_tokens
+    def __init__(self, num_draft_tokens: int, max_sequences: int = 0) -> None:
+        self.num_draft_tokens, self.max_sequences = num_draft_tokens, max_sequences
 
-    def budget(self, context_length: int, limit: int, kind: Hashable = None) -> int:
+    def budget(self, context_length: int, limit: int, kind: Hashable = None, sequences: int = 1) -> int:
+        if self.max_sequences and sequences > self.max_sequences:
+            return 0
         return min(self.num_draft_tokens, limit)
 
-    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
+    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool,
+             sequences: int = 1) -> Draft:
         return draft
 
     def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
@@ -148,18 +164,21 @@ class _KindState:
 class AdaptivePolicy:
     """Adaptive speculation: each step, the draft size that maximises expected tokens per second, 0 included.
 
-    ``target_costs`` is the target's measured forward-cost curve; ``max_draft_tokens`` bounds the depth.
+    ``target_costs`` is the target's measured forward-cost curve; ``max_draft_tokens`` bounds the depth;
+    ``max_sequences`` > 0: no drafting in steps of more sequences (module docstring).
     """
 
-    def __init__(self, target_costs: CostCurve, max_draft_tokens: int, draft_seconds_per_token: float = 0.0) -> None:
+    def __init__(self, target_costs: CostCurve, max_draft_tokens: int, draft_seconds_per_token: float = 0.0,
+                 max_sequences: int = 0) -> None:
         self.costs = target_costs
-        self.max_draft_tokens = max_draft_tokens
+        self.max_draft_tokens, self.max_sequences = max_draft_tokens, max_sequences
         self.acceptance = AcceptanceMap()
         self.initial_draft_seconds = draft_seconds_per_token
         self.kinds: dict[Hashable, _KindState] = {}  # per draft kind: drafting cost, nodes per depth, plain run
         self.verify_scale = 1.0  # moving average of measured / predicted verify seconds
         self._asked = 0
         self._context = 0
+        self._sequences = 1
         self._kind: Hashable = None
 
     def _state(self, kind: Hashable) -> _KindState:
@@ -167,19 +186,24 @@ class AdaptivePolicy:
             self.kinds[kind] = _KindState(self.initial_draft_seconds)
         return self.kinds[kind]
 
-    def _verify_seconds(self, new_tokens: int, context_length: int) -> float:
-        return self.verify_scale * self.costs.seconds(new_tokens, context_length)
+    def _verify_seconds(self, new_tokens: int, context_length: int, sequences: int = 1) -> float:
+        """Predicted seconds of this sequence's share of a verify forward in which each of ``sequences`` rows feeds
+        ``new_tokens`` (module docstring)."""
+        return self.verify_scale * self.costs.seconds(sequences * new_tokens, context_length) / sequences
 
-    def budget(self, context_length: int, limit: int, kind: Hashable = None) -> int:
+    def budget(self, context_length: int, limit: int, kind: Hashable = None, sequences: int = 1) -> int:
         """The depth with the best expected rate under the per-depth acceptance seen so far for this ``kind``."""
         limit = min(limit, self.max_draft_tokens)
+        if self.max_sequences and sequences > self.max_sequences:
+            limit = 0
         state = self._state(kind)
-        best, best_rate, expected, reach = 0, 1.0 / self._verify_seconds(1, context_length), 1.0, 1.0
+        best, best_rate, expected, reach = 0, 1.0 / self._verify_seconds(1, context_length, sequences), 1.0, 1.0
         for depth in range(1, limit + 1):
             reach *= self.acceptance.rate(depth_key(depth, kind))
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
-            seconds = state.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length)
+            seconds = state.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length,
+                                                                                   sequences)
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
@@ -188,10 +212,11 @@ class AdaptivePolicy:
                 best, state.plain_run = 1, 0
         else:
             state.plain_run = 0
-        self._asked, self._context, self._kind = best, context_length, kind
+        self._asked, self._context, self._kind, self._sequences = best, context_length, kind, sequences
         return best
 
-    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool) -> Draft:
+    def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool,
+             sequences: int = 1) -> Draft:
         if len(draft) == 0 or (not greedy and draft.parents is not None):
             return draft  # sampled trees: cutting siblings by their draws would bias them (module docstring)
         keys, parents = _node_keys(draft)
@@ -202,7 +227,7 @@ class AdaptivePolicy:
         extra = 0 if draft.aux is None else draft.aux.tokens.shape[0]
 
         def rate(size: int, expected: float) -> float:
-            return expected / (draft_seconds + self._verify_seconds(tail + size + extra, context_length))
+            return expected / (draft_seconds + self._verify_seconds(tail + size + extra, context_length, sequences))
 
         if draft.parents is None and not greedy:
             return draft.select(torch.arange(sequential_stop(reach, rate)), None)
@@ -233,7 +258,7 @@ class AdaptivePolicy:
             state = self._state(self._kind)
             state.draft_seconds_per_token += _EMA * (draft_seconds / self._asked - state.draft_seconds_per_token)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
-        predicted = self.costs.seconds(1 + len(draft), self._context)
+        predicted = self.costs.seconds(self._sequences * (1 + len(draft)), self._context)  # the whole forward
         if predicted > 0 and verify_seconds > 0:
             ratio = min(max(verify_seconds / predicted, 0.5), 3.0)
             self.verify_scale += _EMA * (ratio - self.verify_scale)
@@ -269,11 +294,12 @@ def sequential_stop(reach: list[float], rate) -> int:
 class StepBounds:
     """What one step can verify, whatever the policy wants: ``limit`` draft tokens (the answer's tokens left after
     the step's own one), ``room`` nodes and auxiliary tokens in the cache, ``max_position`` positions past the root
-    within the model's context."""
+    within the model's context; ``sequences`` share the step's forward (the policy prices the step by it)."""
 
     limit: int
     room: int
     max_position: int
+    sequences: int = 1
 
 
 def propose(policy: SpeculationPolicy, drafter: Drafter, context: torch.Tensor, cached: int, bounds: StepBounds,
@@ -283,9 +309,10 @@ def propose(policy: SpeculationPolicy, drafter: Drafter, context: torch.Tensor, 
     policy keeps, fitted to ``bounds``."""
     start = time.perf_counter()
     length = context.shape[0]
-    budget = policy.budget(length, bounds.limit, draft_kind(drafter, context, sampling))
+    budget = policy.budget(length, bounds.limit, draft_kind(drafter, context, sampling), bounds.sequences)
     draft = drafter.propose(context, budget, sampling, generator) if budget > 0 else EMPTY_DRAFT
-    draft = policy.trim(draft, length, length - cached, time.perf_counter() - start, sampling.greedy)
+    draft = policy.trim(draft, length, length - cached, time.perf_counter() - start, sampling.greedy,
+                        bounds.sequences)
     return fit(draft, budget, bounds.room, bounds.max_position)
 
 
@@ -309,15 +336,3 @@ def fit(draft: Draft, max_depth: int, room: int, max_position: int) -> Draft:
 
 SPECULATION = ("adaptive", "fixed")
 
-
-def make_policy(target, speculation: str, num_draft_tokens: int, log=None) -> SpeculationPolicy:
-    """``fixed``: :class:`FixedPolicy` (γ = ``num_draft_tokens``); ``adaptive``: :class:`AdaptivePolicy` up to
-    ``num_draft_tokens``, priced by ``target``'s cost curve on this machine (measured once, then cached)."""
-    from specdraft.costs import cost_curve
-    from specdraft.errors import SpecdraftError
-
-    if speculation == "fixed":
-        return FixedPolicy(num_draft_tokens)
-    if speculation != "adaptive":
-        raise SpecdraftError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
-    return AdaptivePolicy(cost_curve(target, log=log), num_draft_tokens)

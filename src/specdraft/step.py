@@ -91,6 +91,11 @@ class StepResult:
 class StepTarget(Protocol):
     """The target and the cache rows one step feeds."""
 
+    def prefill(self, row: int, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Feed ``tokens`` (T,) to sequence ``row``'s empty cache on the causal path; returns their features (T, D)
+        when its drafter reads them, else None."""
+        ...
+
     def cached(self, row: int) -> int:
         """Positions of sequence ``row`` held in its cache."""
         ...
@@ -111,6 +116,10 @@ class OneSequence:
     def __init__(self, target: CausalLM, cache: KVCache, features: TargetFeatures | None = None) -> None:
         self.target, self.cache = target, cache
         self.features = {} if features is None else features.forward_args()
+
+    def prefill(self, row: int, tokens: torch.Tensor) -> torch.Tensor | None:
+        out = self.target.forward(tokens.unsqueeze(0), self.cache, logits_to_keep=1, **self.features)
+        return out[1][0] if self.features else None  # (T, D)
 
     def cached(self, row: int) -> int:
         return self.cache.length

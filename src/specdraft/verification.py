@@ -19,6 +19,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, sample, warp
+from specdraft.trees import children, depths, follow_path
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,6 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logit
         tokens, parents: (N,) the tree (:mod:`specdraft.trees`).
         target_logits: (N + 1, V) logits at the root (row 0) and at every node (row i + 1).
     """
-    from specdraft.trees import depths, follow_path
 
     argmax = target_logits.argmax(-1).tolist()  # (N + 1,)
     path = follow_path(tokens, parents, lambda row, depth: argmax[row])
@@ -224,7 +224,6 @@ def verify_tree_sampling(
         p: (N + 1, V) warped target probabilities at the root (row 0) and every node (row i + 1).
         generator: the source of every random draw.
     """
-    from specdraft.trees import children, depths
 
     kids, ids = children(parents), tokens.tolist()
     vocab = p.shape[-1]

@@ -8,7 +8,6 @@ import pytest
 from specdraft.bench.methods import BuildContext, build_methods, parse_methods
 from specdraft.bench.records import read_records
 from specdraft.cli import main
-from specdraft.drafters import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from toys import save_tiny_checkpoint
 
@@ -189,12 +188,26 @@ def test_malformed_question_line_names_it(files, tmp_path, capsys):
     assert "line 2: not valid JSON" in capsys.readouterr().err
 
 
-def test_training_free_methods_come_from_the_registry(files, monkeypatch):
-    """A drafter added to NAMED_DRAFTERS is a benchmark method with no change here."""
-    from specdraft.drafters.options import build
+def test_training_free_methods_come_from_the_registry(files, monkeypatch, tmp_path):
+    """A drafter added as a file of the drafters package (NAMED_DRAFTERS) is a benchmark method with no change here."""
+    import sys
 
-    monkeypatch.setitem(__import__("specdraft.drafters", fromlist=["x"]).NAMED_DRAFTERS, "toy-lookup",
-                        lambda target, tokenizer, options: build(PromptLookupDrafter, options))
+    import specdraft.drafters
+
+    (tmp_path / "toy_lookup.py").write_text(
+        "from specdraft.drafters.prompt_lookup import PromptLookupDrafter\n\n\n"
+        "class ToyLookup(PromptLookupDrafter):\n    method = 'toy-lookup'\n")
+    monkeypatch.setattr(specdraft.drafters, "__path__", [*specdraft.drafters.__path__, str(tmp_path)])
+    specdraft.drafters.NAMED_DRAFTERS.refresh()
+    try:
+        _bench_a_registered_drafter(files)
+    finally:
+        sys.modules.pop("specdraft.drafters.toy_lookup", None)
+        monkeypatch.undo()
+        specdraft.drafters.NAMED_DRAFTERS.refresh()
+
+
+def _bench_a_registered_drafter(files):
     assert parse_methods("toy-lookup") == ["ar", "toy-lookup"]
     ctx = BuildContext(None, None, files["target"], None)
     (ar, toy, opt) = build_methods(ctx, ["toy-lookup", "toy-lookup:max_ngram_size=1;min-ngram-size=1"], gammas=[2],
@@ -214,7 +227,7 @@ def test_hf_assisted_is_configured_for_a_fair_comparison(files):
     import torch
 
     from specdraft.api import load_target
-    from specdraft.decoding import GenerationConfig
+    from specdraft.sequence import GenerationConfig
 
     target, tokenizer = load_target(files["target"], torch.float32)
     ctx = BuildContext(target, tokenizer, files["target"], torch.float32)

@@ -11,9 +11,9 @@ from specdraft.bench.llamacpp import LlamaServer, completion_payload, find_binar
 from specdraft.bench.llamacpp_build import FORMAT, LLAMA_CPP_PYTHON_VERSION, machine, write_build_info
 from specdraft.bench.methods import TurnResult, parse_methods
 from specdraft.cli import main
-from specdraft.decoding import GenerationConfig
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from toys import save_tiny_checkpoint, tiny_tokenizer, write_target_gguf
 
 FAKE_SERVER = r'''

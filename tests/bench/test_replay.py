@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from specdraft.bench.replay import accepted_length, replay
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import PromptLookupDrafter, draft_model_drafter
 from specdraft.drafters.base import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
+from specdraft.sequence import GenerationConfig
 from toys import tiny_llama
 
 

@@ -8,12 +8,14 @@ from collections import Counter
 import pytest
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS, Draft, parse_options
+from specdraft.decoding import generate
+from specdraft.drafters import Draft, parse_options
 from specdraft.drafters.bild import BiLDDrafter
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.verification import verify, within_rollback
 from toys import assert_sequences_follow, bigram_sequence_probs, random_bigram, tiny_llama
 
@@ -130,6 +132,6 @@ def test_named_drafter_options():
     with pytest.raises(SpecdraftError, match="rollback"):
         BiLDDrafter(small, rollback=-0.1)
     with pytest.raises(SpecdraftError, match="draft model"):  # a target with no shipped drafter
-        NAMED_DRAFTERS["bild"](target, None, parse_options("fallback=0.5;rollback=2"))
+        make_named("bild", target, None, parse_options("fallback=0.5;rollback=2"))
     with pytest.raises(SpecdraftError, match="draft model"):
-        NAMED_DRAFTERS["gsd"](target, None, {})
+        make_named("gsd", target, None, {})

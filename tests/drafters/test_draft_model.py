@@ -73,8 +73,9 @@ def test_confidence_threshold_is_lossless():
     """Greedy: same output as plain decoding; sampling: the first drafted position follows the target's p."""
     from collections import Counter
 
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
     from specdraft.sampling import warp
+    from specdraft.sequence import GenerationConfig
     from toys import assert_follows
 
     target, prompt = hf_target(0), [3, 4, 5, 6]
@@ -105,7 +106,8 @@ def test_confidence_threshold_options_are_checked():
 
 def _vocab_keep(target, prompt: list[int], size: int) -> torch.Tensor:
     """``size`` token ids holding the target's greedy continuation of ``prompt`` (drafts can be accepted)."""
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
+    from specdraft.sequence import GenerationConfig
 
     used = sorted(set(generate(target, prompt, None, GenerationConfig(30)).token_ids))
     rest = [t for t in range(64) if t not in used]
@@ -139,9 +141,10 @@ def test_draft_vocab_is_lossless():
     """Greedy output equals plain decoding (chain and tree); sampling keeps the target's first-token p."""
     from collections import Counter
 
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
     from specdraft.models.native_llama import NativeLlama
     from specdraft.sampling import warp
+    from specdraft.sequence import GenerationConfig
     from toys import assert_follows, tiny_llama
 
     target, prompt = hf_target(0), [3, 4, 5, 6]
@@ -228,7 +231,8 @@ def test_prompt_lookup_branch_is_the_model_chain_plus_the_copied_continuation():
 
 
 def test_prompt_lookup_branch_is_lossless_and_ignored_when_sampling():
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
+    from specdraft.sequence import GenerationConfig
 
     target, prompt = hf_target(0), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     plain = generate(target, prompt, None, GenerationConfig(32)).token_ids
@@ -262,7 +266,8 @@ def test_prompt_lookup_options_are_checked():
 
 
 def test_prompt_lookup_alone_skips_the_model_on_a_long_match():
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
+    from specdraft.sequence import GenerationConfig
 
     model = hf_target(1)
     context = torch.tensor([7, 8, 9, 10, 11, 12, 3, 7, 8, 9])  # "7 8 9" matched: copy 10 11 12 3
@@ -302,7 +307,8 @@ def test_siblings_hang_the_runners_up_beside_every_chain_token():
 
 
 def test_siblings_respect_the_draft_vocabulary_and_are_lossless():
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
+    from specdraft.sequence import GenerationConfig
 
     keep = torch.arange(0, 64, 2)  # even tokens only
     drafter = draft_model_drafter(hf_target(1), siblings=3, keep=keep)
@@ -383,7 +389,8 @@ def test_chain_copy_drafts_the_matched_continuation_at_every_depth_and_the_model
 
 
 def test_chain_copy_cache_stays_exact_after_rollbacks_and_is_lossless():
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
+    from specdraft.sequence import GenerationConfig
 
     model, generator = hf_target(1), torch.Generator().manual_seed(0)
     drafter = draft_model_drafter(model, chain_copy=2)

@@ -8,13 +8,14 @@ from collections import Counter
 import pytest
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter
 from specdraft.drafters.combined import draft_model_drafter
 from specdraft.drafters.graph import COPIED, GraphDrafter, TokenGraph
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.trees import children, depths
 from toys import assert_sequences_follow, bigram_sequence_probs, hf_target, random_bigram, tiny_llama
 

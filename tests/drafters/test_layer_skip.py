@@ -9,13 +9,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS
+from specdraft.decoding import generate
 from specdraft.drafters import layer_skip as layer_skip_module
 from specdraft.drafters.layer_skip import LayerSkipDrafter, builtin_calibration_ids, calibrate_skip, parse_skip
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig, warp
+from specdraft.sequence import GenerationConfig
 from toys import hf_target, tiny_llama, tiny_tokenizer
 
 PROMPT = [5, 9, 3, 17, 9, 3, 22, 40]
@@ -176,14 +177,14 @@ def test_calibrated_set_is_cached_and_reused(native4, tmp_path, monkeypatch):
 
 
 def test_factory_options_and_transformers_target_error(native4):
-    drafter = NAMED_DRAFTERS["layer-skip"](native4, None, {"skip": "1,2"})
+    drafter = make_named("layer-skip", native4, None, {"skip": "1,2"})
     assert drafter.kept == [0, 3] and drafter.name == "layer-skip[1,2]"
     with pytest.raises(SpecdraftError, match="natively"):
-        NAMED_DRAFTERS["layer-skip"](hf_target(0), None, {"skip": "1"})
+        make_named("layer-skip", hf_target(0), None, {"skip": "1"})
     with pytest.raises(SpecdraftError, match="tokenizer"):
-        NAMED_DRAFTERS["layer-skip"](native4, None, {})
+        make_named("layer-skip", native4, None, {})
     with pytest.raises(SpecdraftError, match="unknown drafter option"):
-        NAMED_DRAFTERS["layer-skip"](native4, None, {"calibration": "1,2"})
+        make_named("layer-skip", native4, None, {"calibration": "1,2"})
 
 
 def test_bad_options(native4):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS, parse_options
+from specdraft.decoding import generate
+from specdraft.drafters import parse_options
 from specdraft.drafters.lookahead import (
     LookaheadDrafter,
     NgramPool,
@@ -20,9 +20,11 @@ from specdraft.drafters.lookahead import (
     ngram_trie,
     window_layout,
 )
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig, warp
+from specdraft.sequence import GenerationConfig
 from specdraft.trees import AuxBranch, verify_layout
 from specdraft.verification import TreeVerifyResult
 from toys import hf_target, tiny_llama
@@ -250,8 +252,8 @@ def test_bad_options(options, match):
 
 
 def test_cli_factory_converts_and_checks_options():
-    drafter = NAMED_DRAFTERS["lookahead"](None, None, parse_options("window=4;ngram=3;guess-set-size=2"))
+    drafter = make_named("lookahead", None, None, parse_options("window=4;ngram=3;guess-set-size=2"))
     assert (drafter.window, drafter.ngram, drafter.guess_set_size) == (4, 3, 2)
     for text, match in [("window=0", "window must be"), ("window=five", "expected int"), ("level=3", "unknown")]:
         with pytest.raises(SpecdraftError, match=match):
-            NAMED_DRAFTERS["lookahead"](None, None, parse_options(text))
+            make_named("lookahead", None, None, parse_options(text))

@@ -9,12 +9,13 @@ import torch
 from scipy.stats import chisquare
 
 from specdraft.datastore import Datastore
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS
+from specdraft.decoding import generate
+from specdraft.drafters.registry import make_named
 from specdraft.drafters.rest import RESTDrafter, continuation_trie
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig, warp
+from specdraft.sequence import GenerationConfig
 from toys import hf_target, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -149,8 +150,8 @@ def test_missing_default_datastore_says_how_to_build_it(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     with pytest.raises(SpecdraftError, match="specdraft build-datastore"):
-        NAMED_DRAFTERS["rest"](None, tiny_tokenizer(), {})
+        make_named("rest", None, tiny_tokenizer(), {})
     with pytest.raises(SpecdraftError, match="build-datastore"):
-        NAMED_DRAFTERS["rest"](None, tiny_tokenizer(), {"datastore": str(tmp_path / "nowhere")})
+        make_named("rest", None, tiny_tokenizer(), {"datastore": str(tmp_path / "nowhere")})
     with pytest.raises(SpecdraftError, match="unknown drafter option"):
-        NAMED_DRAFTERS["rest"](None, tiny_tokenizer(), {"store": "x"})
+        make_named("rest", None, tiny_tokenizer(), {"store": "x"})

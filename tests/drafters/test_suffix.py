@@ -8,12 +8,14 @@ from collections import Counter
 import pytest
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS, parse_options
+from specdraft.decoding import generate
+from specdraft.drafters import parse_options
+from specdraft.drafters.registry import make_named
 from specdraft.drafters.suffix import GLOBAL, LOCAL, SuffixDrafter, SuffixTree, speculate_path, speculate_tree
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from toys import assert_sequences_follow, bigram_sequence_probs, hf_target, random_bigram, tiny_llama
 
 GREEDY = SamplingConfig()
@@ -170,11 +172,11 @@ def test_sampled_sequences_follow_the_target(tree_nodes, sampling):
 
 
 def test_options_by_name_and_bad_values():
-    drafter = NAMED_DRAFTERS["suffix"](None, None, parse_options("tree_nodes=0;max_spec_factor=2;max_depth=16"))
+    drafter = make_named("suffix", None, None, parse_options("tree_nodes=0;max_spec_factor=2;max_depth=16"))
     assert isinstance(drafter, SuffixDrafter)
     assert (drafter.tree_nodes, drafter.max_spec_factor, drafter.max_depth) == (0, 2.0, 16)
     with pytest.raises(SpecdraftError, match="unknown drafter option"):
-        NAMED_DRAFTERS["suffix"](None, None, {"depth": "3"})
+        make_named("suffix", None, None, {"depth": "3"})
     for bad in ({"max_depth": 0}, {"min_token_prob": 1.5}, {"tree_nodes": -1}, {"max_cached_outputs": -2}):
         with pytest.raises(SpecdraftError, match="suffix option"):
             SuffixDrafter(**bad)

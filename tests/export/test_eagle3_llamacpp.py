@@ -81,8 +81,9 @@ def test_llama_cpp_converts_and_drafts_with_the_exported_head(tmp_path):
     assert drafted > 0
     if trained:
         from specdraft.api import encode_prompt, load_target
-        from specdraft.decoding import GenerationConfig, generate
+        from specdraft.decoding import generate
         from specdraft.drafters.eagle3 import Eagle3Drafter
+        from specdraft.sequence import GenerationConfig
 
         target, tokenizer = load_target("smollm2-135m-instruct", torch.bfloat16)
         ids = encode_prompt(tokenizer, PROMPT, chat=True)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS
+from specdraft.decoding import generate
 from specdraft.drafters.eagle import EagleDrafter
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.heads import WEIGHTS_FILE, save_heads
 from specdraft.heads.eagle import EagleHead, build_eagle, eagle_loss, eagle_spec, num_parameters
@@ -17,6 +17,7 @@ from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.training.data.batches import collate_distill
 from specdraft.training.heads.kinds import EAGLE
 from specdraft.training.heads.train_heads import HEAD_KINDS
@@ -188,7 +189,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     spec = eagle_spec(model.config, None, {})
     folder = save_heads(head, "eagle", spec, tmp_path / "heads", "tiny0")
     target = NativeLlama.from_hf(model)
-    loaded = NAMED_DRAFTERS["eagle"](target, None, {"heads": str(folder), "top_k": "2", "tree_nodes": "6"})
+    loaded = make_named("eagle", target, None, {"heads": str(folder), "top_k": "2", "tree_nodes": "6"})
     assert isinstance(loaded, EagleDrafter) and (loaded.top_k, loaded.tree_nodes) == (2, 6)
     for name, tensor in head.state_dict().items():
         torch.testing.assert_close(loaded.head.state_dict()[name], tensor)
@@ -197,7 +198,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     assert generate(target, PROMPTS[0], loaded, config).stats.accept_lengths == \
         generate(target, PROMPTS[0], same, config).stats.accept_lengths
     with pytest.raises(SpecdraftError, match="heads=PATH"):
-        NAMED_DRAFTERS["eagle"](target, None, {})
+        make_named("eagle", target, None, {})
     with pytest.raises(SpecdraftError, match="top_k and tree_nodes"):
         EagleDrafter(str(folder), top_k=0)
 
@@ -248,6 +249,6 @@ def test_train_heads_cli_trains_and_exports_an_eagle_head(tmp_path):
     with open(tmp_path / "run" / "eval_log.csv") as handle:
         row = list(csv.DictReader(handle))[-1]
     assert {"heldout_loss", "heldout_smooth_l1", "heldout_top1", "block_efficiency@4"} <= set(row)
-    drafter = NAMED_DRAFTERS["eagle"](target, None, {"heads": str(tmp_path / "run" / "heads")})
+    drafter = make_named("eagle", target, None, {"heads": str(tmp_path / "run" / "heads")})
     prompt = records[0]["prompt_token_ids"]
     assert generate(target, prompt, drafter, GenerationConfig(16, 4)).token_ids == records[0]["response_token_ids"]

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from specdraft.batching import generate_batch
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.eagle3 import Eagle3Drafter
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
 from specdraft.heads.eagle import head_config
@@ -17,6 +18,7 @@ from specdraft.heads.eagle3 import build_eagle3, default_aux_layers
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.training.data.batches import collate_distill
 from specdraft.training.heads.eagle3 import EAGLE3, parse_settings, unrolled
 from specdraft.training.heads.train_heads import HEAD_KINDS
@@ -220,13 +222,13 @@ def test_heads_folder_round_trip_and_errors(trained, tmp_path):
     _, loaded = load_heads(tmp_path / "h", kind="eagle3")
     assert torch.equal(loaded.d2t, head.d2t) and loaded.aux_layers == [0, 2, 3]
     target = NativeLlama.from_hf(model)
-    via_cli = NAMED_DRAFTERS["eagle3"](target, None, {"heads": str(tmp_path / "h"), "top_k": "1"})
+    via_cli = make_named("eagle3", target, None, {"heads": str(tmp_path / "h"), "top_k": "1"})
     direct = Eagle3Drafter.from_module(head, top_k=1)
     for drafter in (via_cli, direct):
         result = generate(target, PROMPTS[0], drafter, GenerationConfig(16, 3))
         assert result.token_ids == generate(target, PROMPTS[0], None, GenerationConfig(16)).token_ids
     with pytest.raises(SpecdraftError, match="needs --drafter-option heads"):
-        NAMED_DRAFTERS["eagle3"](target, None, {})
+        make_named("eagle3", target, None, {})
     shallow = NativeLlama.from_hf(tiny_llama(1, layers=2))
     with pytest.raises(SpecdraftError, match="reads target layers"):
         generate(shallow, PROMPTS[0], direct, GenerationConfig(4, 3))

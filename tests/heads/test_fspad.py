@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.export.eagle3 import eagle3_tensors
@@ -16,6 +16,7 @@ from specdraft.heads.eagle3 import build_eagle3
 from specdraft.heads.fspad import aligned_width, parse_fspad, partial_smooth_l1
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.shared_embeddings import target_weights
+from specdraft.sequence import GenerationConfig
 from specdraft.training.data.batches import collate_distill
 from specdraft.training.heads.eagle3 import EAGLE3, parse_settings, unrolled
 from toys import tiny_llama

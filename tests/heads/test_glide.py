@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.batching import generate_batch
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS
+from specdraft.decoding import generate
 from specdraft.drafters.base import ReadsTargetCache, share_target_cache
 from specdraft.drafters.draft_model import MODEL, SIBLING
 from specdraft.drafters.glide import GlideDrafter, extra_candidates, parse_thresholds
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
 from specdraft.heads.glide import build_glide, cross_attention, glide_spec, num_parameters, unroll
@@ -23,6 +23,7 @@ from specdraft.models.base import ReadableKVCache
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.training.data.batches import collate_distill
 from specdraft.training.heads.glide import GLIDE
 from specdraft.training.heads.train_heads import HEAD_KINDS
@@ -228,7 +229,7 @@ def test_the_target_cache_is_shared_through_the_capability(trained):
     assert keys.shape == values.shape == (1, 2, len(PROMPTS[0]), 8)
     with pytest.raises(SpecdraftError, match="does not expose"):
         share_target_cache(drafter, object())
-    with pytest.raises(SpecdraftError, match="reads the target's KV cache"):
+    with pytest.raises(SpecdraftError, match="through the target's KV cache, which batched decoding does not share"):
         generate_batch(target, [PROMPTS[0]], [drafter], GenerationConfig(8, 3))
     drafter.begin(target, cache)
     with pytest.raises(SpecdraftError, match="read_target_cache"):
@@ -243,7 +244,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     model, head, _ = trained
     folder = save_heads(head, "glide", glide_spec(model.config, {"ttt_steps": "3"}), tmp_path / "heads", "tiny0")
     target = NativeLlama.from_hf(model)
-    loaded = NAMED_DRAFTERS["glide"](target, None, {"heads": str(folder), "cape": "0.5", "max_nodes": "6"})
+    loaded = make_named("glide", target, None, {"heads": str(folder), "cape": "0.5", "max_nodes": "6"})
     assert isinstance(loaded, GlideDrafter) and loaded.thresholds == (0.5,) and loaded.max_nodes == 6
     _, again = load_heads(folder, kind="glide")
     for name, tensor in head.state_dict().items():
@@ -253,7 +254,7 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     assert generate(target, PROMPTS[0], loaded, config).stats.accept_lengths == \
         generate(target, PROMPTS[0], same, config).stats.accept_lengths
     with pytest.raises(SpecdraftError, match="heads=PATH"):
-        NAMED_DRAFTERS["glide"](target, None, {})
+        make_named("glide", target, None, {})
     deeper = NativeLlama.from_hf(tiny_llama(1, layers=3))
     with pytest.raises(SpecdraftError, match="2-layer target"):
         generate(deeper, PROMPTS[0], loaded, config)
@@ -266,10 +267,10 @@ def test_int8_draft_head_keeps_output_and_bad_option_is_refused(trained, tmp_pat
     model, head, _ = trained
     folder = save_heads(head, "glide", glide_spec(model.config, {"ttt_steps": "3"}), tmp_path / "heads", "tiny0")
     target = NativeLlama.from_hf(model)
-    drafter = NAMED_DRAFTERS["glide"](target, None, {"heads": str(folder), "quantize": "int8"})
+    drafter = make_named("glide", target, None, {"heads": str(folder), "quantize": "int8"})
     config = GenerationConfig(20, 4, speculation="fixed")
     for prompt in PROMPTS:
         assert generate(target, prompt, drafter, config).token_ids == generate(target, prompt, None, config).token_ids
     assert (drafter._vocab.packed is not None) == quantized.available()
     with pytest.raises(SpecdraftError, match="quantize must be none or int8"):
-        NAMED_DRAFTERS["glide"](target, None, {"heads": str(folder), "quantize": "int4x"})
+        make_named("glide", target, None, {"heads": str(folder), "quantize": "int4x"})

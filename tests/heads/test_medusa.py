@@ -8,15 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS
+from specdraft.decoding import generate
 from specdraft.drafters.medusa import DEFAULT_TREE, MedusaDrafter, parse_tree
+from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.heads import WEIGHTS_FILE, load_heads, save_heads
 from specdraft.heads.medusa import MedusaHeads, build_medusa, medusa_loss
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.training.data.batches import collate_distill
 from specdraft.training.heads.kinds import MEDUSA
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
@@ -247,11 +248,11 @@ def test_heads_folder_round_trip_and_cli_factory(trained, tmp_path):
     for a, b in zip(heads.state_dict().values(), loaded.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
     target = NativeLlama.from_hf(model)
-    drafter = NAMED_DRAFTERS["medusa"](target, None, {"heads": str(path), "tree": "0/0.0/0.0.0"})
+    drafter = make_named("medusa", target, None, {"heads": str(path), "tree": "0/0.0/0.0.0"})
     plain = generate(target, PROMPTS[1], None, GenerationConfig(20)).token_ids
     assert generate(target, PROMPTS[1], drafter, GenerationConfig(20, 3)).token_ids == plain
     with pytest.raises(SpecdraftError, match="heads=PATH"):
-        NAMED_DRAFTERS["medusa"](target, None, {})
+        make_named("medusa", target, None, {})
 
 
 def test_bad_heads_folders_are_clear_errors(tmp_path):

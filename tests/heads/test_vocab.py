@@ -8,7 +8,7 @@ import torch
 from test_eagle import PROMPTS, _train_toy_head
 from test_medusa import _train_toy_heads
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.draft_vocab import rank_tokens
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.medusa import MedusaDrafter
@@ -18,6 +18,7 @@ from specdraft.heads.eagle import eagle_spec
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from toys import assert_follows, sample_second_tokens, second_token_marginal, tiny_llama
 
 

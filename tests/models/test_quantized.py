@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters.combined import draft_model_drafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -18,6 +18,7 @@ from specdraft.models import rowgemm
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.quantized_llama import QuantizedLlama
 from specdraft.sampling import SamplingConfig, warp
+from specdraft.sequence import GenerationConfig
 from toys import PatternDrafter, assert_follows, tiny_llama
 
 pytestmark = pytest.mark.skipif(not rowgemm.available(), reason="no AVX2/F16C CPU or C++ compiler for the kernels")
@@ -242,7 +243,7 @@ def test_unsupported_gguf_tensors_are_refused_by_name(tmp_path):
 def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path):
     """``quantize=int8`` on a draft model: its draft-vocabulary rows are multiplied as blocks (rounded once), and the
     target's greedy output is unchanged."""
-    from specdraft.drafters.draft_models import quantize_draft
+    from specdraft.drafters.loading import quantize_draft
 
     target = QuantizedLlama.from_dense(_dense(), "int4")
     plain = generate(target, PROMPT, None, GenerationConfig(32)).token_ids
@@ -288,7 +289,7 @@ def test_a_folder_default_quantize_falls_back_to_dense_where_the_kernels_cannot_
     error there."""
     import json
 
-    from specdraft.drafters import draft_models, loading
+    from specdraft.drafters import loading, registry
     from toys import save_tiny_checkpoint
 
     target = NativeLlama.from_hf(tiny_llama(0))
@@ -297,8 +298,8 @@ def test_a_folder_default_quantize_falls_back_to_dense_where_the_kernels_cannot_
     from toys import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
-    assert isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
-    monkeypatch.setattr(draft_models, "_can_quantize", lambda: False)
-    assert not isinstance(loading.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
+    assert isinstance(registry.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
+    monkeypatch.setattr(loading, "_can_quantize", lambda: False)
+    assert not isinstance(registry.load_drafter(target, tokenizer, draft=str(folder)).model, QuantizedLlama)
     with pytest.raises(SpecdraftError, match="int8 kernels"):
-        loading.load_drafter(target, tokenizer, draft=str(folder), options={"quantize": "int8"})
+        registry.load_drafter(target, tokenizer, draft=str(folder), options={"quantize": "int8"})

@@ -74,8 +74,9 @@ def _assert_lossless_and_drafting(target, tokenizer, drafter) -> None:
     """fp32 greedy output with ``drafter`` equals plain decoding on every third built-in prompt, and some draft
     tokens are accepted."""
     from specdraft.api import encode_prompt, eos_token_ids
-    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.decoding import generate
     from specdraft.prompts import BUILTIN_PROMPTS
+    from specdraft.sequence import GenerationConfig
 
     config = GenerationConfig(48, 4, eos_token_ids=eos_token_ids(tokenizer, SMOLLM2))
     accepted = 0
@@ -190,8 +191,8 @@ def test_shipped_eagle3_head_is_small_bf16_with_exact_draft_vocabulary_and_card(
 def test_eagle3_without_heads_uses_the_shipped_head_for_smollm2_only(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
+    from specdraft.drafters import load_drafter
     from specdraft.drafters.eagle3 import Eagle3Drafter
-    from specdraft.drafters.loading import load_drafter
     from specdraft.errors import SpecdraftError
     from specdraft.models.registry import DEFAULT_HEADS, SMOLLM2_EAGLE3
 
@@ -211,8 +212,9 @@ def test_eagle3_without_heads_uses_the_shipped_head_for_smollm2_only(tmp_path, m
 def test_shipped_eagle3_head_on_a_smollm2_shaped_target_keeps_greedy_output():
     """The shipped head through the whole drafting path (features of layers 2, 15, 27, bf16 weights cast to the
     target's fp32, d2t) on a random target of SmolLM2's shape: chain and tree output equal plain decoding."""
-    from specdraft.decoding import GenerationConfig, generate
-    from specdraft.drafters.loading import load_drafter
+    from specdraft.decoding import generate
+    from specdraft.drafters import load_drafter
+    from specdraft.sequence import GenerationConfig
 
     target = _smollm2_shaped_target()
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 520, 9531, 198]

@@ -10,9 +10,10 @@ import torch
 
 from specdraft.api import load_target
 from specdraft.batching import BatchDecoder
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import PromptLookupDrafter
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.serve.engine import Engine, Request
 
 PROMPTS = [[5, 9, 3, 17, 9, 3, 22, 40], [7], [11, 12, 13, 11, 12], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]

@@ -14,9 +14,10 @@ from running import RunningServer
 
 from specdraft.api import eos_token_ids, load_target
 from specdraft.batching import BatchDecoder, drafter_factory
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters.loading import load_drafter
+from specdraft.decoding import generate
+from specdraft.drafters import load_drafter
 from specdraft.errors import SpecdraftError
+from specdraft.sequence import GenerationConfig
 from specdraft.serve import OnlineDistillConfig, ServeConfig, build_server_app, online
 from specdraft.serve.online import OnlineDistiller
 from specdraft.serve.replay import ReplayBuffer, VerifiedRecorder

@@ -9,10 +9,11 @@ import pytest
 from running import RunningServer
 
 from specdraft.api import eos_token_ids, load_target
-from specdraft.decoding import GenerationConfig, generate
+from specdraft.decoding import generate
 from specdraft.drafters import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.serve import ServeConfig, build_server_app
 from specdraft.serve.engine import Engine, QueueFull, Request
 
@@ -205,3 +206,22 @@ def test_a_cancelled_request_leaves_the_batch_before_the_next_step(tiny_checkpoi
         assert request.completion_tokens < 200
     finally:
         engine.stop()
+
+
+def test_requests_run_the_servers_speculation_and_a_seeded_sample_replays():
+    """serve speaks GenerationConfig's vocabulary: each request's config carries the server's speculation, γ and
+    max_draft_batch (the batch's policy is made from it); a sampled request with a seed runs fixed speculation, the
+    one whose draws a seed replays."""
+    from specdraft.serve.protocol import check
+
+    body = {"model": "t", "prompt": [1, 2, 3], "max_tokens": 4}
+    for speculation in ("adaptive", "fixed"):
+        serve = ServeConfig(target="t", speculation=speculation, num_draft_tokens=3, max_draft_batch=2)
+        config = check(body, False, serve, (2,), 64).config
+        assert (config.speculation, config.num_draft_tokens, config.max_draft_batch) == (speculation, 3, 2)
+    serve = ServeConfig(target="t")
+    assert check({**body, "temperature": 1.0, "seed": 5}, False, serve, (2,), 64).config.speculation == "fixed"
+    assert check({**body, "temperature": 1.0}, False, serve, (2,), 64).config.speculation == "adaptive"  # no seed
+    assert check({**body, "temperature": 0, "seed": 5}, False, serve, (2,), 64).config.speculation == "adaptive"
+    with pytest.raises(SpecdraftError, match="speculation must be one of"):
+        ServeConfig(target="t", speculation="always")

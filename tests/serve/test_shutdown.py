@@ -15,8 +15,9 @@ import pytest
 from running import RunningServer, free_port, start_cli_server
 
 from specdraft.api import load_target
-from specdraft.batching import MAX_NUM_DRAFT_TOKENS, MAX_TREE_NODES
+from specdraft.batching import MAX_TREE_NODES
 from specdraft.cli import main
+from specdraft.sequence import MAX_NUM_DRAFT_TOKENS
 from specdraft.serve import ServeConfig
 from specdraft.serve.app import build_app
 from specdraft.serve.engine import Engine

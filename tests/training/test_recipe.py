@@ -130,7 +130,7 @@ def test_exact_tau_equals_the_tau_of_decoding_the_held_out_questions(recipe):
     """The learning curve's τ is exact: greedy speculative decoding of the held-out questions with the exported
     drafter (fp32, its draft vocabulary, fixed γ) makes the same tokens per target forward."""
     from specdraft.decoding import GenerationConfig, generate
-    from specdraft.drafters.loading import load_drafter
+    from specdraft.drafters import load_drafter
     from specdraft.models.registry import load_target
     from specdraft.training.data.records import load_distill_records
 

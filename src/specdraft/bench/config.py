@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass, field
 
 from specdraft.bench.methods import parse_methods
 from specdraft.bench.questions import BUILTIN, CATEGORY_TO_SUBTASK, SUBTASKS
-from specdraft.decoding import GenerationConfig
 from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.errors import SpecdraftError
 from specdraft.models.registry import DTYPE_CHOICES, QUANTIZE, SMOLLM2
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.speculation import SPECULATION
 
 SWEEPABLE = ("num_draft_tokens",)

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from specdraft.bench.llamacpp_build import build_summary, check_build, engines_bin_dir
-from specdraft.decoding import GenerationConfig
 from specdraft.errors import SpecdraftError
+from specdraft.sequence import GenerationConfig
 
 CONTEXT = 8192  # tokens of KV cache per server (prompt and answer of the longest turn)
 START_TIMEOUT = 180.0  # seconds to wait for a server to load its models

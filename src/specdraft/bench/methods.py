@@ -28,15 +28,15 @@ from typing import Protocol
 
 import torch
 
-from specdraft.decoding import GenerationConfig, generate
-from specdraft.drafters import NAMED_DRAFTERS, Drafter, parse_options
+from specdraft.decoding import generate
+from specdraft.drafters import NAMED_DRAFTERS, Drafter, facts_of, parse_options
 from specdraft.drafters.combined import draft_model_of
-from specdraft.drafters.draft_models import load_draft_model
-from specdraft.drafters.loading import load_drafter
+from specdraft.drafters.loading import load_draft_model
+from specdraft.drafters.registry import load_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import load_model
-from specdraft.speculation import make_policy
+from specdraft.sequence import GenerationConfig, speculation_policy
 
 
 @dataclass
@@ -104,7 +104,7 @@ class SpecdraftMethod:
         if self.num_draft_tokens is not None:
             config = replace(config, num_draft_tokens=self.num_draft_tokens, speculation=self.speculation)
         if self.policy is None and self.drafter is not None:
-            self.policy = make_policy(self.target, self.speculation, config.num_draft_tokens)
+            self.policy = speculation_policy(config, self.target, self.drafter)
         start = time.perf_counter()
         result = generate(self.target, prompt_ids, self.drafter, config, generator, policy=self.policy)
         wall = time.perf_counter() - start
@@ -276,6 +276,8 @@ def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -
 
 def _build_training_free(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
     name = spec.partition(":")[0]
+    if ctx.device != "cpu" and facts_of(NAMED_DRAFTERS[name]).cpu_only:
+        raise SpecdraftError(f"method {name!r} drafts on the CPU beside a CPU target; run the bench with --device cpu")
     drafter = load_drafter(ctx.target, ctx.tokenizer, drafter=name, options=parse_options(arg))
     return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, 0.0, spec),
                      ctx.speculations)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from specdraft.bench.questions import SUBTASKS
 from specdraft.bench.records import load_answers, read_run_info
+from specdraft.errors import SpecdraftError
 
 BASELINE = "ar"
 
@@ -426,7 +427,6 @@ def write_report(out: str | Path, plots: bool = True) -> dict:
     """Read ``out``'s run.json and answers (without modifying them), write summary.json, summary.md and, with
     ``plots``, the PNG plots (skipped with a one-line warning when matplotlib is missing). Returns the summary."""
     from specdraft.bench.plots import PlotsUnavailable, write_plots
-    from specdraft.errors import SpecdraftError
 
     out = Path(out)
     run_info = read_run_info(out)

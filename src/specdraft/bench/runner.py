@@ -35,9 +35,9 @@ from specdraft.bench.records import (
 )
 from specdraft.bench.report import write_report
 from specdraft.costs import cost_curve
-from specdraft.decoding import GenerationConfig
 from specdraft.hardware import cpu_model
 from specdraft.models.registry import choose_precision, eos_token_ids, load_target
+from specdraft.sequence import GenerationConfig
 
 WARMUP_TOKENS = 8
 

@@ -23,11 +23,15 @@ Three capabilities are optional, each a protocol of its own that a drafter state
   it drafts, so a speculation policy prices different kinds of step apart.
 
 The loop reads them only through :func:`target_features`, :func:`share_target_cache` and :func:`draft_kind`.
+
+What the tools must know of a method before or without running it, each drafter class declares as its ``facts``
+(:class:`DrafterFacts`: CPU only, replayable, batchable, reads the target's features or cache), read through
+:func:`facts_of`; a class with a ``method`` name is chosen by that name (:mod:`specdraft.drafters.registry`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -167,6 +171,36 @@ class HintsDraftKind(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DrafterFacts:
+    """What the command line, the bench, greedy replay and batched decoding need to know of a drafting method before
+    (or instead of) running it. A drafter class declares its own as the class attribute ``facts``."""
+
+    cpu_only: bool = False  # drafts on the CPU beside a CPU target (reads the target's weights there)
+    replayable: bool = False  # proposals are a function of the context alone: greedy replay gives its exact τ
+    batchable: bool = True  # runs in batched decoding (needs no access to the target's KV cache)
+    reads_target_features: bool = False  # implements ReadsTargetFeatures
+    reads_target_cache: bool = False  # implements ReadsTargetCache, or drafts through the target's cache
+
+
+def facts_of(drafter) -> DrafterFacts:
+    """The facts a drafter (an instance or its class) declares; a drafter that declares none gets the defaults (not
+    replayable, batchable as far as anyone knows)."""
+    facts = getattr(drafter, "facts", None)
+    return facts if isinstance(facts, DrafterFacts) else DrafterFacts()
+
+
+def grown_cache(cache: KVCache | None, needed: int, new_cache: Callable[[int], KVCache],
+                limit: int | None = None) -> KVCache | None:
+    """A drafter's own cache growth, one rule for all: None while ``cache`` holds ``needed`` positions, else a new
+    cache of twice that (at least 256, at most ``limit``), so that growing stays rare. The caller starts the new
+    cache empty."""
+    if cache is not None and cache.capacity >= needed:
+        return None
+    size = max(2 * needed, 256)
+    return new_cache(size if limit is None else min(size, limit))
+
+
 def target_features(drafter: Drafter) -> TargetFeatures | None:
     """The features ``drafter`` reads (:class:`ReadsTargetFeatures`), or None."""
     return drafter.target_features() if isinstance(drafter, ReadsTargetFeatures) else None
@@ -191,6 +225,7 @@ def draft_kind(drafter: Drafter, context: torch.Tensor, sampling: SamplingConfig
 class NoDrafter:
     """Proposes nothing: the decoding loop then runs plain autoregressive decoding, one target forward a token."""
 
+    facts = DrafterFacts(replayable=True)
     name = "ar"
     vocab_size = None
     max_context = None

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import Draft, DrafterFacts
 from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.loading import on_draft_model
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.sampling import SamplingConfig, sample, warp
@@ -38,6 +39,15 @@ class BiLDDrafter(DraftModelDrafter):
     (α_FB in [0, 1]; 0: always the whole budget) and asks verification to keep tokens within ``rollback`` (α_RB >= 0,
     nats; 0: exact). ``keep``: a draft vocabulary, as for :class:`DraftModelDrafter`. Counter: ``fallbacks``, steps
     ended by the fallback policy rather than the budget."""
+
+    method = "bild"
+    facts = DrafterFacts()  # lossy acceptance: greedy replay's exact match would misstate its τ
+
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> BiLDDrafter:
+        """``--drafter bild``: its small model is the draft model ``draft=NAME`` (default: the target's shipped
+        drafter)."""
+        return on_draft_model(cls, "bild", target, tokenizer, options)
 
     def __init__(self, model: CausalLM, name: str | None = None, fallback: float = 0.5, rollback: float = 2.0, *,
                  keep: torch.Tensor | None = None) -> None:

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from specdraft.drafters.base import Draft, Drafter, TargetFeatures, draft_kind, target_features
+from specdraft.drafters.base import Draft, Drafter, DrafterFacts, TargetFeatures, draft_kind, facts_of, target_features
 from specdraft.drafters.draft_model import COPY, SIBLING, Chain, DraftModelDrafter, Fill
 from specdraft.drafters.graph import GraphDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -79,6 +79,11 @@ class Combination:
 
     def target_features(self) -> TargetFeatures | None:
         return target_features(self.inner)
+
+    @property
+    def facts(self) -> DrafterFacts:
+        """The inner drafter's: the parts a combination adds (copies of the context, runners-up) change none."""
+        return facts_of(self.inner)
 
 
 class WithPromptLookup(Combination):

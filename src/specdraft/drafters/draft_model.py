@@ -23,7 +23,7 @@ token's q row is a point mass on it. The chain also returns, when asked, the run
 drafted (:class:`~specdraft.drafters.combined.WithSiblings` hangs them beside the chain); they come from logits the
 chain computed anyway. Prompt lookup beside the chain is :class:`~specdraft.drafters.combined.WithPromptLookup`.
 
-Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.drafters.loading.load_drafter`): the
+Draft vocabulary (``keep``, the ``draft_vocab=N`` option of :func:`specdraft.drafters.registry.load_drafter`): the
 drafter only proposes the N tokens most frequent in its distillation data (FR-Spec, :mod:`specdraft.draft_vocab`). A
 native drafter then multiplies by N rows of its LM head instead of all V (most of a small drafter's step); other models
 compute full logits and are masked (same drafts, no saving).
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import Draft, DrafterFacts, grown_cache
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
@@ -63,6 +63,8 @@ class DraftModelDrafter:
     ``tree_branching`` > 0, a dynamic tree of at most ``tree_nodes`` nodes; ``keep``: a draft vocabulary (module
     docstring). Its cache is synchronised to the context by longest common prefix, so rejected draft tokens are
     rolled back by a crop and the tokens the target added are fed in one forward."""
+
+    facts = DrafterFacts(replayable=True)  # with any of its options; chosen by its folder (--draft), not by name
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                  confidence_threshold: float = 0.0, *, keep: torch.Tensor | None = None) -> None:
@@ -99,10 +101,10 @@ class DraftModelDrafter:
     def _crop(self, context: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
         """Crop the cache to the longest prefix it shares with ``context[:-1]`` (a new, larger cache when
         ``context`` and the draft would not fit) and return the tail of ``context`` it lacks, (T,), T >= 1."""
-        needed = context.shape[0] + num_draft_tokens
-        if self._cache is None or self._cache.capacity < needed:
-            self._cache = self.model.new_cache(min(max(2 * needed, 256), self.model.max_context))
-            self._cached = self._cached[:0]
+        grown = grown_cache(self._cache, context.shape[0] + num_draft_tokens, self.model.new_cache,
+                            self.model.max_context)
+        if grown is not None:
+            self._cache, self._cached = grown, self._cached[:0]
         shared = min(self._cached.shape[0], context.shape[0] - 1)
         mismatch = (self._cached[:shared] != context[:shared]).nonzero()
         keep = int(mismatch[0]) if mismatch.numel() else shared

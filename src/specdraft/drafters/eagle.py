@@ -30,9 +30,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, ReadsTargetFeatures, TargetFeatures
+from specdraft.draft_vocab import DraftVocab, draft_subset
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts, ReadsTargetFeatures, TargetFeatures, grown_cache
+from specdraft.drafters.loading import with_heads_defaults
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
+from specdraft.heads import load_heads
+from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
@@ -50,10 +54,15 @@ class EagleDrafter(ReadsTargetFeatures):
 
     name = "eagle"
 
-    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16, draft_vocab: int = 0) -> None:
-        from specdraft.draft_vocab import draft_subset
-        from specdraft.heads import load_heads
+    method = "eagle"
+    facts = DrafterFacts(cpu_only=True, reads_target_features=True)
 
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> EagleDrafter:
+        """``--drafter eagle``: ``heads=PATH`` (with the options the folder ships) and the constructor's."""
+        return build(cls, with_heads_defaults(options, cls.method, cls.method))
+
+    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16, draft_vocab: int = 0) -> None:
         if not str(heads).strip():
             raise SpecdraftError("eagle needs heads=PATH: a heads folder made by `specdraft train-heads --kind eagle`")
         _, head = load_heads(heads, kind="eagle")
@@ -82,7 +91,6 @@ class EagleDrafter(ReadsTargetFeatures):
 
     def begin(self, target, cache) -> None:
         """A new generation: forget the feature stream; take the target's frozen embeddings and LM head."""
-        from specdraft.models.shared_embeddings import target_weights
 
         embed, lm_head = target_weights(target)
         hidden = int(self.head.sizes["hidden_size"])
@@ -123,9 +131,9 @@ class EagleDrafter(ReadsTargetFeatures):
         if self._received != context.shape[0] - 1:
             raise SpecdraftError(f"EAGLE drafter holds features of {self._received} tokens but the context has "
                                  f"{context.shape[0]} (expected one more: the last token is not fed yet)")
-        needed = self._received + max(depth - 1, 0) * self.top_k
-        if self._cache is None or self._cache.capacity < needed:
-            self._cache, self._fed = self.head.new_cache(max(2 * needed, 256)), 0
+        grown = grown_cache(self._cache, self._received + max(depth - 1, 0) * self.top_k, self.head.new_cache)
+        if grown is not None:
+            self._cache, self._fed = grown, 0
         if self._fed < self._received:
             features = torch.cat(self._features) if len(self._features) > 1 else self._features[0]  # (n, D)
             self._features = [features]

@@ -15,7 +15,12 @@ import torch
 
 from specdraft.drafters.base import TargetFeatures
 from specdraft.drafters.eagle import EagleDrafter
+from specdraft.drafters.loading import with_heads_defaults
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
+from specdraft.heads import load_heads
+from specdraft.models.registry import default_heads
+from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import check_finite
 from specdraft.verification import VerifyResult
 
@@ -31,9 +36,17 @@ class Eagle3Drafter(EagleDrafter):
 
     name = "eagle3"
 
-    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16) -> None:
-        from specdraft.heads import load_heads
+    method = "eagle3"
 
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> Eagle3Drafter:
+        """``--drafter eagle3``: ``heads=PATH``, or without it the heads shipped for the target (SmolLM2-135M-Instruct:
+        ``smollm2-135m-instruct-eagle3``), with the options the folder ships."""
+        if "heads" not in options:
+            options = {"heads": default_heads("eagle3", getattr(target, "name", ""))} | options
+        return build(cls, with_heads_defaults(options, cls.method, cls.method))
+
+    def __init__(self, heads: str, top_k: int = 4, tree_nodes: int = 16) -> None:
         if not str(heads).strip():
             raise SpecdraftError("eagle3 needs heads=PATH: a folder made by `specdraft train-heads --kind eagle3`")
         _, head = load_heads(heads, kind="eagle3")
@@ -49,7 +62,6 @@ class Eagle3Drafter(EagleDrafter):
 
     def begin(self, target, cache) -> None:
         """A new generation: forget the feature stream; take the target's frozen embeddings."""
-        from specdraft.models.shared_embeddings import target_weights
 
         embed, _ = target_weights(target)
         hidden = int(self.head.sizes["hidden_size"])

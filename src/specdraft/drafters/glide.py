@@ -32,11 +32,15 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, ReadsTargetCache
+from specdraft.draft_vocab import DraftVocab, draft_subset
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts, ReadsTargetCache, grown_cache
 from specdraft.drafters.draft_model import MODEL, SIBLING
+from specdraft.drafters.loading import with_heads_defaults
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
+from specdraft.heads import load_heads
 from specdraft.models.base import ReadableKVCache
+from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig
 from specdraft.verification import VerifyResult
 
@@ -75,11 +79,16 @@ class GlideDrafter(ReadsTargetCache):
 
     name = "glide"
 
+    method = "glide"
+    facts = DrafterFacts(batchable=False, reads_target_cache=True)
+
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> GlideDrafter:
+        """``--drafter glide``: ``heads=PATH`` (with the options the folder ships) and the constructor's."""
+        return build(cls, with_heads_defaults(options, cls.method, cls.method))
+
     def __init__(self, heads: str, cape: str = "0.6/0.3", max_nodes: int = 16, draft_vocab: int = 0,
                  quantize: str = "none") -> None:
-        from specdraft.draft_vocab import draft_subset
-        from specdraft.heads import load_heads
-
         if not str(heads).strip():
             raise SpecdraftError("glide needs heads=PATH: a folder made by `specdraft train-heads --kind glide`")
         _, head = load_heads(heads, kind="glide")
@@ -107,7 +116,6 @@ class GlideDrafter(ReadsTargetCache):
 
     def begin(self, target, cache) -> None:
         """A new generation: take the target's frozen embeddings and LM head; forget the draft's cache."""
-        from specdraft.models.shared_embeddings import target_weights
 
         embed, lm_head = target_weights(target)
         sizes = self.head.sizes
@@ -163,8 +171,9 @@ class GlideDrafter(ReadsTargetCache):
         """Feed the context tokens not yet in the draft's cache (each reads the target's keys before its position);
         return the root's hidden state (D,)."""
         length = context.shape[0]
-        if self._cache is None or self._cache.capacity < length + depth:
-            self._cache, self._fed = self.head.new_cache(max(2 * (length + depth), 256)), 0
+        grown = grown_cache(self._cache, length + depth, self.head.new_cache)
+        if grown is not None:
+            self._cache, self._fed = grown, 0
         if self._fed < length:
             positions = torch.arange(self._fed, length)  # (T,)
             visible = torch.arange(glimpse[0].shape[2])[None, :] < positions[:, None]  # (T, S)

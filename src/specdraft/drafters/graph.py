@@ -33,6 +33,7 @@ import torch
 
 from specdraft.drafters.base import Draft
 from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.loading import on_draft_model
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.sampling import SamplingConfig, warp
@@ -121,6 +122,13 @@ class GraphDrafter(DraftModelDrafter):
     module docstring). ``merge_ngram`` = n: nodes merge when their last n tokens are equal (0: never). Counters over
     all proposals: ``merged_nodes`` (nodes merged), ``drafted_nodes`` (nodes drawn), ``expanded_nodes`` (nodes fed
     to the draft model)."""
+
+    method = "gsd"
+
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> GraphDrafter:
+        """``--drafter gsd``: on the draft model ``draft=NAME`` (default: the target's shipped drafter)."""
+        return on_draft_model(cls, "gsd", target, tokenizer, options)
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 2, tree_nodes: int = 16,
                  merge_ngram: int = 2, *, keep: torch.Tensor | None = None) -> None:

@@ -39,10 +39,12 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import Draft, DrafterFacts
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import cache_dir
+from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 from specdraft.sampling import SamplingConfig, check_finite, sample, warp
 from specdraft.verification import VerifyResult
 
@@ -255,7 +257,6 @@ def store_cached(target: NativeLlama, skip_ratio: float, calibration: Calibratio
 def builtin_calibration_ids(tokenizer) -> list[list[int]]:
     """The first built-in prompt of each category (:data:`specdraft.prompts.BUILTIN_PROMPTS`; the second of a
     category often repeats the first's passage), in the chat template when there is one."""
-    from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 
     if tokenizer is None:
         raise SpecdraftError("layer-skip calibration needs the target's tokenizer (or give skip=LAYERS)")
@@ -281,6 +282,14 @@ class LayerSkipDrafter:
 
     vocab_size = None
     max_context = None
+
+    method = "layer-skip"
+    facts = DrafterFacts(cpu_only=True, batchable=False, reads_target_cache=True)  # it drafts through them
+
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> LayerSkipDrafter:
+        """``--drafter layer-skip``: skips calibrated on the built-in prompts (options: the constructor's)."""
+        return build(cls, options, target=target, tokenizer=tokenizer, calibration=None)
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specdraft.drafters.base import Draft
+from specdraft.drafters.base import Draft, DrafterFacts
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import AuxBranch
@@ -183,6 +183,9 @@ class LookaheadDrafter:
     name = "lookahead"
     vocab_size = None
     max_context = None
+
+    method = "lookahead"
+    facts = DrafterFacts()  # its n-gram pool grows from the target's own Jacobi guesses
 
     def __init__(self, window: int = 5, ngram: int = 4, guess_set_size: int = 5, pool_from_context: bool = False,
                  always_forward_one: bool = False, seed: int = 0) -> None:

@@ -30,9 +30,12 @@ from pathlib import Path
 
 import torch
 
-from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, ReadsTargetFeatures, TargetFeatures
+from specdraft.draft_vocab import DraftVocab, draft_subset
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts, ReadsTargetFeatures, TargetFeatures
+from specdraft.drafters.loading import with_heads_defaults
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
+from specdraft.heads import load_heads
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import most_confident, parents_from_paths
 from specdraft.verification import VerifyResult
@@ -85,10 +88,15 @@ class MedusaDrafter(ReadsTargetFeatures):
     name = "medusa"
     max_context = None
 
-    def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0, draft_vocab: int = 0) -> None:
-        from specdraft.draft_vocab import draft_subset
-        from specdraft.heads import load_heads
+    method = "medusa"
+    facts = DrafterFacts(cpu_only=True, reads_target_features=True)
 
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> MedusaDrafter:
+        """``--drafter medusa``: ``heads=PATH`` (with the options the folder ships) and the constructor's."""
+        return build(cls, with_heads_defaults(options, cls.method))
+
+    def __init__(self, heads: str, tree: str = "", top_k: int = 10, tree_nodes: int = 0, draft_vocab: int = 0) -> None:
         if not str(heads).strip():
             raise SpecdraftError("medusa needs heads=PATH: a heads folder made by `specdraft train-heads`")
         _, module = load_heads(heads, kind="medusa")

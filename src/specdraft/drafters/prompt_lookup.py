@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.verification import VerifyResult
@@ -17,6 +17,9 @@ class PromptLookupDrafter:
     name = "prompt-lookup"
     vocab_size = None
     max_context = None
+
+    method = "prompt-lookup"
+    facts = DrafterFacts(replayable=True)
 
     def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 1) -> None:
         if not 1 <= min_ngram_size <= max_ngram_size:

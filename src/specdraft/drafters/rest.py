@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdraft.compat import tokenizer_fingerprint
 from specdraft.datastore_index import DEFAULT_SOURCE, Datastore, default_dir, load
-from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts
+from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.verification import VerifyResult
@@ -103,6 +105,14 @@ class RESTDrafter:
     vocab_size = None
     max_context = None
 
+    method = "rest"
+    facts = DrafterFacts(replayable=True)
+
+    @classmethod
+    def from_options(cls, target, tokenizer, options: dict[str, str]) -> RESTDrafter:
+        """``--drafter rest``: the datastore of the target's tokenizer (options: the constructor's)."""
+        return build(cls, options, tokenizer=tokenizer, store=None)
+
     def __init__(self, datastore: str = "", max_suffix: int = 16, min_suffix: int = 2, max_candidates: int = 8,
                  max_nodes: int = 32, max_occurrences: int = 5000, verify: bool = True,
                  tokenizer=None, store: Datastore | None = None) -> None:
@@ -155,7 +165,6 @@ def _open(datastore: str, tokenizer, verify: bool) -> Datastore:
         return load(Path(datastore).expanduser(), tokenizer, verify)
     if tokenizer is None:
         raise SpecdraftError("the rest drafter needs a datastore folder or the target's tokenizer")
-    from specdraft.compat import tokenizer_fingerprint
 
     where = default_dir(DEFAULT_SOURCE, tokenizer_fingerprint(tokenizer))
     if not (where / "manifest.json").is_file():

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.drafters.base import EMPTY_DRAFT, Draft
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.verification import VerifyResult
@@ -163,6 +163,9 @@ class SuffixDrafter:
     name = "suffix"
     vocab_size = None
     max_context = None
+
+    method = "suffix"
+    facts = DrafterFacts()  # it also drafts from earlier answers, so a proposal is not the context's alone
 
     def __init__(self, max_depth: int = 24, max_spec_factor: float = 4.0, max_spec_offset: float = 0.0,
                  min_token_prob: float = 0.1, tree_nodes: int = 8, max_cached_outputs: int = 1024) -> None:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.files import cache_dir
 
 VLLM_VERSION = "0.32.0"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -52,8 +53,6 @@ def vllm_device() -> str:
 
 def vllm_python() -> Path:
     """The vLLM environment's Python: ``$SPECDRAFT_VLLM_PYTHON``, else the ``make engines`` build for this machine."""
-    from specdraft.models.registry import cache_dir
-
     if os.environ.get("SPECDRAFT_VLLM_PYTHON"):
         path = Path(os.environ["SPECDRAFT_VLLM_PYTHON"]).expanduser()
     else:

@@ -268,7 +268,7 @@ def load_model(
     """Load a causal LM: native Llama when the architecture allows (``backend="auto"``), else transformers.
 
     A checkpoint that shares its target's token embeddings (:mod:`specdraft.models.shared_embeddings`) needs that
-    table as ``embeddings`` (V, D); :func:`specdraft.drafters.draft_models.load_draft_model` passes the target's.
+    table as ``embeddings`` (V, D); :func:`specdraft.drafters.loading.load_draft_model` passes the target's.
     ``quantize`` (``gguf``, ``int8``, ``int4``; see :class:`Precision`) loads block-quantized weights
     (:mod:`specdraft.models.quantized_llama`) for the native Llama, on the CPU. ``device`` (``cpu``, ``cuda``,
     ``cuda:N`` or ``auto``) is where the weights go; on CUDA ``auto`` loads the transformers model (the native Llama

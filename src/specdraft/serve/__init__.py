@@ -3,18 +3,22 @@ speculatively, with continuous batching (:mod:`specdraft.batching`). Needs the `
 
 from __future__ import annotations
 
+import logging
 import socket
 
 from specdraft.errors import SpecdraftError
 from specdraft.serve.config import ServeConfig
 from specdraft.serve.online_config import OnlineDistillConfig
 
+log = logging.getLogger(__name__)
+
 
 def build_server_app(config: ServeConfig):
     """Load the target and drafter named by ``config`` and build the app (not yet serving)."""
     from specdraft.batch_drafting import lockstep_factory
-    from specdraft.batching import DraftGate, drafter_factory
-    from specdraft.drafters.loading import load_drafter
+    from specdraft.batching import drafter_factory
+    from specdraft.costs import cost_curve
+    from specdraft.drafters.registry import load_drafter
     from specdraft.models.registry import choose_precision, eos_token_ids, load_target
     from specdraft.serve.app import build_app
     from specdraft.serve.engine import Engine
@@ -36,9 +40,9 @@ def build_server_app(config: ServeConfig):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         online = OnlineDistiller(config.online_distill, prototype, config.draft, factory, pad_id)
     make = online.make_drafter if online is not None else factory(prototype)
-    gate = DraftGate() if config.batch_speculation == "adaptive" else None
-    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, config.max_draft_batch,
-                    online, gate)
+    if config.speculation == "adaptive":
+        cost_curve(target, log=lambda line: log.info("%s", line))  # measured (or read) before serving, not on a request
+    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, online)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 

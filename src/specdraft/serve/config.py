@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specdraft.batching import MAX_NUM_DRAFT_TOKENS, MAX_TREE_NODES
+from specdraft.batching import MAX_TREE_NODES
+from specdraft.drafters import NAMED_DRAFTERS, facts_of
 from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingConfig
+from specdraft.sequence import SPECULATION_HELP, GenerationConfig
 from specdraft.serve.online_config import OnlineDistillConfig
 
 TREE_SIZE_OPTIONS = ("tree_nodes", "max_nodes")  # drafter options that size a token tree
@@ -23,12 +26,12 @@ class ServeConfig:
     dtype: str = field(default="auto", metadata={"help": "auto, float32 or bfloat16 (registry.choose_precision)"})
     quantize: str = field(default="auto", metadata={"help": "target weights: auto, none, gguf, int8 or int4"})
     served_model_name: str | None = field(default=None, metadata={"help": "model id clients ask for (default target)"})
-    num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens per target forward"})
+    num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens per target forward (the most, with "
+                                                                "adaptive speculation)"})
+    speculation: str = field(default="adaptive", metadata={"help": SPECULATION_HELP})
     max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
     max_draft_batch: int = field(default=0, metadata={"help": "draft only in steps of at most this many sequences; "
-                                                               "0 = always"})
-    batch_speculation: str = field(default="adaptive", metadata={"help": "adaptive: steps of several sequences draft "
-                                                                         "only where that measured faster; always"})
+                                                               "0 = at every batch size"})
     max_queue: int = field(default=64, metadata={"help": "waiting sequences beyond the batch; more answer 429"})
     max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted"})
     max_tokens: int = field(default=512, metadata={"help": "largest max_tokens accepted"})
@@ -45,21 +48,20 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.draft and self.drafter:
             raise SpecdraftError("give either a draft model or a training-free drafter, not both")
-        for name in ("num_draft_tokens", "max_batch", "max_prompt_tokens", "max_tokens", "max_n", "max_body_bytes"):
+        self.generation(1)  # num_draft_tokens, speculation and max_draft_batch, checked where every loop checks them
+        if self.drafter in NAMED_DRAFTERS and not facts_of(NAMED_DRAFTERS[self.drafter]).batchable:
+            raise SpecdraftError(f"the {self.drafter} drafter reads or drafts through the target's KV cache, which "
+                                 "the server's batched decoding does not share; use it with specdraft generate")
+        for name in ("max_batch", "max_prompt_tokens", "max_tokens", "max_n", "max_body_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SpecdraftError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
-        if self.max_queue < 0 or self.max_draft_batch < 0 or self.max_prompt_chars < 0:
-            raise SpecdraftError(f"max_queue, max_draft_batch and max_prompt_chars must be >= 0, got {self.max_queue}, "
-                                 f"{self.max_draft_batch}, {self.max_prompt_chars}")
-        if self.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
-            raise SpecdraftError(f"num_draft_tokens must be at most {MAX_NUM_DRAFT_TOKENS} in batched decoding (the "
-                                 f"server), got {self.num_draft_tokens}")
+        if self.max_queue < 0 or self.max_prompt_chars < 0:
+            raise SpecdraftError(f"max_queue and max_prompt_chars must be >= 0, got {self.max_queue}, "
+                                 f"{self.max_prompt_chars}")
         self._check_tree_sizes()
         if not (isinstance(self.shutdown_grace, (int, float)) and math.isfinite(self.shutdown_grace)
                 and 0 < self.shutdown_grace <= 3600):
             raise SpecdraftError(f"shutdown_grace must be in (0, 3600] seconds, got {self.shutdown_grace}")
-        if self.batch_speculation not in ("adaptive", "always"):
-            raise SpecdraftError(f"batch_speculation must be adaptive or always, got {self.batch_speculation!r}")
         if self.online_distill is not None and not self.draft:
             raise SpecdraftError("--online-distill trains a draft model: give one with --draft "
                                  f"({self.drafter or 'no drafter'} cannot be trained)")
@@ -78,6 +80,13 @@ class ServeConfig:
             if not 0 <= size <= MAX_TREE_NODES:
                 raise SpecdraftError(f"drafter option {key} must be in 0 .. {MAX_TREE_NODES} in batched decoding (the "
                                      f"server), got {size}")
+
+    def generation(self, max_tokens: int, sampling: SamplingConfig | None = None, eos_token_ids: tuple[int, ...] = (),
+                   stop_strings: tuple[str, ...] = ()) -> GenerationConfig:
+        """A request's decoding settings: its own, and the server's speculation (the same vocabulary as
+        ``specdraft generate``, ``bench`` and ``demo``)."""
+        return GenerationConfig(max_tokens, self.num_draft_tokens, sampling or SamplingConfig(), eos_token_ids,
+                                stop_strings, self.speculation, self.max_draft_batch)
 
     @property
     def model_id(self) -> str:

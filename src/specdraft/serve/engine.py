@@ -5,7 +5,7 @@ A request asks for ``n`` completions of one prompt; each is a sequence of its ow
 generator seeded ``seed + i``). Sequences wait in a bounded queue until a row of the batch is free; a request that
 would overflow the queue is refused (:class:`QueueFull`, HTTP 429). Tokens go back to the request's asyncio queue
 after every step; a request whose client went away is marked cancelled and its sequences leave the batch before
-the next step. A sequence that fails on its own (:attr:`~specdraft.batching.BatchSequence.error`) ends its request
+the next step. A sequence that fails on its own (:attr:`~specdraft.sequence.SequenceState.error`) ends its request
 with an error event; the other sequences of the batch go on unaffected.
 
 Log-probabilities (``Request.logprobs``): for each emitted token, its log-probability under the distribution the
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.batching import BatchDecoder, BatchSequence, DraftGate
-from specdraft.decoding import GenerationConfig
+from specdraft.batching import BatchDecoder
 from specdraft.drafters.base import Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, warp
+from specdraft.sequence import GenerationConfig, SequenceState
 from specdraft.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,10 @@ class Engine:
     """Owns the target, the batch and the decoding thread."""
 
     def __init__(self, target, tokenizer, make_drafter: Callable[[], Drafter | None], max_batch: int,
-                 capacity: int, max_queue: int, max_draft_batch: int = 0, online=None,
-                 gate: DraftGate | None = None) -> None:
+                 capacity: int, max_queue: int, online=None) -> None:
         """``online``: an :class:`~specdraft.serve.online.OnlineDistiller` (its drafters replace ``make_drafter``'s),
-        or None; ``gate``: whether steps of several sequences draft, from measured tokens/s (None: always)."""
-        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer, max_draft_batch, gate)
+        or None. How much each sequence drafts is its request's ``config`` (speculation, γ, max_draft_batch)."""
+        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer)
         self.make_drafter, self.max_queue, self.online = make_drafter, max_queue, online
         self.metrics = Metrics()
         if online is not None:
@@ -218,7 +217,7 @@ class Engine:
                 self._finished(seq)
         self.metrics.record_step(now, sum(len(tokens) for _, tokens in committed), len(committed))
 
-    def _on_verify(self, seq: BatchSequence, p_logits: torch.Tensor, missed: bool, proposed: int) -> None:
+    def _on_verify(self, seq: SequenceState, p_logits: torch.Tensor, missed: bool, proposed: int) -> None:
         """The decoder's hook after each row's verification: online distillation's recorder, and the log p of the
         positions that chose the row's tokens when its request asked for log-probabilities."""
         if self.online is not None:
@@ -226,7 +225,7 @@ class Engine:
         if seq.tag[0].logprobs is not None:
             self._logp[id(seq)] = log_probs(p_logits, seq.config.sampling)  # (m + 1, V)
 
-    def _token_logprobs(self, seq: BatchSequence, tokens: list[int]):
+    def _token_logprobs(self, seq: SequenceState, tokens: list[int]):
         logp = self._logp.pop(id(seq), None)
         if logp is None or not tokens:
             return None
@@ -238,7 +237,7 @@ class Engine:
                                           for i, v in zip(best.indices[row], best.values[row], strict=True)])
                 for row, value in enumerate(chosen)]
 
-    def _failed(self, seq: BatchSequence) -> None:
+    def _failed(self, seq: SequenceState) -> None:
         """A sequence that failed alone (the decoder already took it out of the batch): its request gets the error,
         400 when the error names bad input, else 500 (logged: a server-side failure)."""
         request, index = seq.tag
@@ -252,13 +251,13 @@ class Engine:
         if self.online is not None:
             self.online.discard(seq)
 
-    def _remove(self, seq: BatchSequence) -> None:
+    def _remove(self, seq: SequenceState) -> None:
         self.decoder.remove(seq)
         self._logp.pop(id(seq), None)
         if self.online is not None:
             self.online.discard(seq)
 
-    def _finished(self, seq: BatchSequence) -> None:
+    def _finished(self, seq: SequenceState) -> None:
         if self.online is not None:
             try:
                 self.online.finished(seq)

@@ -16,9 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from specdraft.decoding import GenerationConfig
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
+from specdraft.sequence import GenerationConfig
 from specdraft.serve.config import ServeConfig
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (top_logprobs; logprobs of /v1/completions)
@@ -240,7 +240,9 @@ def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size
                          "stream_options")
     stop, logprobs = _stop(body), _logprobs(body, chat)
     try:
-        config = GenerationConfig(max_tokens, serve.num_draft_tokens, _sampling(body, vocab_size), eos, stop)
+        config = serve.generation(max_tokens, _sampling(body, vocab_size), eos, stop)
+        if seed is not None and not config.sampling.greedy:  # adaptive draft lengths follow timings, and each
+            config = replace(config, speculation="fixed")  # draws its own random numbers: a seed replays only fixed
     except SpecdraftError as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest(source, config, n, seed, stream, bool(options.get("include_usage", False)), stop, chat,

@@ -78,7 +78,7 @@ def load_drafter(config, target, tokenizer):
     None when the target answers every prompt. A drafter that ships a ``draft_vocab`` option answers from that
     vocabulary only, as it drafts (:func:`restrict_to`)."""
     from specdraft.draft_vocab import draft_subset
-    from specdraft.drafters.draft_models import load_draft_model
+    from specdraft.drafters.loading import load_draft_model
     from specdraft.drafters.options import folder_options
     from specdraft.models.registry import parse_dtype, resolve
 
