@@ -27,14 +27,23 @@ void silu_mul(const float* gate_up, int64_t T, int64_t F, float* out) {
     }
 }
 
-// y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of D; the sum of squares in one order (left to right).
+// y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of D; the sum of squares in one order (left to right). Up to 8
+// rows run side by side: each row's chain of additions is its own, so their latencies overlap and the sums are those
+// of a row alone.
 void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, float* y) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xr = x + t * D;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < D; ++i) sum += xr[i] * xr[i];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-    for (int64_t i = 0; i < D; ++i) y[t * D + i] = (xr[i] * inv) * w[i];
+  for (int64_t t0 = 0; t0 < T; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, T - t0);
+    float sum[8] = {};
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t t = 0; t < n; ++t) {
+        const float v = x[(t0 + t) * D + i];
+        sum[t] += v * v;
+      }
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      const float* xr = x + t * D;
+      const float inv = 1.0f / std::sqrt(sum[t - t0] / static_cast<float>(D) + eps);
+      for (int64_t i = 0; i < D; ++i) y[t * D + i] = (xr[i] * inv) * w[i];
+    }
   }
 }
 
