@@ -16,7 +16,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import quantized as Q
 from specdraft.models import rowgemm
 from specdraft.models.native_llama import NativeLlama
-from specdraft.models.quantized_llama import QuantizedLlama
+from specdraft.models.quantized_llama import KV_CACHE_DEFAULT, KV_CACHE_DTYPES, QuantizedLlama
 from specdraft.sampling import SamplingConfig, warp
 from toys import PatternDrafter, assert_follows, tiny_llama
 
@@ -120,8 +120,8 @@ def test_quantized_llama_is_close_to_its_dense_model_and_row_invariant(scheme):
     assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
-def test_a_half_precision_kv_cache_is_the_models_own_arithmetic(kv, monkeypatch):
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "float32"])
+def test_a_kv_cache_format_is_the_models_own_arithmetic(kv, monkeypatch):
     """The cache format is fixed at build (SPECDRAFT_KV_CACHE): keys and values are stored rounded, the fused call
     and the layer-by-layer path write the same cache, a k-token forward reproduces k 1-token forwards bit for bit, and
     speculative greedy output equals plain output in that format."""
@@ -129,7 +129,7 @@ def test_a_half_precision_kv_cache_is_the_models_own_arithmetic(kv, monkeypatch)
     model = QuantizedLlama.from_dense(_dense(), "int4")
     monkeypatch.delenv("SPECDRAFT_KV_CACHE")
     assert model.kv_dtype == getattr(torch, kv)
-    assert QuantizedLlama.from_dense(_dense(), "int4").kv_dtype == torch.float32
+    assert QuantizedLlama.from_dense(_dense(), "int4").kv_dtype == KV_CACHE_DTYPES[KV_CACHE_DEFAULT]
     ids = torch.tensor([PROMPT])
     cache = model.new_cache(64)
     assert cache.keys[0].dtype == getattr(torch, kv)
