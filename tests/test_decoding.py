@@ -94,6 +94,8 @@ def test_stats_are_consistent(target):
     assert s.target_forward_calls == len(s.accept_lengths)
     assert s.block_efficiency == pytest.approx(30 / s.target_forward_calls)
     assert s.draft_tokens_accepted == sum(s.accepted_per_position)
+    assert sum(s.draft_length_counts) == s.target_forward_calls  # every step's verified draft length, counted once
+    assert sum(n * c for n, c in enumerate(s.draft_length_counts)) == s.draft_tokens_proposed
     assert s.decode_seconds >= s.draft_seconds + s.verify_seconds
     assert set(s.to_dict()) >= {"new_tokens", "target_forward_calls", "block_efficiency", "acceptance_rate",
                                 "decode_seconds", "tokens_per_second"}

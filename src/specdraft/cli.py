@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 
 import torch
@@ -43,6 +44,14 @@ def _add_precision(p, dense_default: str) -> None:
                    help="target weights: auto (a GGUF target's own blocks unless --dtype is given), none (dense), "
                         "gguf, "
                         "or int8 / int4 (a dense checkpoint rounded to Q8_0 / Q4_1 blocks at load: lossy)")
+    _add_kv_cache(p)
+
+
+def _add_kv_cache(p) -> None:
+    p.add_argument("--kv-cache", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="the KV cache format of a quantized target (and drafter): auto (the default, "
+                        "docs/quantized.md) or a dtype; part of the model's arithmetic, for plain and speculative "
+                        "decoding alike")
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -153,6 +162,7 @@ def _add_demo(sub) -> None:
                    help="target weights: auto (the built-in GGUF's own blocks where the int8 kernels build, unless "
                         "--dtype is given), none, gguf, int8 or int4")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
+    _add_kv_cache(p)
     p.set_defaults(run=_run_demo)
 
 
@@ -427,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> str | None:
     """Run the subcommand; the one line describing the user's error that stopped it, or None."""
+    if getattr(args, "kv_cache", "auto") != "auto":
+        from specdraft.models.quantized_llama import KV_CACHE_ENV
+
+        os.environ[KV_CACHE_ENV] = args.kv_cache  # read where quantized models are built (and by engine processes)
     try:
         args.run(args)
     except SpecdraftError as exc:

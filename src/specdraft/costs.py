@@ -52,9 +52,12 @@ def model_identity(model: CausalLM) -> dict:
     shape = {key: getattr(config, key, None) for key in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                                           "num_attention_heads", "num_key_value_heads")}
     packed = getattr(model, "packing", "none")  # the kernel kind: its curve differs (specdraft.models.packed)
-    kernels = {"kernels": rowgemm.build_id()} if packed == "rows" else {}  # a rebuilt kernel is measured again
+    blocks = packed.startswith("q")  # block-quantized weights (specdraft.models.quantized): the same kernels
+    kernels = {"kernels": rowgemm.build_id()} if packed == "rows" or blocks else {}  # a rebuilt kernel: measured again
+    kv = getattr(model, "kv_dtype", None)  # a quantized model's KV cache format: the attention's cost depends on it
+    cache = {"kv_cache": str(kv).removeprefix("torch.")} if kv is not None else {}
     return {"name": model.name, "class": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch."),
-            "vocab_size": model.vocab_size, "prepacked": packed, **shape, **kernels}
+            "vocab_size": model.vocab_size, "prepacked": packed, **shape, **kernels, **cache}
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ def _write(path: Path, curve: CostCurve) -> None:
 
 def describe(curve: CostCurve) -> list[str]:
     """Lines for ``specdraft calibrate``: ms per forward and the ratio to a 1-token step, per size and context."""
-    lines = [f"{curve.model['name']} ({curve.model['dtype']}, prepacked {curve.model['prepacked']}) on "
+    kv = f", KV cache {curve.model['kv_cache']}" if "kv_cache" in curve.model else ""
+    lines = [f"{curve.model['name']} ({curve.model['dtype']}, prepacked {curve.model['prepacked']}{kv}) on "
              f"{curve.machine['cpu']} ({curve.machine['isa']}, {curve.machine['threads']} threads, torch "
              f"{curve.machine['torch']}; {curve.clock} clock)",
              f"{'new tokens':>10}" + "".join(f"{f'ms @ctx {c}':>14}{'x step':>8}" for c in curve.contexts)]

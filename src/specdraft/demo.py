@@ -32,6 +32,7 @@ from specdraft.models.registry import (
 )
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 from specdraft.sequence import GenerationConfig, GenerationResult, speculation_policy
+from specdraft.stats import draft_lengths_line
 
 # layer-skip is left out by default: its first use calibrates for minutes, and on this small target it drafts slower
 # than plain decoding; medusa and eagle need trained heads (--drafter-option heads=PATH in generate)
@@ -137,9 +138,25 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
         out(f"{row['method']:<{width}}{row['tokens_per_second']:>10.1f}{row['block_efficiency']:>12.2f}"
             f"{row['speedup']:>9.2f}x{row['identical']:>20}")
     for name, rs in results.items():
+        if name != "plain":
+            out(f"{name}: {_speculation_line(rs)}")
+    for name, rs in results.items():
         if name != "plain" and rows[list(results).index(name)]["speedup"] < 1.0:
             out(why_not_faster(name, rs, results["plain"], curve))
     return rows
+
+
+def _speculation_line(results: list[GenerationResult]) -> str:
+    """Acceptance per draft position and the draft lengths the policy chose, over a method's answers."""
+    accepted, reached, lengths = [], [], []
+    for r in results:
+        for total, counts in ((accepted, r.stats.accepted_per_position), (reached, r.stats.reached_per_position),
+                              (lengths, r.stats.draft_length_counts)):
+            total += [0] * (len(counts) - len(total))
+            for i, c in enumerate(counts):
+                total[i] += c
+    acceptance = [a / n for a, n in zip(accepted, reached, strict=True) if n]
+    return draft_lengths_line(acceptance, lengths) or "no drafts"
 
 
 def _identity(config: DemoConfig, precision: Precision, ids: list, results: dict, out) -> tuple[dict, str]:

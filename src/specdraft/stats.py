@@ -4,11 +4,13 @@ block efficiency τ = new tokens / target forward calls of the decoding steps (L
 tokens per step; the prompt's prefill, all of it but its last token, is a forward of its own before the first step,
 timed as ``prefill_seconds`` and not counted as a step). Acceptance rate = accepted draft tokens / proposed draft
 tokens. Acceptance per draft position i = P(draft token i accepted | tokens 0..i-1 accepted), the conditional rate
-EAGLE reports. ``accept_lengths`` holds the tokens committed per target forward (Spec-Bench's field of that name).
+EAGLE reports. ``accept_lengths`` holds the tokens committed per target forward (Spec-Bench's field of that name);
+``draft_length_counts[n]`` the steps that verified n draft tokens (the lengths a speculation policy chose).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdraft.verification import VerifyResult
@@ -25,6 +27,7 @@ class GenerationStats:
     reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    draft_length_counts: list[int] = field(default_factory=list)  # [n]: steps that verified n draft tokens
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -45,6 +48,9 @@ class GenerationStats:
             self.reached_per_position[i] += 1
             self.accepted_per_position[i] += int(i < result.num_accepted)
         self.accept_lengths.append(committed)
+        verified = result.num_draft_tokens
+        self.draft_length_counts += [0] * (verified + 1 - len(self.draft_length_counts))
+        self.draft_length_counts[verified] += 1
         self.draft_seconds += draft_s
         self.verify_seconds += verify_s
 
@@ -79,6 +85,7 @@ class GenerationStats:
             "draft_tokens_proposed": self.draft_tokens_proposed,
             "draft_tokens_accepted": self.draft_tokens_accepted,
             "accept_lengths": self.accept_lengths,
+            "draft_length_counts": self.draft_length_counts,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "prefill_seconds": self.prefill_seconds,
@@ -86,3 +93,16 @@ class GenerationStats:
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,
         }
+
+
+def draft_lengths_line(acceptance: Sequence[float] | None, lengths: Sequence[int] | None) -> str:
+    """What a speculation policy chose and how it went, in one line: "acceptance per position 0.71 / 0.52; drafts
+    verified (tokens: share of steps) 0: 31%, 1: 40%, 2: 29%"; "" when neither was measured."""
+    parts = []
+    if acceptance:
+        parts.append("acceptance per position " + " / ".join(f"{a:.2f}" for a in acceptance))
+    steps = sum(lengths or ())
+    if steps:
+        parts.append("drafts verified (tokens: share of steps) " +
+                     ", ".join(f"{n}: {100 * c / steps:.0f}%" for n, c in enumerate(lengths) if c))
+    return "; ".join(parts)

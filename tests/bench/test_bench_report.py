@@ -182,3 +182,18 @@ def test_best_num_draft_tokens_and_markdown():
     assert text.count("| yes (2/2) |") == 1 and text.count("| no (1/2; prefix 0.67) |") == 2
     assert "| pl | 2 |" in text  # best γ table
     assert "| ar | 1.00x | 1.00x | 1.00x |" in text  # speed-up by subtask: mt_bench, qa, overall
+
+
+def test_acceptance_per_position_and_verified_draft_lengths_are_reported():
+    """Draft-length counts add up per position over turns; the markdown shows them beside the acceptance per
+    position; records without the field (older runs, other engines) report none."""
+    records = draft_records()
+    records[0]["choices"][0]["draft_length_counts"] = [[1, 0, 1, 2], [0, 1, 2]]  # turn 1: 4 steps, turn 2: 3 steps
+    records[1]["choices"][0]["draft_length_counts"] = [[0, 0, 4]]
+    m = metrics(records, ar_records(), greedy=True)
+    assert m["draft_length_counts"] == [1, 1, 7, 2]
+    assert metrics(draft_records(), ar_records(), greedy=True)["draft_length_counts"] is None
+    text = render_markdown(summarize(ar_records() + records, GREEDY_RUN))
+    assert "## Acceptance per draft position and verified draft lengths" in text
+    assert "- draft: acceptance per position 0.64 / 0.57 / 0.50; drafts verified (tokens: share of steps) " \
+           "0: 9%, 1: 9%, 2: 64%, 3: 18%" in text

@@ -179,8 +179,8 @@ def test_load_drafter_reads_the_ranking_next_to_the_weights(tmp_path):
         load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "8"})
     save_token_ranking(folder, torch.arange(64).flip(0))
     drafter = load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "8", "tree_branching": "2"})
-    assert drafter._vocab.keep.tolist() == list(range(63, 55, -1)) and drafter.tree_branching == 2
-    assert load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "0"})._vocab.keep is None
+    assert drafter.vocab_keep.tolist() == list(range(63, 55, -1)) and drafter.tree_branching == 2
+    assert load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "0"}).vocab_keep is None
     with pytest.raises(SpecdraftError, match="draft_vocab must be an integer"):
         load_drafter(target, tokenizer, draft=str(folder), options={"draft_vocab": "many"})
 
@@ -199,10 +199,10 @@ def test_folder_drafter_options_are_defaults_that_given_options_override(tmp_pat
     (folder / DRAFTER_OPTIONS_FILE).write_text('{"draft_vocab": 16, "confidence_threshold": 0.25}')
     target, tokenizer = hf_target(0), tiny_tokenizer()
     drafter = load_drafter(target, tokenizer, draft=str(folder))
-    assert drafter._vocab.keep.tolist() == list(range(16)) and drafter.confidence_threshold == 0.25
+    assert drafter.vocab_keep.tolist() == list(range(16)) and drafter.confidence_threshold == 0.25
     off = {"draft_vocab": "0", "confidence_threshold": "0"}
     plain = load_drafter(target, tokenizer, draft=str(folder), options=off)
-    assert plain._vocab.keep is None and plain.confidence_threshold == 0.0
+    assert plain.vocab_keep is None and plain.confidence_threshold == 0.0
     (folder / DRAFTER_OPTIONS_FILE).write_text("[1, 2")
     with pytest.raises(SpecdraftError, match=r"corrupt .*drafter_options\.json"):
         load_drafter(target, tokenizer, draft=str(folder))

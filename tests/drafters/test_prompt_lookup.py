@@ -48,3 +48,36 @@ def test_draft_kind_is_the_matched_ngram_size():
 def test_bad_ngram_sizes():
     with pytest.raises(SpecdraftError, match="ngram"):
         PromptLookupDrafter(max_ngram_size=1, min_ngram_size=2)
+
+
+def _scan(context: torch.Tensor, n_max: int, n_min: int, k: int) -> tuple[int, list[int]]:
+    """The definition: the most recent earlier occurrence of the longest matching n-gram, by scanning."""
+    length = context.shape[0]
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        hits = (context[: length - 1].unfold(0, n, 1) == context[length - n :]).all(-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return n, context[start : start + k].tolist()
+    return 0, []
+
+
+def test_the_incremental_index_matches_a_scan_as_contexts_grow_roll_back_and_change():
+    """One drafter follows a context that grows by accepted tokens, loses rejected ones, and is replaced outright
+    (a new prompt): every match equals a scan of that context."""
+    import random
+
+    rng = random.Random(0)
+    for n_max, n_min in ((3, 1), (4, 2), (1, 1)):
+        drafter = PromptLookupDrafter(n_max, n_min)
+        context = [rng.randrange(5) for _ in range(12)]
+        for _ in range(150):
+            roll = rng.random()
+            if roll < 0.55:
+                context = context + [rng.randrange(5) for _ in range(rng.randint(0, 4))]
+            elif roll < 0.9:
+                context = context[: max(1, len(context) - rng.randint(1, 5))] + [rng.randrange(5)]
+            else:
+                context = [rng.randrange(5) for _ in range(rng.randint(1, 20))]
+            k = rng.randint(1, 5)
+            size, draft = drafter.match(torch.tensor(context), k)
+            assert (size, draft.tokens.tolist()) == _scan(torch.tensor(context), n_max, n_min, k)

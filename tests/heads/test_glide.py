@@ -143,8 +143,8 @@ def _quantized(model):
 
 @pytest.mark.parametrize("kind", ["native", "hf", "quantized"])
 def test_greedy_equals_plain_decoding(trained, kind):
-    """fp32 targets (the quantized path's cache is fp32): output is plain greedy output token for token, for
-    several γ, CaPE settings and node caps, with the trained and an untrained head."""
+    """fp32 targets (the quantized path's float16 cache is read widened): output is plain greedy output token for
+    token, for several γ, CaPE settings and node caps, with the trained and an untrained head."""
     if kind == "quantized" and not rowgemm.available():
         pytest.skip("no kernels for the quantized path on this machine")
     model, head, _ = trained

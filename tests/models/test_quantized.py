@@ -16,7 +16,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import quantized as Q
 from specdraft.models import rowgemm
 from specdraft.models.native_llama import NativeLlama
-from specdraft.models.quantized_llama import QuantizedLlama
+from specdraft.models.quantized_llama import KV_CACHE_DEFAULT, KV_CACHE_DTYPES, QuantizedLlama
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.sequence import GenerationConfig
 from toys import PatternDrafter, assert_follows, tiny_llama
@@ -68,6 +68,19 @@ def test_products_match_the_block_arithmetic_and_are_row_and_thread_invariant(ki
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_every_tile_of_rows_reproduces_each_row_alone(kind):
+    """1 to 13 rows: the kernels block rows in tiles of 1 to 6 (7 = 4 + 3, 13 = 5 + 4 + 4, ...); 40 columns leave the
+    last group of 16 partly empty; K = 1024 streams 32 blocks, past the prefetch distance."""
+    torch.manual_seed(1)
+    weight = Q.quantize(torch.randn(40, 1024), kind)
+    x = torch.randn(13, 1024) * torch.rand(13, 1) * 4
+    alone = torch.cat([Q.linear(x[i : i + 1], weight) for i in range(13)])
+    torch.testing.assert_close(alone.double(), _reference(x, weight), rtol=1e-5, atol=1e-3)
+    for rows in range(2, 14):
+        assert torch.equal(Q.linear(x[:rows], weight), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_avx2_and_vnni_kernels_agree_bit_for_bit(kind):
     if Q.mode() == 0:
         pytest.skip("this CPU (or torch's dispatch) has no AVX-512 VNNI")
@@ -106,6 +119,43 @@ def test_quantized_llama_is_close_to_its_dense_model_and_row_invariant(scheme):
     cache.crop(len(PROMPT))
     alone = torch.cat([model(step[:, i : i + 1], cache) for i in range(5)], dim=1)
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "float32"])
+def test_a_kv_cache_format_is_the_models_own_arithmetic(kv, monkeypatch):
+    """The cache format is fixed at build (SPECDRAFT_KV_CACHE): keys and values are stored rounded, the fused call
+    and the layer-by-layer path write the same cache, a k-token forward reproduces k 1-token forwards bit for bit, and
+    speculative greedy output equals plain output in that format."""
+    monkeypatch.setenv("SPECDRAFT_KV_CACHE", kv)
+    model = QuantizedLlama.from_dense(_dense(), "int4")
+    monkeypatch.delenv("SPECDRAFT_KV_CACHE")
+    assert model.kv_dtype == getattr(torch, kv)
+    assert QuantizedLlama.from_dense(_dense(), "int4").kv_dtype == KV_CACHE_DTYPES[KV_CACHE_DEFAULT]
+    ids = torch.tensor([PROMPT])
+    cache = model.new_cache(64)
+    assert cache.keys[0].dtype == getattr(torch, kv)
+    prefill = model(ids, cache)  # the layer-by-layer path (a prompt into an empty cache: SDPA over the rounded cache)
+    reference = QuantizedLlama.from_dense(_dense(), "int4")
+    assert (prefill - reference(ids, reference.new_cache(64))).abs().max() < 0.05 * prefill.abs().max()
+    step = torch.tensor([[5, 9, 11, 4, 7]])
+    together = model(step, cache)
+    fused_keys = cache.keys[1][:, :, len(PROMPT) : len(PROMPT) + 5].clone()
+    cache.crop(len(PROMPT))
+    alone = torch.cat([model(step[:, i : i + 1], cache) for i in range(5)], dim=1)
+    assert torch.equal(together, alone)
+    cache.crop(len(PROMPT))
+    kept, model._fused = model._fused, [None] * len(model.layers)
+    try:
+        model(step, cache)  # the layer-by-layer path writes the same rounded keys
+    finally:
+        model._fused = kept
+    torch.testing.assert_close(cache.keys[1][:, :, len(PROMPT) : len(PROMPT) + 5], fused_keys, rtol=0, atol=0.02)
+    plain = generate(model, PROMPT, None, GenerationConfig(32)).token_ids
+    drafter = PatternDrafter(model, lambda step, i: (step * 7 + i * 3) % 5 == 0)
+    assert generate(model, PROMPT, drafter, GenerationConfig(32, 4, speculation="fixed")).token_ids == plain
+    monkeypatch.setenv("SPECDRAFT_KV_CACHE", "int3")
+    with pytest.raises(SpecdraftError, match="SPECDRAFT_KV_CACHE"):
+        QuantizedLlama.from_dense(_dense(), "int4")
 
 
 def test_the_fused_layer_call_equals_the_layer_by_layer_path_closely():

@@ -1,5 +1,5 @@
 """The row-product kernel: products and attention against torch's, and row invariance (each row of a k-row call
-equals a 1-row call bit for bit), in fp32 and bf16."""
+equals a 1-row call bit for bit), in fp32 and bf16 (attention also over fp16 and bf16 caches with fp32 queries)."""
 
 import pytest
 import torch
@@ -49,13 +49,17 @@ def test_linear_is_the_same_on_one_thread_and_two() -> None:
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_matches_sdpa_and_each_query_alone(dtype: torch.dtype) -> None:
+CACHES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.float32, torch.bfloat16)]  # (queries, cache): a quantized model keeps fp32 queries, its own cache
+
+
+@pytest.mark.parametrize(("dtype", "cache"), CACHES)
+def test_attention_matches_sdpa_and_each_query_alone(dtype: torch.dtype, cache: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(1)
     batch, steps, heads, kv_heads, head_dim, start = 2, 5, 4, 2, 16, 11
     slots = start + steps
-    cache_k = torch.randn(batch, kv_heads, 40, head_dim, generator=generator).to(dtype)  # a cache with spare room
-    cache_v = torch.randn(batch, kv_heads, 40, head_dim, generator=generator).to(dtype)
+    cache_k = torch.randn(batch, kv_heads, 40, head_dim, generator=generator).to(cache)  # a cache with spare room
+    cache_v = torch.randn(batch, kv_heads, 40, head_dim, generator=generator).to(cache)
     keys, values = cache_k[:, :, :slots], cache_v[:, :, :slots]  # (B, K, S, hd) strided views
     queries = torch.randn(batch, steps, heads, head_dim, generator=generator).to(dtype)  # (B, T, H, hd)
     mask = torch.arange(slots)[None, :] <= start + torch.arange(steps)[:, None]  # (T, S) causal
@@ -71,16 +75,16 @@ def test_attention_matches_sdpa_and_each_query_alone(dtype: torch.dtype) -> None
         assert torch.equal(out[:, t : t + 1], alone)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_of_a_tree_node_equals_its_path_alone(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "cache"), CACHES)
+def test_attention_of_a_tree_node_equals_its_path_alone(dtype: torch.dtype, cache: torch.dtype) -> None:
     """A tree node sees the context and its ancestors (holes where its cousins sit): its output equals the same
     query alone over the context and its path laid out contiguously, as plain decoding of that path would have it."""
     generator = torch.Generator().manual_seed(2)
     heads, kv_heads, head_dim, start = 6, 2, 64, 37  # 37 context slots: the tree's slots straddle 8-lane blocks
     parents = [-1, 0, 0, 1, 2, 3, 3, 5, 4, 8, 9, 1]  # 12 nodes
     nodes = len(parents)
-    keys = torch.randn(1, kv_heads, start + nodes, head_dim, generator=generator).to(dtype)
-    values = torch.randn(1, kv_heads, start + nodes, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(1, kv_heads, start + nodes, head_dim, generator=generator).to(cache)
+    values = torch.randn(1, kv_heads, start + nodes, head_dim, generator=generator).to(cache)
     queries = torch.randn(1, nodes, heads, head_dim, generator=generator).to(dtype)
     mask = torch.zeros(nodes, start + nodes, dtype=torch.bool)
     mask[:, :start] = True
@@ -110,3 +114,23 @@ def test_the_avx2_emulation_keeps_the_256_bit_kernel_and_rows_for_bf16():
     env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["0", "rows"]
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
+def test_attention_is_the_same_on_one_thread_and_two(cache: torch.dtype) -> None:
+    """Rows of a KV head split between threads (or run together in one pass over its cache) compute the same."""
+    generator = torch.Generator().manual_seed(3)
+    steps, heads, kv_heads, head_dim, start = 5, 9, 3, 64, 203
+    keys = torch.randn(1, kv_heads, start + steps, head_dim, generator=generator).to(cache)
+    values = torch.randn(1, kv_heads, start + steps, head_dim, generator=generator).to(cache)
+    queries = torch.randn(1, steps, heads, head_dim, generator=generator)
+    mask = torch.ones(steps, start + steps, dtype=torch.bool).tril(start)  # (T, S) causal
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(rowgemm.attention(queries, keys, values, mask))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

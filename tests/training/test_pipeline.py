@@ -220,8 +220,8 @@ def test_a_drafter_trained_on_a_draft_vocabulary_ships_it_as_its_default_option(
     assert "heldout_coverage" in card and '"draft_vocab": 16' in card
     target, tokenizer = load_model(str(run / "target")), load_tokenizer(str(run / "target"))
     drafter = load_drafter(target, tokenizer, draft=str(out))
-    assert torch.equal(drafter._vocab.keep, load_token_ranking(out, 64)[:16])
-    assert load_drafter(target, tokenizer, draft=str(out), options={"draft_vocab": "0"})._vocab.keep is None
+    assert torch.equal(drafter.vocab_keep, load_token_ranking(out, 64)[:16])
+    assert load_drafter(target, tokenizer, draft=str(out), options={"draft_vocab": "0"}).vocab_keep is None
     with pytest.raises(SpecdraftError, match="draft_vocab"):
         _finetune(run, tmp_path / "bad", draft_vocab=-1)
 

@@ -55,6 +55,7 @@ class TurnResult:
     draft_tokens_accepted: int | None = None
     accepted_per_position: list[int] | None = None
     reached_per_position: list[int] | None = None
+    draft_length_counts: list[int] | None = None  # [n]: steps that verified n draft tokens
     engine_counters: dict | None = None  # another engine's own counters for this turn (vLLM's spec-decode metrics)
 
 
@@ -115,6 +116,7 @@ class SpecdraftMethod:
             draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds, prefill_seconds=s.prefill_seconds,
             draft_tokens_proposed=s.draft_tokens_proposed, draft_tokens_accepted=s.draft_tokens_accepted,
             accepted_per_position=list(s.accepted_per_position), reached_per_position=list(s.reached_per_position),
+            draft_length_counts=list(s.draft_length_counts),
         )
 
 

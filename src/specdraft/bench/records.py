@@ -6,8 +6,9 @@ our fields: ``subtask``, ``method`` (the name before a sweep suffix), ``repeat``
 ``param_ratio``, ``engine`` (the build of another program that answered, e.g. llama.cpp's commit, options, AMX and
 weight repacking; null for specdraft's and transformers' methods), and in the choice, per turn: ``token_ids``,
 ``finish_reason``, ``draft_seconds``, ``verify_seconds``, ``prefill_seconds``, ``draft_tokens_proposed``,
-``draft_tokens_accepted``, ``accepted_per_position``, ``reached_per_position``, and ``engine_counters`` (another
-engine's own counters, e.g. vLLM's speculative-decoding metrics). A per-turn list is null when the method cannot
+``draft_tokens_accepted``, ``accepted_per_position``, ``reached_per_position``, ``draft_length_counts`` (steps that
+verified 0, 1, 2, ... draft tokens), and ``engine_counters`` (another engine's own counters, e.g. vLLM's
+speculative-decoding metrics). A per-turn list is null when the method cannot
 measure that quantity.
 
 Each record is appended and flushed on its own, so an interrupted run keeps what it finished; a last line cut by a
@@ -33,7 +34,8 @@ RUN_FILE = "run.json"
 REPORT_FILES = ("summary.json", "summary.md", "speedup_by_subtask.png", "accept_lengths.png",
                 "block_efficiency_vs_num_draft_tokens.png")
 PER_TURN = ("finish_reason", "draft_seconds", "verify_seconds", "prefill_seconds", "draft_tokens_proposed",
-            "draft_tokens_accepted", "accepted_per_position", "reached_per_position", "engine_counters")
+            "draft_tokens_accepted", "accepted_per_position", "reached_per_position", "draft_length_counts",
+            "engine_counters")
 
 
 def method_filename(name: str) -> str:

@@ -44,6 +44,7 @@ from pathlib import Path
 from specdraft.bench.questions import SUBTASKS
 from specdraft.bench.records import load_answers, read_run_info
 from specdraft.errors import SpecdraftError
+from specdraft.stats import draft_lengths_line
 
 BASELINE = "ar"
 
@@ -250,6 +251,7 @@ def metrics(records: Sequence[dict], baseline: Sequence[dict], greedy: bool) -> 
         "acceptance_rate_per_position": None if accepted is None or reached is None else
         [a / r for a, r in zip(accepted, reached, strict=True) if r],
         "accept_length_histogram": accept_length_histogram(records),
+        "draft_length_counts": _sum_positions(records, "draft_length_counts"),
         "new_tokens": tokens,
         "n_records": len(records),
         "method": records[0].get("method") if records else None,
@@ -372,6 +374,14 @@ def _subtask_table(methods: dict, key: str, digits: int = 2, suffix: str = "") -
     return rows
 
 
+def _speculation_lines(methods: dict) -> list[str]:
+    """Per speculative method: acceptance per draft position and the draft lengths its steps verified."""
+    lines = [f"- {name}: {line}" for name, m in methods.items() if m["overall"]["num_draft_tokens"]
+             if (line := draft_lengths_line(m["overall"].get("acceptance_rate_per_position"),
+                                            m["overall"].get("draft_length_counts")))]
+    return ["## Acceptance per draft position and verified draft lengths", "", *lines, ""] if lines else []
+
+
 def _engine_lines(methods: dict) -> list[str]:
     """One line per method another program answered: its build, as recorded."""
     lines = []
@@ -414,6 +424,7 @@ def render_markdown(summary: dict) -> str:
         *_subtask_table(methods, "decode_speedup", 2, "x"), "",
         "## Block efficiency τ by subtask", "", *_subtask_table(methods, "block_efficiency"), "",
         "## Tokens per second by subtask", "", *_subtask_table(methods, "tokens_per_second", 1), "",
+        *_speculation_lines(methods),
     ]
     best = {m["overall"]["method"]: m["overall"]["best_num_draft_tokens"] for m in methods.values()
             if "best_num_draft_tokens" in m["overall"]}

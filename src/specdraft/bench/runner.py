@@ -36,6 +36,7 @@ from specdraft.bench.records import (
 from specdraft.bench.report import write_report
 from specdraft.costs import cost_curve
 from specdraft.hardware import cpu_model
+from specdraft.models.quantized_llama import KV_CACHE_ENV
 from specdraft.models.registry import choose_precision, eos_token_ids, load_target
 from specdraft.sequence import GenerationConfig
 
@@ -93,7 +94,10 @@ def warm_up(methods: Sequence[Method], tokenizer, question: Question, config: Ge
 
 
 def _run_info(config: BenchConfig, questions_sha256: str | None, command: Sequence[str] | None) -> dict:
-    return {"command": list(command) if command is not None else None, "config": config.identity(),
+    identity = config.identity()
+    if os.environ.get(KV_CACHE_ENV):  # a quantized target's KV cache format, when chosen (--kv-cache)
+        identity["kv_cache"] = os.environ[KV_CACHE_ENV]
+    return {"command": list(command) if command is not None else None, "config": identity,
             "questions_sha256": questions_sha256, "environment": environment(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -114,8 +118,9 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
     check_out(out, run_info, overwrite)
     quantize = "none" if config.device != "cpu" and config.quantize == "auto" else config.quantize  # blocks: CPU
     precision = choose_precision(config.target, config.dtype, quantize, torch.bfloat16)
-    run_info["precision"] = precision.describe()
     target, tokenizer = load_target(config.target, precision.dtype, quantize=precision.quantize, device=config.device)
+    kv = getattr(target, "kv_dtype", None)
+    run_info["precision"] = precision.describe() + ("" if kv is None else f", KV cache {str(kv)[6:]}")
     ctx = BuildContext(target, tokenizer, config.target, precision.draft_dtype, speculations=config.speculation,
                        device=config.device)
     methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)

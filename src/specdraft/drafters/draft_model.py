@@ -78,7 +78,10 @@ class DraftModelDrafter:
         self.confidence_threshold = float(confidence_threshold)
         self.model = model
         weight = getattr(model, "lm_head_weight", None)
-        self._vocab = DraftVocab(weight if weight is not None else torch.empty(model.vocab_size, 0), keep)
+        self._keep = keep
+        # the subset in id order: an argmax over its logits is the argmax over the whole vocabulary's (-inf outside)
+        ordered = None if keep is None else keep.to(torch.long).sort().values
+        self._vocab = DraftVocab(weight if weight is not None else torch.empty(model.vocab_size, 0), ordered)
         self._rows = self._vocab.weight if self._vocab.keep is not None and weight is not None else None  # (N, D)
         self.tree_branching, self.tree_nodes = tree_branching, tree_nodes
         self.name = name or f"draft:{model.name}"
@@ -90,7 +93,7 @@ class DraftModelDrafter:
     @property
     def vocab_keep(self) -> torch.Tensor | None:
         """(N,) the token ids of the draft vocabulary, or None when the drafter drafts from the full vocabulary."""
-        return self._vocab.keep
+        return None if self._vocab.keep is None else self._keep
 
     def _sync(self, context: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
         """Bring the cache to ``context[:-1]`` or further and return logits predicting the next token. (V,)"""
@@ -147,12 +150,15 @@ class DraftModelDrafter:
                 if runners_up:
                     alternatives.append((torch.empty(0, dtype=torch.long), torch.empty(0)))
             else:  # the model catches up over the uncached and filled tokens in one forward
-                logits = self._forward(torch.stack(pending).view(1, -1), logits_to_keep=1)[0, -1]  # (V,)
-                pending, kind = [], MODEL
-                token = self._pick(logits, sampling, generator, (probs, confidence, alternatives), runners_up)
+                ids, pending, kind = torch.stack(pending).view(1, -1), [], MODEL
+                if sampling.greedy and not runners_up:  # the draft vocabulary's logits alone suffice
+                    token = self._greedy(self._subset_logits(ids, logits_to_keep=1)[0, -1], confidence)
+                else:
+                    logits = self._forward(ids, logits_to_keep=1)[0, -1]  # (V,)
+                    token = self._pick(logits, sampling, generator, (probs, confidence, alternatives), runners_up)
             tokens.append(token)
             source.append(kind)
-            if filled is None and self.confidence_threshold and self._unsure(logits, token, probs, sampling):
+            if filled is None and self.confidence_threshold and self._unsure(token, probs, confidence, sampling):
                 break
             if i + 1 < num_draft_tokens:  # the last draft token is fed next step, only if accepted
                 pending.append(token)
@@ -206,11 +212,31 @@ class DraftModelDrafter:
             return self._vocab.expand(self.model.forward(ids, self._cache, logits_weight=self._rows, **kwargs))
         return self._vocab.expand(self.model.forward(ids, self._cache, **kwargs)[..., self._vocab.keep])
 
-    def _unsure(self, logits: torch.Tensor, token: torch.Tensor, probs: list[torch.Tensor],
+    def _unsure(self, token: torch.Tensor, probs: list[torch.Tensor], confidence: list[torch.Tensor],
                 sampling: SamplingConfig) -> bool:
-        """Whether q(token) is below ``confidence_threshold`` (greedy: q = softmax of the raw logits)."""
-        q = torch.softmax(logits.float(), -1)[token] if sampling.greedy else probs[-1][token]
+        """Whether q(token) is below ``confidence_threshold`` (greedy: q = softmax of the raw logits, the token's
+        confidence; sampling: the warped q it was drawn from)."""
+        q = confidence[-1] if sampling.greedy else probs[-1][token]
         return float(q) < self.confidence_threshold
+
+    def _subset_logits(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Draft logits over the draft vocabulary in id order, (1, T, N) float32 (the whole V without one), checked
+        finite."""
+        if self._rows is not None:  # native: only the kept rows of the LM head
+            logits = self.model.forward(ids, self._cache, logits_weight=self._rows, **kwargs).float()
+        elif self._vocab.keep is not None:
+            logits = self.model.forward(ids, self._cache, **kwargs)[..., self._vocab.keep].float()
+        else:
+            logits = self.model.forward(ids, self._cache, **kwargs).float()
+        check_finite(logits, "draft")
+        return logits
+
+    def _greedy(self, logits: torch.Tensor, confidence: list) -> torch.Tensor:
+        """The argmax token of the draft vocabulary's ``logits`` (N,) (the lowest id among ties, as over the whole
+        vocabulary), appending its softmax probability to ``confidence``."""
+        index = logits.argmax(-1)
+        confidence.append(torch.softmax(logits, -1)[index])
+        return index if self._vocab.keep is None else self._vocab.keep[index]
 
     def _propose_tree(
         self, context: torch.Tensor, depth: int, sampling: SamplingConfig, generator: torch.Generator | None

@@ -237,6 +237,8 @@ def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ste
     batch, steps, heads, head_dim = queries.shape
     if step.rowwise:
         return rowgemm.attention(queries, keys, values, None if step.mask is None else step.mask[:steps])
+    if keys.dtype != queries.dtype:  # a cache in its own format (a quantized model's fp16 cache): widened exactly
+        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     if step.start == 0 and not step.explicit:
@@ -466,9 +468,14 @@ class NativeLlama(nn.Module):
             config.num_key_value_heads,
             capacity,
             config.head_dim,
-            self.dtype,
-            self.embed_weight.device,
+            self.cache_dtype,
+            self.rope_cos.device,  # (a quantized model has no dense table to ask)
         )
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype :meth:`new_cache` holds keys and values in: the model's."""
+        return self.dtype
 
     @torch.no_grad()
     def forward(

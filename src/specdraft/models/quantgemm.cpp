@@ -91,75 +91,154 @@ inline int32_t four(const int8_t* p) {  // 4 bytes of x as one 32-bit lane
   return v;
 }
 
-// ---- AVX2: two halves of 8 columns, u8 x s8 pairs with vpmaddubsw (no saturation: |pair| <= 2 * 127 * 127), then
-// vpmaddwd by ones into 32-bit lanes.
+// ---- AVX2 (vpmaddubsw + vpmaddwd), register-blocked over the R <= 6 rows of a tile: a group's 16 columns are two
+// vectors of 8, each 64-byte chunk of quants is loaded and its nibbles unpacked once for all R rows, and each row's 4
+// bytes of x are broadcast once for both halves. The group's stream is prefetched kPrefetch blocks ahead (the next
+// group follows in memory), so the loads of the next blocks overlap the products of this one.
+constexpr int64_t kPrefetch = 8;
+
+template <typename V>
+inline void pin(V& v) {  // keeps GCC from reassociating a row's int16 sums into one wide tree (it spills registers)
+  asm("" : "+x"(v));
+}
+
+inline void prefetch_ahead(const uint8_t* blk, int64_t bytes) {  // one block's lines, kPrefetch blocks on
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bytes + line), _MM_HINT_T0);
+}
+
 template <int R, int64_t KIND>
-void tile_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t N, int64_t n0) {
+__attribute__((noinline)) void tile4_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t N, int64_t n0) {
   constexpr int64_t BB = block_bytes(KIND), QO = quant_offset(KIND);
   const int64_t nb = a.nb, K = a.K;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bias8 = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + b * BB;
-      __m256i isum[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      if constexpr (KIND == kQ8_0) {
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) {
-          const __m256i wu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32 * h));
-          const __m256i ws = _mm256_xor_si256(wu, bias8), wa = _mm256_abs_epi8(ws);  // signed w, |w|
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const __m256i xb = _mm256_set1_epi32(four(a.q + (r0 + r) * K + b * kBlock + 4 * t));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, ws)), ones));
-          }
-        }
-      } else {
-        // 4-bit weights (<= 15) times int8 (|x| <= 127): a pair is at most 3810, so the 8 pair sums of a block add up
-        // in 16 bits (<= 30480) before one widening to 32 bits per row
-        __m256i pairs[R];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* xq = a.q + r0 * K;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    prefetch_ahead(blk, BB);  // past the last group's end: harmless
+    // 4-bit weights (<= 15) times int8 (|x| <= 127): a pair is at most 3810, so the 8 pair sums of a block add up
+    // in 16 bits (<= 30480) before one widening to 32 bits per row
+    __m256i p0[R], p1[R];
 #pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32 * h));
-          const __m256i lo = _mm256_and_si256(wq, low4), hi = _mm256_and_si256(_mm256_srli_epi16(wq, 4), low4);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xr = a.q + (r0 + r) * K + b * kBlock;
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(xr + 4 * t))));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(xr + 16 + 4 * t))));
-          }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(pairs[r], ones);
-      }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-      __m256 mw = _mm256_setzero_ps();
-      if constexpr (KIND == kQ4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+    for (int t = 0; t < 4; ++t) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32));
+      const __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * nb + b;
-        __m256i total = isum[r];
-        if constexpr (KIND == kQ4_0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * a.s[at]));
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(a.d[at]));
-        acc[r] = _mm256_fmadd_ps(f, dw, acc[r]);
-        if constexpr (KIND == kQ4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[at]), acc[r]);
+        const int8_t* xr = xq + r * K + b * kBlock;
+        const __m256i xl = _mm256_set1_epi32(four(xr + 4 * t)), xh = _mm256_set1_epi32(four(xr + 16 + 4 * t));
+        __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+        __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+        if (t) {
+          s0 = _mm256_add_epi16(p0[r], s0);
+          s1 = _mm256_add_epi16(p1[r], s1);
+        }
+        pin(s0);
+        pin(s1);
+        p0[r] = s0;
+        p1[r] = s1;
       }
     }
-    const int64_t c0 = n0 + 8 * h, live = std::min<int64_t>(8, N - c0);
-    if (live <= 0) continue;
-    alignas(32) float lanes[8];
+    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    __m256 mw0 = _mm256_setzero_ps(), mw1 = mw0;
+    if constexpr (KIND == kQ4_1) {
+      mw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
+      mw1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(lanes, acc[r]);
-      std::memcpy(out + (r0 + r) * N + c0, lanes, live * sizeof(float));
+      const int64_t at = (r0 + r) * nb + b;
+      __m256i t0 = _mm256_madd_epi16(p0[r], ones), t1 = _mm256_madd_epi16(p1[r], ones);
+      if constexpr (KIND == kQ4_0) {
+        const __m256i s8 = _mm256_set1_epi32(8 * a.s[at]);
+        t0 = _mm256_sub_epi32(t0, s8);
+        t1 = _mm256_sub_epi32(t1, s8);
+      }
+      const __m256 dx = _mm256_set1_ps(a.d[at]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t0), dx), dw0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t1), dx), dw1, acc[r][1]);
+      if constexpr (KIND == kQ4_1) {
+        const __m256 ds = _mm256_set1_ps(a.ds[at]);
+        acc[r][0] = _mm256_fmadd_ps(mw0, ds, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(mw1, ds, acc[r][1]);
+      }
     }
   }
+  const int64_t live = std::min<int64_t>(kGroup, N - n0);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    std::memcpy(out + (r0 + r) * N + n0, lanes, live * sizeof(float));
+  }
+}
+
+// Q8_0 the same way: |w| u8 times sign(x, w) s8 in pairs (|pair| <= 2 * 128 * 127 fits int16), widened per chunk.
+template <int R>
+__attribute__((noinline)) void tile8_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t N, int64_t n0) {
+  constexpr int64_t BB = block_bytes(kQ8_0), QO = quant_offset(kQ8_0);
+  const int64_t nb = a.nb, K = a.K;
+  const __m256i ones = _mm256_set1_epi16(1), bias8 = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* xq = a.q + r0 * K;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    prefetch_ahead(blk, BB);  // past the last group's end: harmless
+    __m256i i0[R], i1[R];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i ws0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t)), bias8);
+      const __m256i ws1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + QO + 64 * t + 32)), bias8);
+      const __m256i wa0 = _mm256_abs_epi8(ws0), wa1 = _mm256_abs_epi8(ws1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(four(xq + r * K + b * kBlock + 4 * t));
+        __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wa0, _mm256_sign_epi8(xb, ws0)), ones);
+        __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(wa1, _mm256_sign_epi8(xb, ws1)), ones);
+        if (t) {
+          s0 = _mm256_add_epi32(i0[r], s0);
+          s1 = _mm256_add_epi32(i1[r], s1);
+        }
+        pin(s0);
+        pin(s1);
+        i0[r] = s0;
+        i1[r] = s1;
+      }
+    }
+    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * nb + b]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dx), dw0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dx), dw1, acc[r][1]);
+    }
+  }
+  const int64_t live = std::min<int64_t>(kGroup, N - n0);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    std::memcpy(out + (r0 + r) * N + n0, lanes, live * sizeof(float));
+  }
+}
+
+template <int R, int64_t KIND>
+inline void tile_avx2(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t N, int64_t n0) {
+  if constexpr (KIND == kQ8_0)
+    tile8_avx2<R>(w, a, r0, out, N, n0);
+  else
+    tile4_avx2<R, KIND>(w, a, r0, out, N, n0);
 }
 
 // ---- AVX-512 VNNI: 16 columns a vector, vpdpbusd (u8 weights x s8 x, 4 products a lane into int32).
@@ -225,11 +304,12 @@ void tile_vnni(const uint8_t* w, const Rows& a, int64_t r0, float* out, int64_t 
 }
 #pragma GCC pop_options
 
-// Every row against one group, in tiles of at most 6 rows (a later tile reads the group from cache).
+// Every row against one group, in as few tiles of at most 6 rows as it takes, as even as they come (a later tile
+// reads the group from cache).
 template <int64_t KIND>
 void group_rows(const uint8_t* w, const Rows& a, int64_t M, float* out, int64_t N, int64_t n0, bool vnni) {
   for (int64_t m = 0; m < M;) {
-    const int64_t left = M - m, mb = left <= 6 ? left : (left <= 8 ? 4 : 6);
+    const int64_t left = M - m, tiles = (left + 5) / 6, mb = (left + tiles - 1) / tiles;
 #define SPECDRAFT_TILE(R)                                  \
   if (vnni)                                                \
     tile_vnni<R, KIND>(w, a, m, out, N, n0);               \

@@ -7,6 +7,12 @@ and packed once; the packed blocks are cached beside the converted checkpoint (`
 so that later loads map them from disk. llama.cpp stores the q and k projections with their rows permuted for its
 rotary layout; the rows are put back in transformers' order (exact: a permutation of whole rows).
 
+The KV cache holds keys and values in :data:`KV_CACHE_DEFAULT` (``SPECDRAFT_KV_CACHE`` or ``--kv-cache``:
+``float32``, ``float16`` or ``bfloat16``), rounded once as they are written: the cache format is part of the
+model's arithmetic, for plain and speculative decoding alike (a k-token verify still reproduces k 1-token steps bit
+for bit), so it changes outputs only against another format. At long contexts the cache is what a step reads
+besides the weights (fp32: 46 KB a token for SmolLM2, 94 MB at 2,048 tokens); half of it halves that traffic.
+
 Batch-1 forwards of up to ``packed.ROWS_MAX`` tokens after a prefill run each decoder layer as one fused C++ call
 (``quantlayer.cpp``) with row-invariant kernels, so a k-token verify reproduces k 1-token steps bit for bit.
 """
@@ -33,6 +39,17 @@ _PROJECTIONS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "g
                 "down": ("ffn_down",)}  # native fused name -> GGUF tensor names, concatenated by rows
 SCHEMES = {"int8": (quantization.Q8_0, quantization.Q8_0), "int4": (quantization.Q4_1, quantization.Q8_0)}
 # --quantize name -> (layers' kind, embedding and LM head's kind), as llama.cpp keeps the token table at 8 bits
+KV_CACHE_ENV = "SPECDRAFT_KV_CACHE"
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DEFAULT = "float16"  # as llama.cpp's default; agreement with float32 measured in docs/quantized.md
+
+
+def kv_cache_dtype() -> torch.dtype:
+    """The KV cache format of quantized models built from now on: ``SPECDRAFT_KV_CACHE``, else the default."""
+    name = os.environ.get(KV_CACHE_ENV) or KV_CACHE_DEFAULT
+    if name not in KV_CACHE_DTYPES:
+        raise SpecdraftError(f"{KV_CACHE_ENV} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
 
 
 class QuantizedLlama(NativeLlama):
@@ -44,6 +61,7 @@ class QuantizedLlama(NativeLlama):
         nn.Module.__init__(self)
         check_supported(config, name)
         self.config, self.name, self.dtype = config, name, torch.float32
+        self.kv_dtype = kv_cache_dtype()  # the KV cache's format (activations stay float32)
         self.vocab_size, self.max_context = config.vocab_size, config.max_position_embeddings
         self.eps = config.rms_norm_eps
         self.layers = nn.ModuleList(DecoderLayer(config, torch.float32, dense=False)
@@ -69,6 +87,11 @@ class QuantizedLlama(NativeLlama):
         self.eval()
 
     # ---- what differs from the dense model
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's format, :attr:`kv_dtype` (fixed when the model is built)."""
+        return self.kv_dtype
+
     def prepack(self, kind: str | None = None) -> bool:
         """Nothing to do: the blocks are packed at load."""
         return True

@@ -27,14 +27,23 @@ void silu_mul(const float* gate_up, int64_t T, int64_t F, float* out) {
     }
 }
 
-// y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of D; the sum of squares in one order (left to right).
+// y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of D; the sum of squares in one order (left to right). Up to 8
+// rows run side by side: each row's chain of additions is its own, so their latencies overlap and the sums are those
+// of a row alone.
 void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, float* y) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xr = x + t * D;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < D; ++i) sum += xr[i] * xr[i];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-    for (int64_t i = 0; i < D; ++i) y[t * D + i] = (xr[i] * inv) * w[i];
+  for (int64_t t0 = 0; t0 < T; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, T - t0);
+    float sum[8] = {};
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t t = 0; t < n; ++t) {
+        const float v = x[(t0 + t) * D + i];
+        sum[t] += v * v;
+      }
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      const float* xr = x + t * D;
+      const float inv = 1.0f / std::sqrt(sum[t - t0] / static_cast<float>(D) + eps);
+      for (int64_t i = 0; i < D; ++i) y[t * D + i] = (xr[i] * inv) * w[i];
+    }
   }
 }
 
@@ -56,6 +65,32 @@ void rotate(float* qkv, int64_t T, int64_t width, int64_t first, int64_t heads, 
     }
 }
 
+// Stores n floats as the cache's element type: fp32 as they are, fp16 and bf16 rounded to nearest even (as torch's
+// copy_ rounds them, so the layer-by-layer path writes the same cache).
+inline void store_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, int64_t n, c10::Half* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+inline void store_row(const float* src, int64_t n, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// This step's keys and values (each token's qkv row holds them after the queries) into slots start .. start + T - 1.
+template <typename E>
+void write_cache(const float* qkv, int64_t T, int64_t width, int64_t heads, int64_t kv_heads, int64_t hd, int64_t S,
+                 int64_t start, E* kp, E* vp) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* row = qkv + t * width;
+      store_row(row + (heads + h) * hd, hd, kp + (h * S + start + t) * hd);
+      store_row(row + (heads + kv_heads + h) * hd, hd, vp + (h * S + start + t) * hd);
+    }
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
                      double scale, int64_t mode) {
   static auto op = c10::Dispatcher::singleton()
@@ -66,8 +101,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // hidden (1, T, D) fp32 -> (1, T, D); writes this layer's keys and values of the T new positions into slots
-// start .. start + T - 1 of keys / values (1, KV, S, hd) fp32. weights: the packed qkv, o, gate_up, down blocks,
-// kinds their ggml types; cos, sin (T, hd/2); mask (T, start + T) bool or None (then every slot is visible).
+// start .. start + T - 1 of keys / values (1, KV, S, hd), fp32, fp16 or bf16 (the model's cache format). weights:
+// the packed qkv, o, gate_up, down blocks, kinds their ggml types; cos, sin (T, hd/2); mask (T, start + T) bool or
+// None (then every slot is visible).
 at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& attn_norm,
                  const at::Tensor& mlp_norm, double eps, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                  const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask, int64_t heads,
@@ -75,9 +111,11 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.scalar_type() == at::kFloat,
               "quantlayer: hidden must be (1, T, D) float32");
   TORCH_CHECK(weights.size() == 4 && kinds.size() == 4, "quantlayer: four weights (qkv, o, gate_up, down)");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && keys.dim() == 4 &&
-                  keys.size(0) == 1 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes(),
-              "quantlayer: the cache must be (1, KV, S, hd) float32");
+  const auto kv_type = keys.scalar_type();
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  values.scalar_type() == kv_type && keys.dim() == 4 && keys.size(0) == 1 && keys.is_contiguous() &&
+                  values.is_contiguous() && keys.sizes() == values.sizes(),
+              "quantlayer: the cache must be (1, KV, S, hd) float32, float16 or bfloat16");
   const int64_t T = hidden.size(1), D = hidden.size(2), hd = keys.size(3), S = keys.size(2);
   const int64_t width = (heads + 2 * kv_heads) * hd, ffn = weights[3].size(1) * 32;
   TORCH_CHECK(keys.size(1) == kv_heads && start + T <= S && cos.numel() == T * (hd / 2) && sin.numel() == cos.numel(),
@@ -92,14 +130,14 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
   rms_norm(xp, T, D, an.data_ptr<float>(), static_cast<float>(eps), normed.data());
   specdraft_quant::multiply(normed.data(), T, D, weights[0], kinds[0], width, qkv.data(), vnni);
   rotate(qkv.data(), T, width, 0, heads + kv_heads, hd, c.data_ptr<float>(), s.data_ptr<float>());
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const float* row = qkv.data() + t * width;
-      std::memcpy(kp + (h * S + start + t) * hd, row + (heads + h) * hd, hd * sizeof(float));
-      std::memcpy(vp + (h * S + start + t) * hd, row + (heads + kv_heads + h) * hd, hd * sizeof(float));
-    }
+  if (kv_type == at::kHalf)
+    write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<c10::Half>(),
+                values.data_ptr<c10::Half>());
+  else if (kv_type == at::kBFloat16)
+    write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<c10::BFloat16>(),
+                values.data_ptr<c10::BFloat16>());
+  else
+    write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<float>(), values.data_ptr<float>());
   const at::Tensor queries = at::from_blob(qkv.data(), {1, T, heads, hd}, {T * width, width, hd, 1},
                                            at::TensorOptions().dtype(at::kFloat));  // a strided view of the q rows
   const at::Tensor seen = keys.narrow(2, 0, start + T), vals = values.narrow(2, 0, start + T);

@@ -6,48 +6,50 @@
 // ancestors precede it in slot order), so a k-token forward reproduces k 1-token forwards bit for bit.
 #include "rowkernels.h"
 
+#include <cstring>
+#include <type_traits>
+
 namespace {
 
 using namespace specdraft_rows;
 
-// The largest score over the visible slots (all S without a mask): 8 lanes, then across them. A maximum is exact in
-// any order, so this equals a slot-by-slot scan.
-inline float visible_max(const float* sc, const bool* visible, int64_t S) {
-  const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 top = none;
+// How many slots from the first are visible (all S without a mask): a causal chain's query sees a prefix.
+inline int64_t visible_prefix(const bool* visible, int64_t S) {
+  const void* hidden = std::memchr(visible, 0, S);
+  return hidden ? static_cast<const bool*>(hidden) - visible : S;
+}
+
+// The largest score over the visible slots: the first `lead` slots, then (with a mask) the visible ones after them.
+// 8 lanes, then across them. A maximum is exact in any order, so this equals a slot-by-slot scan.
+inline float visible_max(const float* sc, const bool* visible, int64_t lead, int64_t S) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t s = 0;
-  for (; s + 8 <= S; s += 8) {
-    __m256 x = _mm256_loadu_ps(sc + s);
-    if (visible) {  // lanes of invisible slots count as -inf
-      const __m256i flags = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(visible + s)));
-      x = _mm256_blendv_ps(none, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256())));
-    }
-    top = _mm256_max_ps(top, x);
-  }
+  for (; s + 8 <= lead; s += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(sc + s));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top);
   float best = *std::max_element(lanes, lanes + 8);
-  for (; s < S; ++s)
-    if (!visible || visible[s]) best = std::max(best, sc[s]);
+  for (; s < lead; ++s) best = std::max(best, sc[s]);
+  if (visible)
+    for (s = lead; s < S; ++s)
+      if (visible[s]) best = std::max(best, sc[s]);
   return best;
 }
 
 // The sum of the visible slots' values, in one fixed order that depends only on the visible values in slot order:
 // the i-th visible value goes to lane i mod 8 (8 running sums, so no chain of dependent additions), then the lanes
 // are summed by hsum. A query among others (visible: its prefix, or its ancestors in a tree) sums exactly what it
-// sums alone (visible: every slot), so the invariance of the kernel holds.
-inline float visible_sum(const float* sc, const bool* visible, int64_t S) {
+// sums alone (visible: every slot), so the invariance of the kernel holds. The first `lead` slots are all visible
+// (rank = slot): whole blocks of 8 as vectors there; after them (a tree's mask) rank by rank.
+inline float visible_sum(const float* sc, const bool* visible, int64_t lead, int64_t S) {
   alignas(32) float lanes[8];
-  if (!visible) {  // rank = slot: whole blocks of 8 as vectors, the tail lane by lane
-    __m256 sum = _mm256_setzero_ps();
-    int64_t s = 0;
-    for (; s + 8 <= S; s += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(sc + s));
-    _mm256_store_ps(lanes, sum);
-    for (; s < S; ++s) lanes[s & 7] += sc[s];
-  } else {
-    std::fill(lanes, lanes + 8, 0.0f);
-    int64_t rank = 0;
-    for (int64_t s = 0; s < S; ++s)
+  __m256 sum = _mm256_setzero_ps();
+  int64_t s = 0;
+  for (; s + 8 <= lead; s += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(sc + s));
+  _mm256_store_ps(lanes, sum);
+  for (; s < lead; ++s) lanes[s & 7] += sc[s];
+  if (visible) {
+    int64_t rank = lead;
+    for (s = lead; s < S; ++s)
       if (visible[s]) lanes[rank++ & 7] += sc[s];
   }
   return hsum(_mm256_load_ps(lanes));
@@ -72,11 +74,27 @@ inline void widen_block(const T* rows, int64_t stride, int64_t s0, int64_t n, in
   }
 }
 
+// Slots s0 .. s0 + n of one KV head's keys or values as fp32 rows (n, HD8 * 8): the cache itself where it holds
+// contiguous fp32 rows (the next block prefetched), else a widened copy in `buf`.
+template <int HD8, typename T>
+inline const float* block_rows(const T* rows, int64_t stride, int64_t s0, int64_t n, int64_t S, int64_t block,
+                               float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (stride == HD8 * 8) {
+      for (int64_t j = s0 + block; j < std::min(S, s0 + block + n); ++j) prefetch_row(rows + j * stride, HD8 * 8);
+      return rows + s0 * stride;
+    }
+  }
+  widen_block<HD8>(rows, stride, s0, n, S, block, buf);
+  return buf;
+}
+
 namespace lanes8 {  // 256-bit: the kernel on every CPU with AVX2 and FMA
 using V = __m256;
 constexpr int kLanes = 8;
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 vsum8(const V* d) { return hsum8(d); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vset1(float x) { return _mm256_set1_ps(x); }
@@ -99,9 +117,12 @@ inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vset1(float x) { return _mm512_set1_ps(x); }
 inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
-inline float vsum(V v) {  // (lo + hi) halves down to one lane, one fixed order
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  return hsum(s8);
+inline __m256 half_sum(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+inline float vsum(V v) { return hsum(half_sum(v)); }  // (lo + hi) halves down to one lane, one fixed order
+inline __m256 vsum8(const V* d) {  // vsum of 8 vectors: lane u is vsum(d[u])
+  __m256 s[8];
+  for (int u = 0; u < 8; ++u) s[u] = half_sum(d[u]);
+  return hsum8(s);
 }
 #include "rowattention_fixed.h"
 }  // namespace lanes16
@@ -154,8 +175,11 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
                   keys.size(0) == B && keys.scalar_type() == values.scalar_type() && keys.stride(3) == 1 &&
                   values.stride(3) == 1,
               "rowgemm: attention shapes do not match");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
-              "rowgemm: keys must be float32 or bfloat16");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16 ||
+                  keys.scalar_type() == at::kHalf,
+              "rowgemm: keys must be float32, bfloat16 or float16");
+  TORCH_CHECK(queries.scalar_type() == at::kFloat || queries.scalar_type() == at::kBFloat16,
+              "rowgemm: queries must be float32 or bfloat16");
   at::Tensor q = queries.to(at::kFloat).contiguous();  // (B, T, H, hd)
   at::Tensor m;
   if (mask.has_value() && mask->defined()) {
@@ -193,6 +217,8 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   };
   if (keys.scalar_type() == at::kBFloat16)
     run(keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
+  else if (keys.scalar_type() == at::kHalf)
+    run(keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>());
   else
     run(keys.data_ptr<float>(), values.data_ptr<float>());
   return out.view({B, Tn, H * hd});

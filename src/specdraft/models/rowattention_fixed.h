@@ -5,9 +5,10 @@
 // The same for a head dimension known at compile time (HD8 = hd / 8), computed a block of cached slots at a time for
 // several (query, head) rows that read one KV head: each block of keys and of values is copied (bf16: widened) to
 // fp32 once, prefetched a block ahead, and read from L1 by every row. Each row's arithmetic is the one of a row
-// alone: its query and output accumulate in registers; a score is 8-lane FMAs over the head dimension in order, then
-// hsum (4 slots at a time, 4 independent chains); the softmax sum is :func:`visible_sum`'s and the values run over
-// the visible slots in slot order. How rows are grouped (by thread count, by the number of queries) therefore never changes a result.
+// alone: its query and output accumulate in registers; a score is vector FMAs over the head dimension in order, then
+// vsum (8 slots at a time, 8 independent chains, their 8 sums formed together by vsum8 in vsum's own order); the
+// softmax sum is :func:`visible_sum`'s and the values run over the visible slots in slot order. How rows are grouped
+// (by thread count, by the number of queries) therefore never changes a result.
 template <int HD8, typename T, typename O>
 void attend_fixed(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
                   const bool* mask, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale, O* out) {
@@ -15,43 +16,80 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
   constexpr int NV = hd / kLanes;  // vectors per head
   constexpr int64_t kBlock = 64;  // slots per block: 16 KB of fp32 keys (or values), in L1
   const int64_t groups = H / KV, rows = Tn * groups;  // rows of one KV head: (query t, head g), t-major
-  // Rows per work item: all of a KV head's on one thread; split only to give every thread work.
+  // Rows per work item: all of a KV head's on one thread; split only to give every thread work. A thread handed
+  // consecutive items of one KV head runs them as one pass over that head's cache (read once, not once per item).
   const int64_t threads = at::get_num_threads();
   int64_t chunks = 1;
   if (threads > 1) chunks = std::min(rows, (2 * threads + B * KV - 1) / (B * KV));
   const int64_t per = (rows + chunks - 1) / chunks;
   chunks = (rows + per - 1) / per;
+  // The visible slots of each query: a prefix 0 .. L-1 (a causal chain) is marked by its length, so softmax and values
+  // run over whole vectors there; only other masks (token trees) look slot by slot, after their longest prefix.
+  std::vector<int64_t> prefix(Tn, S);
+  if (mask)
+    for (int64_t t = 0; t < Tn; ++t) prefix[t] = visible_prefix(mask + t * S, S);
   at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(kBlock * hd), vbuf(kBlock * hd);
-    std::vector<float> score(per * (S + 8), 0.0f), acc(per * hd), total(per);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (KV * chunks), kvh = item / chunks % KV, c = item % chunks;
-      const int64_t r0 = c * per, r1 = std::min(rows, r0 + per);
+    std::vector<float> kbuf(kBlock * hd), vbuf(kBlock * hd), score, acc, total;
+    for (int64_t item = begin; item < end;) {
+      const int64_t b = item / (KV * chunks), kvh = item / chunks % KV;
+      const int64_t last = std::min(end, (item / chunks + 1) * chunks);  // this KV head's items in the range
+      const int64_t r0 = (item % chunks) * per, r1 = std::min(rows, ((last - 1) % chunks + 1) * per);
+      item = last;
+      const int64_t n_rows = r1 - r0;
+      score.assign(n_rows * (S + 8), 0.0f);
+      acc.assign(n_rows * hd, 0.0f);
+      total.assign(n_rows, 0.0f);
       const T* kb = keys + b * ks[0] + kvh * ks[1];
       const T* vb = values + b * vs[0] + kvh * vs[1];
-      // pass 1: scores of every row, a block of keys at a time
+      auto query = [&](int64_t r) { return q + ((b * Tn + r / groups) * H + kvh * groups + r % groups) * hd; };
+      auto slot_score = [&](const float* qv, const float* kv) {  // one slot: the FMA chain, vsum, the scale
+        V dot = vzero();
+        for (int i = 0; i < NV; ++i) dot = vfma(vload(qv + i * kLanes), vload(kv + i * kLanes), dot);
+        return vsum(dot) * scale;
+      };
+      // pass 1: scores of every row, a block of keys at a time: each one FMA chain over the head dimension, then
+      // its vsum (formed 8 at a time by vsum8) times the scale, two rows or 8 slots of one row at a time
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
-        widen_block<HD8>(kb, ks[2], s0, n, S, kBlock, kbuf.data());
-        const float* kp = kbuf.data();
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t t = r / groups, h = kvh * groups + r % groups;
-          const float* qv = q + ((b * Tn + t) * H + h) * hd;
-          float* sc = &score[(r - r0) * (S + 8) + s0];
-          V qr[NV];
-          for (int i = 0; i < NV; ++i) qr[i] = vload(qv + i * kLanes);
+        const float* kp = block_rows<HD8>(kb, ks[2], s0, n, S, kBlock, kbuf.data());
+        for (int64_t r = r0; r < r1;) {
+          const float* qa = query(r);
+          float* sa = &score[(r - r0) * (S + 8) + s0];
           int64_t j = 0;
-          for (; j + 4 <= n; j += 4) {
-            V dot[4] = {vzero(), vzero(), vzero(), vzero()};
+          if (r + 1 < r1) {  // two rows at once, 4 slots each: every key vector loaded once for both
+            const float* qb = query(r + 1);
+            float* sb = sa + (S + 8);
+            for (; j + 4 <= n; j += 4) {
+              V dot[8];
+              for (int u = 0; u < 8; ++u) dot[u] = vzero();
+              for (int i = 0; i < NV; ++i) {
+                const V x = vload(qa + i * kLanes), y = vload(qb + i * kLanes);
+                for (int u = 0; u < 4; ++u) {
+                  const V k = vload(kp + (j + u) * hd + i * kLanes);
+                  dot[u] = vfma(x, k, dot[u]);
+                  dot[4 + u] = vfma(y, k, dot[4 + u]);
+                }
+              }
+              const __m256 both = _mm256_mul_ps(vsum8(dot), _mm256_set1_ps(scale));  // row r | row r + 1
+              _mm_storeu_ps(sa + j, _mm256_castps256_ps128(both));
+              _mm_storeu_ps(sb + j, _mm256_extractf128_ps(both, 1));
+            }
+            for (int64_t jj = j; jj < n; ++jj) {
+              sa[jj] = slot_score(qa, kp + jj * hd);
+              sb[jj] = slot_score(qb, kp + jj * hd);
+            }
+            r += 2;
+            continue;
+          }
+          for (; j + 8 <= n; j += 8) {  // a row alone: 8 slots at once
+            V dot[8];
+            for (int u = 0; u < 8; ++u) dot[u] = vzero();
             for (int i = 0; i < NV; ++i)
-              for (int u = 0; u < 4; ++u) dot[u] = vfma(qr[i], vload(kp + (j + u) * hd + i * kLanes), dot[u]);
-            for (int u = 0; u < 4; ++u) sc[j + u] = vsum(dot[u]) * scale;
+              for (int u = 0; u < 8; ++u) dot[u] = vfma(vload(qa + i * kLanes), vload(kp + (j + u) * hd + i * kLanes), dot[u]);
+            _mm256_storeu_ps(sa + j, _mm256_mul_ps(vsum8(dot), _mm256_set1_ps(scale)));
           }
-          for (; j < n; ++j) {
-            V dot = vzero();
-            for (int i = 0; i < NV; ++i) dot = vfma(qr[i], vload(kp + j * hd + i * kLanes), dot);
-            sc[j] = vsum(dot) * scale;
-          }
+          for (; j < n; ++j) sa[j] = slot_score(qa, kp + j * hd);
+          r += 1;
         }
       }
       // the first block of values, read while the softmax runs
@@ -59,28 +97,36 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       // softmax numerators e^(score - max over the visible slots), and their sum (:func:`visible_sum`)
       for (int64_t r = r0; r < r1; ++r) {
         float* sc = &score[(r - r0) * (S + 8)];
-        const bool* visible = mask ? mask + (r / groups) * S : nullptr;
-        const __m256 shift = _mm256_set1_ps(visible_max(sc, visible, S));
-        for (int64_t s = 0; s < S; s += 8) _mm256_storeu_ps(&sc[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[s]), shift)));
-        total[r - r0] = visible_sum(sc, visible, S);
+        const int64_t t = r / groups, lead = prefix[t];
+        const bool* visible = mask && lead < S ? mask + t * S : nullptr;
+        const __m256 shift = _mm256_set1_ps(visible_max(sc, visible, lead, S));
+        const int64_t upto = visible ? S : lead;
+        for (int64_t s = 0; s < upto; s += 8) _mm256_storeu_ps(&sc[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[s]), shift)));
+        total[r - r0] = visible_sum(sc, visible, lead, S);
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
       // pass 2: values, a block at a time, each row's accumulators in registers across the block
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
-        widen_block<HD8>(vb, vs[2], s0, n, S, kBlock, vbuf.data());
-        const float* vp = vbuf.data();
+        const float* vp = block_rows<HD8>(vb, vs[2], s0, n, S, kBlock, vbuf.data());
         for (int64_t r = r0; r < r1; ++r) {
+          const int64_t t = r / groups, lead = prefix[t];
+          const bool* visible = mask && lead < S ? mask + t * S + s0 : nullptr;
+          const int64_t whole = std::min(n, std::max<int64_t>(0, lead - s0));  // slots of the visible prefix here
+          if (!visible && whole == 0) continue;
           const float* sc = &score[(r - r0) * (S + 8) + s0];
-          const bool* visible = mask ? mask + (r / groups) * S + s0 : nullptr;
           float* a = &acc[(r - r0) * hd];
           V ar[NV];
           for (int i = 0; i < NV; ++i) ar[i] = vload(a + i * kLanes);
-          for (int64_t j = 0; j < n; ++j) {
-            if (visible && !visible[j]) continue;
+          for (int64_t j = 0; j < whole; ++j) {
             const V p = vset1(sc[j]);
             for (int i = 0; i < NV; ++i) ar[i] = vfma(p, vload(vp + j * hd + i * kLanes), ar[i]);
           }
+          if (visible)
+            for (int64_t j = whole; j < n; ++j) {
+              if (!visible[j]) continue;
+              const V p = vset1(sc[j]);
+              for (int i = 0; i < NV; ++i) ar[i] = vfma(p, vload(vp + j * hd + i * kLanes), ar[i]);
+            }
           for (int i = 0; i < NV; ++i) vstore(a + i * kLanes, ar[i]);
         }
       }
