@@ -71,6 +71,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: the kernel ends it when the benchmark's process dies (Linux), so a
+    killed run leaves no server behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _stop(process: subprocess.Popen, log) -> None:
     if process.poll() is None:
         process.terminate()
@@ -105,7 +117,8 @@ class LlamaServer:
             command += speculation.args(threads)
         self.command = command
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=True)
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent)
         self._finalizer = weakref.finalize(self, _stop, self.process, self.log)
         self._wait_ready()
 
@@ -176,10 +189,7 @@ def turn_result(answer: dict, wall: float, eos_token_ids: Sequence[int], draftin
 def draft_param_ratio(draft: Path, target: Path) -> float | None:
     """Parameters of the draft GGUF over the target GGUF's (element counts of their tensors); None for a target
     file without tensors."""
-    from gguf import GGUFReader
+    from specdraft.bench.llamacpp_spec import gguf_facts
 
-    def count(path: Path) -> int:
-        return sum(int(t.n_elements) for t in GGUFReader(path).tensors)
-
-    target_params = count(target)
-    return count(draft) / target_params if target_params else None
+    target_params = gguf_facts(target).elements
+    return gguf_facts(draft).elements / target_params if target_params else None

@@ -19,6 +19,8 @@ length (``n_max`` of ngram-mod, ``size_m`` of the others).
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,22 +118,44 @@ def fixed_length(kind: str, arg: str | None) -> bool:
     return kind == "llama.cpp-ngram" or parse_speculation(kind, arg).options["n_max"] is not None
 
 
+@dataclass(frozen=True)
+class GgufFacts:
+    """What the benchmark reads of a GGUF file: its ``tokenizer.*`` values, architecture and tensor elements."""
+
+    tokenizer: dict
+    architecture: str | None
+    elements: int
+
+
+def gguf_facts(path: Path) -> GgufFacts:
+    """:class:`GgufFacts` of ``path``, read once per file version (``GGUFReader`` parses every field: tens of
+    seconds for a 49k-token vocabulary on a loaded 2-core machine)."""
+    stat = os.stat(path)
+    return _read_facts(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_facts(path: str, mtime_ns: int, size: int) -> GgufFacts:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    tokenizer = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    arch = reader.fields.get("general.architecture")
+    return GgufFacts(tokenizer, arch.contents() if arch is not None else None,
+                     sum(int(t.n_elements) for t in reader.tensors))
+
+
 def check_draft_file(speculation: Speculation, target: Path, kind: str) -> None:
     """Refuse a draft GGUF that is missing, speaks another vocabulary than ``target``, or is of the wrong kind
     (an EAGLE-3 GGUF under draft-simple, a draft model under draft-eagle3)."""
-    from gguf import GGUFReader
-
-    from specdraft.models.gguf_files import same_tokenizer
-
     draft = speculation.draft
     make = "--format eagle3-gguf" if speculation.spec_type == "draft-eagle3" else "--format gguf"
     if draft is None or not draft.is_file():
         raise SpecdraftError(f"{kind}: no GGUF file at {draft} (make one with specdraft export ... {make})")
-    if not same_tokenizer(draft, target):
+    facts = gguf_facts(draft)
+    if facts.tokenizer != gguf_facts(target).tokenizer:
         raise SpecdraftError(f"{kind}: the draft GGUF's tokenizer metadata differs from the target's {target.name}")
-    field_ = GGUFReader(draft).fields.get("general.architecture")
-    arch = field_.contents() if field_ is not None else None
-    if (arch == "eagle3") != (speculation.spec_type == "draft-eagle3"):
-        raise SpecdraftError(f"{kind}: {draft.name} is a {arch!r} GGUF; {kind} needs "
+    if (facts.architecture == "eagle3") != (speculation.spec_type == "draft-eagle3"):
+        raise SpecdraftError(f"{kind}: {draft.name} is a {facts.architecture!r} GGUF; {kind} needs "
                              f"{'an eagle3' if speculation.spec_type == 'draft-eagle3' else 'a draft model'} GGUF "
                              f"(specdraft export ... {make})")
