@@ -79,6 +79,13 @@ def test_matrix_types_and_a_harder_quantized_head(heads, tmp_path):
     assert types["output_norm.weight"] == "F32" and types["d2t"] == "I64"
 
 
+def test_the_default_is_q4_0(heads, tmp_path):
+    root, _ = heads
+    assert _export(root, tmp_path / "d.gguf") == 0
+    types = {t.name: t.tensor_type.name for t in GGUFReader(tmp_path / "d.gguf").tensors}
+    assert types["output.weight"] == types["fc.weight"] == types["blk.0.attn_q.weight"] == "Q4_0"
+
+
 def test_a_target_gguf_of_another_vocabulary_is_refused(heads, tmp_path, capsys):
     root, _ = heads
     code = main(["export", str(root / "heads"), "--format", "eagle3-gguf", "--out", str(tmp_path / "x.gguf"),

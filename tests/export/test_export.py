@@ -252,3 +252,13 @@ def test_a_shipped_drafter_resolves_to_a_standalone_copy_made_once(toys, tmp_pat
         assert shipped_standalone("toy", toys["shared"], out, resolve_target) == out and len(resolved) == 2
     finally:
         os.utime(options, ns=(old, old))
+
+
+def test_gguf_types_default_per_format_and_follow_what_is_given():
+    config = ExportConfig("d", "gguf", "o.gguf")
+    assert config.gguf_types(("q8_0", "q4_0")) == ("q8_0", "q4_0")
+    assert ExportConfig("d", "gguf", "o.gguf", gguf_type="bf16").gguf_types(("q8_0", "q4_0")) == ("bf16", "bf16")
+    assert ExportConfig("d", "gguf", "o.gguf", gguf_output_type="q8_0").gguf_types(("q8_0", "q4_0")) == \
+        ("q8_0", "q8_0")
+    with pytest.raises(SpecdraftError, match="gguf_output_type must be one of"):
+        ExportConfig("d", "gguf", "o.gguf", gguf_output_type="q2_k")

@@ -7,9 +7,9 @@ the draft vocabulary and ``d2t``, the target id of every draft id (absolute, int
 embeds with the target's table, as the heads were trained to. This writes the same file its
 ``convert_hf_to_gguf.py --target-model-dir`` makes from ``--format eagle3`` (same names, metadata, Q and K rows
 permuted for its rotary layout), with the target GGUF's tokenizer fields copied verbatim, and with the matrices in
-bf16, q8_0 or q4_0 (``--gguf-type``; the LM head in ``--gguf-output-type``). The draft vocabulary makes the LM head
-small (8,192 x 576 for the shipped heads against 49,152 x 576 in a draft model of the full vocabulary), so a draft
-token costs little next to a target step.
+bf16, q8_0 or q4_0 (``--gguf-type``, default q4_0; the LM head in ``--gguf-output-type``). The draft vocabulary
+makes the LM head small (8,192 x 576 for the shipped heads against 49,152 x 576 in a draft model of the full
+vocabulary), so a draft token costs little next to a target step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from specdraft.export.gguf import FILE_TYPES, add_tensors, permute_rows
 from specdraft.models.gguf_files import same_tokenizer, target_gguf_file, tokenizer_fields
 
 ARCH = "eagle3"
+# Default types: llama.cpp accepted as many of the shipped heads' drafts in q4_0 as in bf16 (24.6 % and 24.2 %,
+# draft-eagle3, 2 draft tokens, 6 Spec-Bench questions; docs/deploy.md), at a third of the bytes.
+DEFAULT_TYPES = ("q4_0", "q4_0")
 NAMES = {  # --format eagle3's tensor names -> llama.cpp's
     "fc.weight": "fc.weight", "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
     "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
@@ -112,7 +115,7 @@ def export_eagle3_gguf(config: ExportConfig, checked: CheckedDrafter) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        write_eagle3_gguf(tmp, head, fields, config.gguf_type, config.gguf_output_type)
+        write_eagle3_gguf(tmp, head, fields, *config.gguf_types(DEFAULT_TYPES))
         if not same_tokenizer(tmp, source):
             raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
         os.replace(tmp, out)
