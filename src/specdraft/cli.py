@@ -189,7 +189,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--target", default=SMOLLM2, help="built-in name, checkpoint folder or cached hub id")
     p.add_argument("--methods", default=",".join(default_methods()),
                    help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, llama.cpp, "
-                        "llama.cpp-draft:DRAFT.gguf, vllm, vllm-ngram, vllm-draft:PATH, vllm-eagle3:PATH, or a "
+                        "llama.cpp-draft:DRAFT.gguf, llama.cpp-eagle3:EAGLE3.gguf, llama.cpp-ngram:MODE (llama.cpp "
+                        "options after ';', e.g. 'llama.cpp-draft:d.gguf;n_max=2;p_min=0.75'), "
+                        "vllm, vllm-ngram, vllm-draft:PATH, vllm-eagle3:PATH, or a "
                         f"drafter by name ({', '.join(sorted(NAMED_DRAFTERS))}); ar always runs")
     p.add_argument("--questions", default=BUILTIN,
                    help="Spec-Bench-format question JSONL file, 'builtin', or 'sharegpt-heldout'")
@@ -325,7 +327,11 @@ def _add_export(sub) -> None:
     p.add_argument("--target", help="target name or folder (default: the one the drafter names, else SmolLM2)")
     p.add_argument("--target-gguf", help="gguf: the target's GGUF file, whose tokenizer metadata is copied "
                                          "(default: the built-in target's)")
-    p.add_argument("--gguf-type", choices=GGUF_TYPES, default="bf16", help="gguf: weight type of the matrices")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES,
+                   help="gguf, eagle3-gguf: weight type of the matrices (default: q8_0 for gguf, q4_0 for eagle3-gguf)")
+    p.add_argument("--gguf-output-type", choices=GGUF_TYPES,
+                   help="gguf, eagle3-gguf: weight type of the output matrix (default: --gguf-type when given, "
+                        "else q4_0)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="speculators: γ, draft tokens per step")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export once the new one is done")
     p.set_defaults(run=_run_export)
@@ -336,6 +342,7 @@ def _run_export(args: argparse.Namespace) -> None:
 
     out = export(ExportConfig(drafter=args.drafter, format=args.format, out=args.out, target=args.target,
                               target_gguf=args.target_gguf, gguf_type=args.gguf_type,
+                              gguf_output_type=args.gguf_output_type,
                               num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite))
     print(f"exported {args.drafter} as {args.format} to {out}")
 

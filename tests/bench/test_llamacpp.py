@@ -1,6 +1,7 @@
 """The llama.cpp methods without llama.cpp: a stand-in ``llama-server`` (a Python script speaking the same HTTP
-API) checks the process handling, the request (token ids in, no prompt cache, γ), the parsing of its answer and
-counters, and that ``bench`` writes the llama.cpp rows beside specdraft's. tests/engines/ runs the real one."""
+API) checks the process handling, the request (token ids in, no prompt cache), the speculative settings on the
+server's command line (one server per setting), the parsing of its answer and counters, and that ``bench`` writes
+the llama.cpp rows beside specdraft's. tests/engines/ runs the real one."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ import pytest
 
 from specdraft.bench.llamacpp import LlamaServer, completion_payload, find_binary, turn_result
 from specdraft.bench.llamacpp_build import FORMAT, LLAMA_CPP_PYTHON_VERSION, machine, write_build_info
+from specdraft.bench.llamacpp_spec import parse_speculation
 from specdraft.bench.methods import TurnResult, parse_methods
 from specdraft.cli import main
 from specdraft.errors import SpecdraftError
@@ -21,7 +23,8 @@ import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 args = sys.argv[1:]
-port, drafting = int(args[args.index("--port") + 1]), "-md" in args
+port, drafting = int(args[args.index("--port") + 1]), "--spec-type" in args
+n_max = int(args[args.index("--spec-draft-n-max") + 1]) if "--spec-draft-n-max" in args else 4
 if "--fail" in open(args[args.index("-m") + 1], "rb").read(64).decode("latin-1"):
     print("error: failed to load model", flush=True)
     sys.exit(1)
@@ -51,8 +54,9 @@ class Handler(BaseHTTPRequestHandler):
             tokens, stop = tokens[:2] + [2], "eos"
         timings = {"prompt_n": len(req["prompt"]), "prompt_ms": 1.5, "predicted_n": len(tokens), "predicted_ms": 3.0}
         if drafting:
-            timings |= {"draft_n": 2 * req["speculative.n_max"], "draft_n_accepted": 3}
-        self._send({"tokens": tokens, "content": "", "stop_type": stop, "timings": timings, "echo": req})
+            timings |= {"draft_n": 2 * n_max, "draft_n_accepted": 3}
+        self._send({"tokens": tokens, "content": "", "stop_type": stop, "timings": timings, "echo": req,
+                    "args": args})
 
 HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
@@ -80,15 +84,48 @@ def test_a_missing_build_is_a_clear_error(tmp_path, monkeypatch):
         find_binary("llama-server")
 
 
-def test_the_request_sends_token_ids_and_gamma_and_no_prompt_cache():
+def test_the_request_sends_token_ids_and_no_prompt_cache():
     greedy = GenerationConfig(16, 4, eos_token_ids=(2,))
-    payload = completion_payload([1, 5, 9], greedy, 3, seed=7)
+    payload = completion_payload([1, 5, 9], greedy, seed=7)
     assert payload["prompt"] == [1, 5, 9] and payload["n_predict"] == 16 and payload["temperature"] == 0.0
-    assert payload["cache_prompt"] is False and payload["speculative.n_max"] == 3 and payload["min_p"] == 0.0
-    assert "speculative.n_max" not in completion_payload([1], greedy, None, seed=7)
+    assert payload["cache_prompt"] is False and payload["min_p"] == 0.0
+    assert not any(key.startswith("speculative.") for key in payload)  # the server's command line says
     sampled = GenerationConfig(16, 4, SamplingConfig(temperature=0.7, top_k=5, top_p=0.9))
-    payload = completion_payload([1], sampled, None, 7)
+    payload = completion_payload([1], sampled, 7)
     assert (payload["temperature"], payload["top_k"], payload["top_p"]) == (0.7, 5, 0.9)
+
+
+def test_draft_settings_take_gamma_and_llama_cpps_defaults_unless_given():
+    s = parse_speculation("llama.cpp-draft", "/x/d.gguf", 4)
+    assert (s.spec_type, str(s.draft), s.options) == ("draft-simple", "/x/d.gguf", {"n_max": 4, "n_min": 0,
+                                                                                    "p_min": 0.0})
+    s = parse_speculation("llama.cpp-eagle3", "/x/e.gguf;n_max=2;p_min=0.75;n_min=1", 4)
+    assert s.spec_type == "draft-eagle3" and s.options == {"n_max": 2, "n_min": 1, "p_min": 0.75}
+    assert s.num_draft_tokens == 2
+    assert s.args(2) == ["--spec-type", "draft-eagle3", "-md", "/x/e.gguf", "-td", "2", "-tbd", "2",
+                         "--spec-draft-n-max", "2", "--spec-draft-n-min", "1", "--spec-draft-p-min", "0.75"]
+    assert s.record() == {"type": "draft-eagle3", "draft": "/x/e.gguf", "n_max": 2, "n_min": 1, "p_min": 0.75}
+
+
+def test_ngram_modes_pass_every_option_with_llama_cpps_defaults():
+    s = parse_speculation("llama.cpp-ngram", "ngram-map-k;size_n=3;size_m=4")
+    assert s.draft is None and s.options == {"size_n": 3, "size_m": 4, "min_hits": 1} and s.num_draft_tokens == 4
+    assert s.args(2) == ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
+                         "--spec-ngram-map-k-size-m", "4", "--spec-ngram-map-k-min-hits", "1"]
+    s = parse_speculation("llama.cpp-ngram", "ngram-mod")
+    assert s.options == {"n_match": 24, "n_max": 64, "n_min": 48} and s.num_draft_tokens == 64
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("llama.cpp-ngram", "needs a mode"), ("llama.cpp-ngram:ngram-nope", "needs a mode"),
+    ("llama.cpp-ngram:ngram-mod;size_n=3", "unknown option 'size_n'"),
+    ("llama.cpp-draft:d.gguf;p_min=1.5", "out of range"), ("llama.cpp-draft:d.gguf;n_max=two", "needs an integer"),
+    ("llama.cpp-draft:d.gguf;n_max=2;n_min=3", "n_min \\(3\\) is above n_max"),
+    ("llama.cpp-eagle3:d.gguf;n_max=0", "at least 1"), ("llama.cpp-eagle3", "needs a draft model"),
+])
+def test_bad_llama_cpp_settings_are_refused_before_anything_runs(spec, message):
+    with pytest.raises(SpecdraftError, match=message):
+        parse_methods(f"ar,{spec}")
 
 
 def test_the_answer_becomes_a_turn_with_llama_cpps_counters():
@@ -103,6 +140,8 @@ def test_the_answer_becomes_a_turn_with_llama_cpps_counters():
 
 def test_method_specs_parse():
     assert parse_methods("llama.cpp,llama.cpp-draft:/x/d.gguf") == ["ar", "llama.cpp", "llama.cpp-draft:/x/d.gguf"]
+    assert parse_methods("llama.cpp-eagle3:/x/e.gguf;n_max=3,llama.cpp-ngram:ngram-mod;n_match=16")[1:] == [
+        "llama.cpp-eagle3:/x/e.gguf;n_max=3", "llama.cpp-ngram:ngram-mod;n_match=16"]
     with pytest.raises(SpecdraftError, match="needs a draft model"):
         parse_methods("llama.cpp-draft")
     with pytest.raises(SpecdraftError, match="takes no argument"):
@@ -119,7 +158,8 @@ def test_a_server_that_fails_to_start_reports_its_log(fake_bin, tmp_path):
 def test_the_server_runs_and_stops(fake_bin, tmp_path):
     server = LlamaServer(_gguf(tmp_path / "t.gguf"), threads=1)
     answer = server.complete({"prompt": [1, 4], "n_predict": 3, "cache_prompt": False, "return_tokens": True})
-    assert answer["tokens"] == [8, 9, 10]
+    assert answer["tokens"] == [8, 9, 10] and "--spec-type" not in answer["args"]
+    assert server.build["speculative"] is None and server.build["threads"] == 1
     process = server.process
     server.close()
     assert process.poll() is not None
@@ -155,6 +195,43 @@ def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path):
     records = [json.loads(line) for line in (out / "answers" / "llama.cpp.jsonl").read_text().splitlines()]
     assert records and all(r["engine"] == engine for r in records)
     assert "AMX off (SIGILL: ...), weight repacking on" in (out / "summary.md").read_text()
+
+
+def test_each_llama_cpp_setting_is_one_server_with_its_options_on_the_command_line(fake_bin, tmp_path):
+    write_build_info(fake_bin, _build_info(machine()["cpu"]))
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    draft = _gguf(tmp_path / "draft.gguf")
+    fixed, ngram = f"llama.cpp-draft:{draft};n_max=3;p_min=0.5", "llama.cpp-ngram:ngram-map-k;size_n=2;size_m=5"
+    out = tmp_path / "run"
+    code = main(["bench", "--target", str(target), "--questions", "builtin", "--per-category", "1", "--out",
+                 str(out), "--methods", f"llama.cpp-draft:{draft},{fixed},{ngram}", "--dtype", "float32",
+                 "--max-new-tokens", "4", "--sweep", "num_draft_tokens=1,2"])
+    assert code == 0
+    methods = json.loads((out / "summary.json").read_text())["methods"]
+    swept = [f"llama.cpp-draft:{draft}@γ={k}" for k in (1, 2)]
+    assert set(methods) == {"ar", *swept, fixed, ngram}
+    for name, n_max in ((swept[0], 1), (swept[1], 2), (fixed, 3)):
+        engine = methods[name]["engine"]["speculative"]
+        assert engine == {"type": "draft-simple", "draft": str(draft), "n_max": n_max, "n_min": 0,
+                          "p_min": 0.5 if name == fixed else 0.0}
+        assert methods[name]["overall"]["num_draft_tokens"] == n_max
+        # the stand-in drafts 2 x --spec-draft-n-max tokens per answer: the server got this setting's n_max
+        assert methods[name]["overall"]["acceptance_rate"] == pytest.approx(3 / (2 * n_max))
+    assert methods[ngram]["engine"]["speculative"] == {"type": "ngram-map-k", "draft": None, "size_n": 2,
+                                                       "size_m": 5, "min_hits": 1}
+    assert methods[ngram]["overall"]["num_draft_tokens"] == 5
+
+
+def test_an_eagle3_method_refuses_a_draft_model_gguf(fake_bin, tmp_path, capsys):
+    write_build_info(fake_bin, _build_info(machine()["cpu"]))
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    draft = _gguf(tmp_path / "draft.gguf")
+    code = main(["bench", "--target", str(target), "--questions", "builtin", "--per-category", "1", "--out",
+                 str(tmp_path / "r"), "--methods", f"llama.cpp-eagle3:{draft}", "--dtype", "float32",
+                 "--max-new-tokens", "4"])
+    assert code == 2 and "needs an eagle3 GGUF" in capsys.readouterr().err
 
 
 def test_bench_refuses_a_build_made_for_another_cpu(fake_bin, tmp_path, capsys):

@@ -1,6 +1,8 @@
 """The exports in the real engines (``make engines`` first; ``make test-engines`` runs these): llama.cpp loads the
 GGUF export of the shipped drafter and accepts its drafts about as often as specdraft does (within 5 points, greedy,
-γ 4, on held-out ShareGPT prompts), transformers' assisted generation with the hf export equals plain greedy in
+γ 4, on held-out ShareGPT prompts); llama.cpp's greedy answers with the shipped drafter (``draft-simple``) and with
+the shipped EAGLE-3 heads (``draft-eagle3``, the ``eagle3-gguf`` export) equal its plain greedy answers, and the
+EAGLE-3 drafts are accepted; transformers' assisted generation with the hf export equals plain greedy in
 fp32, and the speculators package accepts the speculators export. The llama.cpp build fits this machine: its build
 info matches this CPU and ``llama-bench`` processes a prompt with weight repacking on (where AMX is reported but
 not usable, a build with AMX dies there with SIGILL). Skipped when an engine is not built; a build made for another
@@ -15,7 +17,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.export import ExportConfig, export
-from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER, cache_dir
+from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER, SMOLLM2_EAGLE3, cache_dir
 
 pytestmark = pytest.mark.engines
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +58,42 @@ def exports(tmp_path_factory):
     for kind in ("bf16", "q8_0"):
         out[kind] = export(ExportConfig(SMOLLM2_DRAFTER, "gguf", str(root / f"drafter-{kind}.gguf"), gguf_type=kind))
     out["speculators"] = export(ExportConfig(SMOLLM2_DRAFTER, "speculators", str(root / "speculators")))
+    out["eagle3"] = export(ExportConfig(SMOLLM2_EAGLE3, "eagle3-gguf", str(root / "eagle3.gguf"), gguf_type="q8_0"))
     return out
+
+
+def test_llama_cpps_greedy_answers_with_each_drafter_equal_its_plain_answers(llama_server, exports):
+    """Held-out ShareGPT prompts, 96 tokens, 2 threads: draft-simple (q8_0 export, 3 draft tokens) and draft-eagle3
+    (q8_0 eagle3-gguf export, 3 draft tokens) against one plain server; the EAGLE-3 drafts are accepted."""
+    from specdraft.bench.llamacpp import LlamaServer, completion_payload
+    from specdraft.bench.llamacpp_spec import parse_speculation
+    from specdraft.bench.questions import SHAREGPT_HELDOUT, load_questions
+    from specdraft.decoding import GenerationConfig
+    from specdraft.models.gguf_files import target_gguf_file
+    from specdraft.models.registry import load_tokenizer
+    from specdraft.prompts import encode_prompt
+
+    tokenizer, target = load_tokenizer(SMOLLM2), target_gguf_file(SMOLLM2)
+    servers = {"plain": LlamaServer(target, threads=2)}
+    for kind, path in (("llama.cpp-draft", exports["q8_0"]), ("llama.cpp-eagle3", exports["eagle3"])):
+        servers[kind] = LlamaServer(target, parse_speculation(kind, f"{path};n_max=3", None), threads=2)
+    config = GenerationConfig(96, 3, eos_token_ids=(tokenizer.eos_token_id,))
+    counters = {name: [0, 0] for name in servers}
+    try:
+        for question in load_questions(SHAREGPT_HELDOUT)[:6]:
+            payload = completion_payload(encode_prompt(tokenizer, question.turns[0], chat=True), config, seed=0)
+            answers = {name: server.complete(payload) for name, server in servers.items()}
+            for name, answer in answers.items():
+                assert answer["tokens"] == answers["plain"]["tokens"], (name, question.turns[0][:60])
+                timings = answer.get("timings") or {}
+                counters[name][0] += int(timings.get("draft_n", 0))
+                counters[name][1] += int(timings.get("draft_n_accepted", 0))
+    finally:
+        for server in servers.values():
+            server.close()
+    for name in ("llama.cpp-draft", "llama.cpp-eagle3"):
+        drafted, accepted = counters[name]
+        assert drafted > 0 and 0 < accepted <= drafted, (name, counters[name])
 
 
 def test_llama_cpp_accepts_the_gguf_exports_within_5_points_of_specdraft(llama_server, exports, tmp_path):

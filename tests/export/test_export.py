@@ -150,23 +150,29 @@ def _tokenizer_fields(path):
     return {k: v[0] for k, v in tokenizer_fields(path).items()}
 
 
-@pytest.mark.parametrize("gguf_type", ["bf16", "q8_0"])
-def test_gguf_export_has_the_targets_tokenizer_metadata_and_the_drafters_weights(toys, tmp_path, gguf_type):
+@pytest.mark.parametrize(("gguf_type", "output_type"), [("bf16", None), ("q8_0", None), ("q4_0", None),
+                                                        ("q8_0", "q4_0")])
+def test_gguf_export_has_the_targets_tokenizer_metadata_and_the_drafters_weights(toys, tmp_path, gguf_type,
+                                                                                 output_type):
     import gguf
     from gguf import GGUFReader
 
-    out = _export(toys, "shared", "gguf", tmp_path / "d.gguf", target_gguf=str(toys["gguf"]), gguf_type=gguf_type)
+    out = _export(toys, "shared", "gguf", tmp_path / "d.gguf", target_gguf=str(toys["gguf"]), gguf_type=gguf_type,
+                  gguf_output_type=output_type)
     assert _tokenizer_fields(out) == _tokenizer_fields(toys["gguf"])
     types = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
     assert types["blk.0.attn_q.weight"] == gguf_type.upper() and types["output_norm.weight"] == "F32"
     assert "output.weight" in types  # the toy's head is untied
+    heads = (output_type or gguf_type).upper()
+    assert types["output.weight"] == types["token_embd.weight"] == heads
     gguf_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="d.gguf", dtype=torch.float32).eval()
     hf = AutoModelForCausalLM.from_pretrained(_export(toys, "shared", "hf", tmp_path / "hf")).eval()
     ids = torch.tensor([[1, 5, 9, 4, 7, 30]])
-    qtype = getattr(gguf.GGMLQuantizationType, gguf_type.upper())
     with torch.no_grad():  # the same model once its matrices are rounded as the GGUF stores them
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
             if p.ndim == 2:
+                big = name in ("lm_head.weight", "model.embed_tokens.weight")
+                qtype = getattr(gguf.GGMLQuantizationType, heads if big else gguf_type.upper())
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
                 p.copy_(torch.from_numpy(rounded.reshape(p.shape)))
     torch.testing.assert_close(gguf_model(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
@@ -246,3 +252,13 @@ def test_a_shipped_drafter_resolves_to_a_standalone_copy_made_once(toys, tmp_pat
         assert shipped_standalone("toy", toys["shared"], out, resolve_target) == out and len(resolved) == 2
     finally:
         os.utime(options, ns=(old, old))
+
+
+def test_gguf_types_default_per_format_and_follow_what_is_given():
+    config = ExportConfig("d", "gguf", "o.gguf")
+    assert config.gguf_types(("q8_0", "q4_0")) == ("q8_0", "q4_0")
+    assert ExportConfig("d", "gguf", "o.gguf", gguf_type="bf16").gguf_types(("q8_0", "q4_0")) == ("bf16", "bf16")
+    assert ExportConfig("d", "gguf", "o.gguf", gguf_output_type="q8_0").gguf_types(("q8_0", "q4_0")) == \
+        ("q8_0", "q8_0")
+    with pytest.raises(SpecdraftError, match="gguf_output_type must be one of"):
+        ExportConfig("d", "gguf", "o.gguf", gguf_output_type="q2_k")

@@ -1,18 +1,21 @@
-"""llama.cpp as a benchmarked method: ``llama.cpp`` (its plain decoding of the target's GGUF) and
-``llama.cpp-draft:DRAFT.gguf`` (its own speculative decoding with a draft model, e.g. ``specdraft export --format
-gguf``).
+"""llama.cpp as benchmarked methods: ``llama.cpp`` (its plain decoding of the target's GGUF) and its speculative
+decoding, ``llama.cpp-draft:DRAFT.gguf`` (a draft model, e.g. ``specdraft export --format gguf``),
+``llama.cpp-eagle3:EAGLE3.gguf`` (EAGLE-3 heads, ``specdraft export --format eagle3-gguf``) and
+``llama.cpp-ngram:MODE`` (its model-free n-gram drafting), with options
+(:mod:`specdraft.bench.llamacpp_spec`).
 
 Each method drives one ``llama-server`` subprocess on a free localhost port, started once and stopped when the
-method is garbage-collected or the process exits. Prompts go in as token ids (the same ids every other method gets;
-no second tokenisation), with the prompt cache off so every answer pays its own prefill. The server returns the
-generated token ids and its own counters: ``prompt_ms`` (prefill), ``draft_n`` / ``draft_n_accepted`` (draft tokens
-proposed / accepted). Greedy is llama.cpp's greedy sampler (``temperature`` 0); drafts are γ tokens
-(``speculative.n_max``, ``speculative.p_min`` 0: no confidence cut-off, like ``hf-assisted``).
+method is garbage-collected or the process exits; the speculative settings go on its command line (this build's
+server ignores them in a request). Prompts go in as token ids (the same ids every other method gets; no second
+tokenisation), with the prompt cache off so every answer pays its own prefill. The server returns the generated
+token ids and its own counters: ``prompt_ms`` (prefill), ``draft_n`` / ``draft_n_accepted`` (draft tokens proposed
+/ accepted). Greedy is llama.cpp's greedy sampler (``temperature`` 0).
 
 The binaries come from ``make engines`` (llama.cpp from the ``llama-cpp-python`` sdist, built once into the cache
 folder for this machine); ``$SPECDRAFT_LLAMA_CPP_BIN`` names another folder holding ``llama-server``. A build with
 specdraft's build info is checked against this machine before its server starts, and what it is (commit, options,
-AMX, weight repacking) goes into the method's records (:mod:`specdraft.bench.llamacpp_build`).
+AMX, weight repacking) goes into the method's records (:mod:`specdraft.bench.llamacpp_build`), with the server's
+threads and speculative setting.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 from specdraft.bench.llamacpp_build import build_summary, check_build, engines_bin_dir
+from specdraft.bench.llamacpp_spec import Speculation
 from specdraft.errors import SpecdraftError
 from specdraft.sequence import GenerationConfig
 
@@ -67,6 +71,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: the kernel ends it when the benchmark's process dies (Linux), so a
+    killed run leaves no server behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _stop(process: subprocess.Popen, log) -> None:
     if process.poll() is None:
         process.terminate()
@@ -79,27 +95,30 @@ def _stop(process: subprocess.Popen, log) -> None:
 
 
 class LlamaServer:
-    """A ``llama-server`` subprocess serving ``model`` (with draft model ``draft`` when given) on localhost.
+    """A ``llama-server`` subprocess serving ``model`` on localhost, speculating as ``speculation`` says (None:
+    plain decoding).
 
     ``build`` is what the benchmark records of the program's build (:func:`build_summary`, after
-    :func:`check_build`). The server keeps llama.cpp's defaults otherwise, weight repacking included.
+    :func:`check_build`), its threads and its speculative setting. The server keeps llama.cpp's defaults
+    otherwise, weight repacking included.
     """
 
-    def __init__(self, model: Path, draft: Path | None = None, threads: int | None = None,
+    def __init__(self, model: Path, speculation: Speculation | None = None, threads: int | None = None,
                  context: int = CONTEXT) -> None:
         threads = threads or torch.get_num_threads()
         binary = find_binary("llama-server")
-        self.build = build_summary(check_build(binary.parent)) | {"threads": threads}
+        self.build = build_summary(check_build(binary.parent)) | {
+            "threads": threads, "speculative": speculation.record() if speculation else None}
         self.port = _free_port()
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1",
                    "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(context),
                    "-np", "1", "--temp", "0", "--no-webui"]
-        if draft is not None:
-            command += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads),
-                        "--spec-draft-p-min", "0"]
+        if speculation is not None:
+            command += speculation.args(threads)
         self.command = command
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=True)
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent)
         self._finalizer = weakref.finalize(self, _stop, self.process, self.log)
         self._wait_ready()
 
@@ -139,16 +158,13 @@ class LlamaServer:
         self._finalizer()
 
 
-def completion_payload(prompt_ids: Sequence[int], config: GenerationConfig, num_draft_tokens: int | None,
-                       seed: int) -> dict:
-    """The /completion request for one turn: token ids in, token ids and counters out, no prompt cache."""
+def completion_payload(prompt_ids: Sequence[int], config: GenerationConfig, seed: int) -> dict:
+    """The /completion request for one turn: token ids in, token ids and counters out, no prompt cache (the
+    speculative settings are the server's: :class:`LlamaServer`)."""
     s = config.sampling
-    payload = {"prompt": [int(t) for t in prompt_ids], "n_predict": config.max_new_tokens, "cache_prompt": False,
-               "return_tokens": True, "stream": False, "seed": seed, "min_p": 0.0, "repeat_penalty": 1.0,
-               "temperature": 0.0 if s.greedy else s.temperature, "top_k": s.top_k, "top_p": s.top_p}
-    if num_draft_tokens is not None:
-        payload |= {"speculative.n_max": num_draft_tokens, "speculative.n_min": 0, "speculative.p_min": 0.0}
-    return payload
+    return {"prompt": [int(t) for t in prompt_ids], "n_predict": config.max_new_tokens, "cache_prompt": False,
+            "return_tokens": True, "stream": False, "seed": seed, "min_p": 0.0, "repeat_penalty": 1.0,
+            "temperature": 0.0 if s.greedy else s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
 
 def turn_result(answer: dict, wall: float, eos_token_ids: Sequence[int], drafting: bool, make):
@@ -173,10 +189,7 @@ def turn_result(answer: dict, wall: float, eos_token_ids: Sequence[int], draftin
 def draft_param_ratio(draft: Path, target: Path) -> float | None:
     """Parameters of the draft GGUF over the target GGUF's (element counts of their tensors); None for a target
     file without tensors."""
-    from gguf import GGUFReader
+    from specdraft.bench.llamacpp_spec import gguf_facts
 
-    def count(path: Path) -> int:
-        return sum(int(t.n_elements) for t in GGUFReader(path).tensors)
-
-    target_params = count(target)
-    return count(draft) / target_params if target_params else None
+    target_params = gguf_facts(target).elements
+    return gguf_facts(draft).elements / target_params if target_params else None

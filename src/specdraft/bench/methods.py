@@ -11,8 +11,10 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
 - ``hf``: transformers' ``model.generate`` on the same weights and dtype.
 - ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
   ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
-- ``llama.cpp``: llama.cpp's plain decoding of the target's GGUF; ``llama.cpp-draft:DRAFT.gguf``: llama.cpp's own
-  speculative decoding with that draft model, γ draft tokens (:mod:`specdraft.bench.llamacpp`).
+- ``llama.cpp``: llama.cpp's plain decoding of the target's GGUF; ``llama.cpp-draft:DRAFT.gguf``,
+  ``llama.cpp-eagle3:EAGLE3.gguf`` and ``llama.cpp-ngram:MODE``: llama.cpp's own speculative decoding with a draft
+  model, EAGLE-3 heads or n-gram lookup, γ draft tokens unless the options say (``;n_max=2;p_min=0.75``;
+  :mod:`specdraft.bench.llamacpp_spec`).
 - ``vllm``, ``vllm-ngram``, ``vllm-draft:PATH``, ``vllm-eagle3:PATH``: vLLM's plain decoding, its n-gram lookup,
   an exported draft model, exported EAGLE-3 heads, γ draft tokens, one engine each (:mod:`specdraft.bench.vllm`).
 
@@ -189,7 +191,7 @@ class LlamaCppMethod:
         from specdraft.bench.llamacpp import completion_payload, turn_result
 
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
-        payload = completion_payload(prompt_ids, config, self.num_draft_tokens, seed)
+        payload = completion_payload(prompt_ids, config, seed)
         start = time.perf_counter()
         answer = self.server.complete(payload)
         wall = time.perf_counter() - start
@@ -303,19 +305,25 @@ def _build_llama_cpp(ctx: BuildContext, spec: str, arg: str | None, gammas, swee
     return [LlamaCppMethod(spec, LlamaServer(target_gguf_file(ctx.target_name)), base=spec)]
 
 
-def _build_llama_cpp_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    from pathlib import Path
-
+def _build_llama_cpp_spec(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
+    """llama.cpp-draft, llama.cpp-eagle3, llama.cpp-ngram: one llama-server per setting (per γ where the options
+    leave n_max to γ)."""
     from specdraft.bench.llamacpp import LlamaServer, draft_param_ratio
-    from specdraft.models.gguf_files import same_tokenizer, target_gguf_file
+    from specdraft.bench.llamacpp_spec import check_draft_file, fixed_length, parse_speculation
+    from specdraft.models.gguf_files import target_gguf_file
 
-    target, draft = target_gguf_file(ctx.target_name), Path(arg).expanduser()
-    if not draft.is_file():
-        raise SpecdraftError(f"{spec}: no GGUF file at {draft} (make one with specdraft export DRAFTER --format gguf)")
-    if not same_tokenizer(draft, target):
-        raise SpecdraftError(f"{spec}: the draft GGUF's tokenizer metadata differs from the target's {target.name}")
-    server, ratio = LlamaServer(target, draft), draft_param_ratio(draft, target)
-    return _variants(spec, gammas, sweep, lambda name, k: LlamaCppMethod(name, server, k, ratio, spec))
+    kind, target = spec.partition(":")[0], target_gguf_file(ctx.target_name)
+    first = parse_speculation(kind, arg, gammas[0])
+    ratio = 0.0
+    if first.draft is not None:
+        check_draft_file(first, target, spec)
+        ratio = draft_param_ratio(first.draft, target)
+
+    def make(name: str, k: int) -> Method:
+        speculation = parse_speculation(kind, arg, k)
+        return LlamaCppMethod(name, LlamaServer(target, speculation), speculation.num_draft_tokens, ratio, spec)
+
+    return [make(spec, gammas[0])] if fixed_length(kind, arg) else _variants(spec, gammas, sweep, make)
 
 
 def _build_vllm(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
@@ -331,6 +339,12 @@ def _build_vllm(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) ->
         name, start_engine(target, ctx.dtype, kind, arg, k), k, ratio, spec))
 
 
+def _check_llama_cpp_spec(kind: str, arg: str | None) -> object:
+    from specdraft.bench.llamacpp_spec import parse_speculation
+
+    return parse_speculation(kind, arg)
+
+
 @dataclass(frozen=True)
 class MethodKind:
     """How to build one kind of method; ``needs_path``: the spec is ``KIND:PATH``."""
@@ -338,6 +352,7 @@ class MethodKind:
     build: Callable[..., list[Method]]
     needs_path: bool = False
     takes_options: bool = False  # training-free drafters: NAME:KEY=VALUE;KEY=VALUE
+    check: Callable[[str, str | None], object] | None = None  # checks NAME and ARG before any method is built
 
 
 METHOD_KINDS: dict[str, MethodKind] = {
@@ -346,7 +361,9 @@ METHOD_KINDS: dict[str, MethodKind] = {
     "hf": MethodKind(_build_hf),
     "hf-assisted": MethodKind(_build_hf_assisted, needs_path=True),
     "llama.cpp": MethodKind(_build_llama_cpp),
-    "llama.cpp-draft": MethodKind(_build_llama_cpp_draft, needs_path=True),
+    "llama.cpp-draft": MethodKind(_build_llama_cpp_spec, needs_path=True, check=_check_llama_cpp_spec),
+    "llama.cpp-eagle3": MethodKind(_build_llama_cpp_spec, needs_path=True, check=_check_llama_cpp_spec),
+    "llama.cpp-ngram": MethodKind(_build_llama_cpp_spec, takes_options=True, check=_check_llama_cpp_spec),
     "vllm": MethodKind(_build_vllm),
     "vllm-ngram": MethodKind(_build_vllm, takes_options=True),
     "vllm-draft": MethodKind(_build_vllm, needs_path=True),
@@ -362,11 +379,14 @@ def _kind(spec: str) -> tuple[MethodKind, str | None]:
     if kind is None:
         known = [*METHOD_KINDS, *NAMED_DRAFTERS]
         raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} "
-                             "(draft, hf-assisted, llama.cpp-draft, vllm-draft and vllm-eagle3 take :PATH)")
+                             "(draft, hf-assisted, llama.cpp-draft, llama.cpp-eagle3, vllm-draft and vllm-eagle3 take "
+                             ":PATH, llama.cpp-ngram a :MODE)")
     if kind.needs_path and not arg:
         raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
     if not kind.needs_path and not kind.takes_options and arg:
         raise SpecdraftError(f"method {name!r} takes no argument, got {spec!r}")
+    if kind.check is not None:
+        kind.check(name, arg or None)
     return kind, arg or None
 
 

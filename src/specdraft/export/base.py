@@ -18,7 +18,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 
-GGUF_TYPES = ("bf16", "q8_0")
+GGUF_TYPES = ("bf16", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,27 @@ class ExportConfig:
         "help": "target name or folder; default: the target named by the drafter, else smollm2-135m-instruct"})
     target_gguf: str | None = field(default=None, metadata={
         "help": "gguf: the target's GGUF file, whose tokenizer metadata the export copies (default: the built-in's)"})
-    gguf_type: str = field(default="bf16", metadata={"help": "gguf: weight type of the matrices, bf16 or q8_0"})
+    gguf_type: str | None = field(default=None, metadata={
+        "help": "gguf, eagle3-gguf: weight type of the matrices, bf16, q8_0 or q4_0; default: the format's"})
+    gguf_output_type: str | None = field(default=None, metadata={
+        "help": "gguf, eagle3-gguf: weight type of the output matrix (a drafter's shared embedding table); "
+                "default: gguf_type when given, else the format's"})
     num_draft_tokens: int = field(default=4, metadata={"help": "speculators: γ, draft tokens per target forward"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing export (once the new one is done)"})
+
+    def gguf_types(self, defaults: tuple[str, str]) -> tuple[str, str]:
+        """(matrices, output matrix) types: as given (the output matrix as the matrices when only those are
+        given), else the format's ``defaults``."""
+        layers = self.gguf_type or defaults[0]
+        return layers, self.gguf_output_type or (self.gguf_type if self.gguf_type else defaults[1])
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise SpecdraftError(f"unknown export format {self.format!r}; known: {', '.join(sorted(FORMATS))}")
-        if self.gguf_type not in GGUF_TYPES:
-            raise SpecdraftError(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}")
+        for name in ("gguf_type", "gguf_output_type"):
+            value = getattr(self, name)
+            if value is not None and value not in GGUF_TYPES:
+                raise SpecdraftError(f"{name} must be one of {', '.join(GGUF_TYPES)}, got {value!r}")
         if self.num_draft_tokens < 1:
             raise SpecdraftError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if not self.out or not str(self.out).strip():

@@ -1,0 +1,124 @@
+"""``--format eagle3-gguf``: EAGLE-3 heads (Li et al. 2025, arXiv 2503.01840) as a llama.cpp draft model
+(``llama-server -md eagle3.gguf --spec-type draft-eagle3``).
+
+llama.cpp's ``eagle3`` architecture is one decoder layer whose attention reads the concatenation of the normed token
+embedding and the normed fused feature (``fc`` over the target's three aux layers), an output norm, an LM head over
+the draft vocabulary and ``d2t``, the target id of every draft id (absolute, int64). Without ``token_embd`` it
+embeds with the target's table, as the heads were trained to. This writes the same file its
+``convert_hf_to_gguf.py --target-model-dir`` makes from ``--format eagle3`` (same names, metadata, Q and K rows
+permuted for its rotary layout), with the target GGUF's tokenizer fields copied verbatim, and with the matrices in
+bf16, q8_0 or q4_0 (``--gguf-type``, default q4_0; the LM head in ``--gguf-output-type``). The draft vocabulary
+makes the LM head small (8,192 x 576 for the shipped heads against 49,152 x 576 in a draft model of the full
+vocabulary), so a draft token costs little next to a target step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.export.base import CheckedDrafter, ExportConfig, register
+from specdraft.export.eagle3 import check_heads, eagle3_tensors
+from specdraft.export.gguf import FILE_TYPES, add_tensors, permute_rows
+from specdraft.models.gguf_files import same_tokenizer, target_gguf_file, tokenizer_fields
+
+ARCH = "eagle3"
+# Default types: llama.cpp accepted as many of the shipped heads' drafts in q4_0 as in bf16 (24.6 % and 24.2 %,
+# draft-eagle3, 2 draft tokens, 6 Spec-Bench questions; docs/deploy.md), at a third of the bytes.
+DEFAULT_TYPES = ("q4_0", "q4_0")
+NAMES = {  # --format eagle3's tensor names -> llama.cpp's
+    "fc.weight": "fc.weight", "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight", "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight", "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def eagle3_gguf_tensors(head) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """(floating tensors under llama.cpp's names, Q and K permuted; ``d2t`` as absolute target ids, (N,) int64)."""
+    tensors = eagle3_tensors(head, torch.float32)
+    extra = sorted(set(tensors) - set(NAMES) - {"d2t", "t2d"})
+    if extra:
+        raise SpecdraftError(f"llama.cpp's eagle3 architecture has no place for {', '.join(extra)} (biases)")
+    sizes = head.sizes
+    out = {NAMES[key]: tensors[key] for key in NAMES}
+    out["blk.0.attn_q.weight"] = permute_rows(out["blk.0.attn_q.weight"], sizes["num_attention_heads"])
+    out["blk.0.attn_k.weight"] = permute_rows(out["blk.0.attn_k.weight"], sizes["num_key_value_heads"])
+    d2t = tensors["d2t"].numpy().astype(np.int64)
+    return out, d2t + np.arange(d2t.size, dtype=np.int64)  # (N,) target ids
+
+
+def write_eagle3_gguf(path: Path, head, fields: dict[str, tuple], gguf_type: str, output_type: str | None) -> None:
+    """The GGUF of llama.cpp's ``eagle3`` architecture for ``head``, with the target's tokenizer ``fields``."""
+    import gguf
+
+    sizes, layers = head.sizes, list(head.aux_layers)
+    if len(layers) != 3:
+        raise SpecdraftError(f"llama.cpp's eagle3 reads three aux layers; these heads read {len(layers)}: {layers}")
+    tensors, d2t = eagle3_gguf_tensors(head)
+    writer = gguf.GGUFWriter(str(path), ARCH)
+    writer.add_type("model")
+    writer.add_name("eagle3")
+    writer.add_context_length(sizes["max_position_embeddings"])
+    writer.add_embedding_length(sizes["hidden_size"])
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(sizes["intermediate_size"])
+    writer.add_head_count(sizes["num_attention_heads"])
+    writer.add_head_count_kv(sizes["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
+    writer.add_rope_freq_base(float(sizes["rope_theta"]))
+    writer.add_rope_dimension_count(sizes["head_dim"])
+    writer.add_key_length(sizes["head_dim"])
+    writer.add_value_length(sizes["head_dim"])
+    writer.add_vocab_size(sizes["vocab_size"])
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_array(f"{ARCH}.target_layers", layers)  # inputs of these target layers
+    writer.add_uint32(f"{ARCH}.target_hidden_size", sizes["hidden_size"])
+    writer.add_bool(f"{ARCH}.norm_before_residual", False)
+    writer.add_bool(f"{ARCH}.norm_before_fc", False)
+    for key, (value, types) in fields.items():
+        writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
+    add_tensors(writer, tensors, gguf_type, output_type)
+    writer.add_tensor("d2t", d2t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@register("eagle3-gguf", check=check_heads)
+def export_eagle3_gguf(config: ExportConfig, checked: CheckedDrafter) -> Path:
+    """``specdraft export HEADS --format eagle3-gguf --out eagle3.gguf [--gguf-type q8_0]``."""
+    from specdraft.heads import load_heads
+
+    _, head = load_heads(checked.folder, kind="eagle3")
+    source = target_gguf_file(checked.target_name, config.target_gguf)
+    fields = tokenizer_fields(source)
+    tokens = fields.get("tokenizer.ggml.tokens", (None,))[0] or []
+    if len(tokens) != head.sizes["vocab_size"]:
+        raise SpecdraftError(f"vocabulary mismatch: target GGUF {source.name} has {len(tokens)} tokens, the heads "
+                             f"draft for {head.sizes['vocab_size']}")
+    out = Path(config.out).expanduser()
+    if out.is_dir():
+        raise SpecdraftError(f"{out} is a folder; eagle3-gguf export writes a file (e.g. {out / 'eagle3.gguf'})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        write_eagle3_gguf(tmp, head, fields, *config.gguf_types(DEFAULT_TYPES))
+        if not same_tokenizer(tmp, source):
+            raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
