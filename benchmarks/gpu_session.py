@@ -162,6 +162,8 @@ def stage(carried: Path, work: Path) -> tuple[dict, list[int]]:
         raise SystemExit(f"gpu_session: {work} holds no manifest: this machine has not seen call 1 (it was given "
                          "back, or call 1 has not run); start again from call 1")
     manifest = json.loads((work / "manifest.json").read_text())
+    if (work / "bundle" / ".complete").is_file():  # joined by an earlier call (the parts are gone)
+        return manifest, []
     for part in manifest["parts"]:
         source = carried / f"call-{part['call']}" / part["name"]
         if source.is_file():
