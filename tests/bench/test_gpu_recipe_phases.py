@@ -3,6 +3,7 @@ timing with its ledger and profile, data, both drafter lines, EAGLE-3 heads, exa
 the default suite runs the session's path with the data, drafter and τ phases (test_gpu_session.py)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,7 @@ def test_every_default_phase_runs_at_toy_sizes_and_reports(tmp_path):
                           str(tmp_path / "question.jsonl"), "--out", str(out), "--work", str(tmp_path / "work"),
                           "--tiny", "--device", "cpu", "--shipped", str(tmp_path / "shipped"), "--budget", "5000",
                           "--pack", str(tmp_path / "packed")], capture_output=True, text=True, timeout=1800,
-                         env={"PYTHONPATH": str(ROOT / "src")} | {k: v for k, v in __import__("os").environ.items()
-                                                                   if k != "PYTHONPATH"})
+                         env=os.environ | {"PYTHONPATH": str(ROOT / "src")})
     assert run.returncode == 0, run.stdout[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert all(r["status"] == "ok" for r in summary["phases"].values()), summary["phases"]
