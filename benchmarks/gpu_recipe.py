@@ -14,7 +14,7 @@ the shipped drafter, ``drafter-copy`` the target's copied layers (a ``[[finetune
 
 Run again with the same ``--out`` and ``--work`` (after a call that was cut, say), it skips the phases that
 finished and runs the others, whose stages continue from their checkpoints; ``--pack DIR`` writes the results
-into DIR after every phase, within a device call's file limits (``gpu_session.py``). Needs torch, transformers,
+into DIR after every phase, within a device call's file limits (``gpu_device.py``). Needs torch, transformers,
 safetensors and tokenizers (and ``gguf`` only to convert a .gguf target).
 
     python benchmarks/gpu_recipe.py --target TARGET --prompts prompts.jsonl.gz \
@@ -114,9 +114,11 @@ def choose_phases(text: str | None, shares: dict[str, float]) -> list[str]:
     if "drafter" in named:
         named = (named - {"drafter"}) | {p for p in shares if p.startswith("drafter-")}
     unknown = sorted(named - set(shares))
-    if unknown or not named:
-        raise SystemExit(f"gpu_recipe: --phases: unknown phase {unknown[0]!r}; the phases are {', '.join(shares)}, "
-                         "drafter" if unknown else "gpu_recipe: --phases: name at least one phase")
+    if unknown:
+        raise SystemExit(f"gpu_recipe: --phases: unknown phase {unknown[0]!r}; the phases are "
+                         f"{', '.join(shares)}, drafter")
+    if not named:
+        raise SystemExit("gpu_recipe: --phases: name at least one phase")
     return [p for p in shares if p in named]
 
 
@@ -442,7 +444,7 @@ def finish(args, spec: dict, work: Path, out: Path, summary: dict) -> None:
     temporary.write_text(json.dumps(summary, indent=1))
     os.replace(temporary, out / "summary.json")
     if args.pack:
-        from gpu_session import pack_results
+        from gpu_device import pack_results
 
         pack_results(out, Path(args.pack))
 
@@ -473,7 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--refill", action="store_true", help="the data stages with distill-data --refill")
     parser.add_argument("--tiny", action="store_true", help="a few prompts and steps (a CPU test)")
     parser.add_argument("--no-exports", action="store_true", help="do not copy the exports into --out")
-    parser.add_argument("--pack", help="after every phase, the results packed into this folder (gpu_session.py)")
+    parser.add_argument("--pack", help="after every phase, the results packed into this folder (gpu_device.py)")
     return parser.parse_args(argv)
 
 

@@ -3,11 +3,13 @@ and answer lengths. The real decode loop (:func:`specdraft.training.native_gener
 ``distill-data``'s batching: prompts sorted by length, batches of ``--rows``, or one refilled batch) runs over a
 stand-in for :class:`~specdraft.models.static_batch.StaticBatch` that ends each answer at its known length and counts
 the work instead of doing it: decode steps, rows decoded, cache slots attended (each one a read of its keys and
-values in every layer), CUDA graph shapes (a capture each), prefill calls and tokens, compactions. Counts only: the
-seconds they cost on a device are the device's to measure (``bench_distill_data.py --ledger``).
+values in every layer; ``slots_own``: had each row read only its own), CUDA graph shapes (a capture each), prefill
+calls and tokens, compactions. Counts only: the seconds they cost on a device are the device's to measure
+(``bench_distill_data.py --ledger``).
 
 Lengths come from a JSON Lines file of ``{"prompt" | "messages", "answer_ids"}`` (the target's answers, e.g.
-/work/shared/data/smollm2_answers/answers.jsonl.gz, with the target's chat template) or a distill-data folder.
+/work/shared/data/smollm2_answers/answers.jsonl.gz, with the target's chat template) or a distill-data folder;
+``--prompts`` pairs other prompts with those answers' lengths, in order.
 
     python benchmarks/static_schedule.py --answers answers.jsonl.gz --limit 4096 --rows 1024,2048 --refill both
 """
@@ -37,8 +39,9 @@ class ReplayBatch:
         self.positions = torch.zeros(rows, dtype=torch.long)  # (R,)
         self.owner, self.written = [-1] * rows, [0] * rows
         self.shapes: set[tuple[int, int]] = set()
-        self.counts = {"steps": 0, "rows_decoded": 0, "slots_attended": 0, "prefill_calls": 0, "prefill_chunks": 0,
-                       "prefill_tokens": 0, "prefill_padded_tokens": 0, "compactions": 0, "slots_moved": 0}
+        self.counts = {"steps": 0, "rows_decoded": 0, "slots_attended": 0, "slots_own": 0, "prefill_calls": 0,
+                       "prefill_chunks": 0, "prefill_tokens": 0, "prefill_padded_tokens": 0, "compactions": 0,
+                       "slots_moved": 0}
 
     def _logits(self, rows: list[int]) -> torch.Tensor:
         logits = torch.zeros(len(rows), 2)  # (n, 2)
@@ -65,6 +68,7 @@ class ReplayBatch:
         self.counts["steps"] += 1
         self.counts["rows_decoded"] += n
         self.counts["slots_attended"] += n * end
+        self.counts["slots_own"] += int(self.positions[:n].sum()) + n  # had each row read only its own slots
         for row in range(n):
             self.written[row] += 1
         self.positions[:n] += 1
@@ -119,20 +123,30 @@ def read_lengths(path: Path, target: str, limit: int | None) -> tuple[list[int],
 
         records = load_distill_records(path, allow_incomplete=True)[:limit]
         return [len(r["prompt_token_ids"]) for r in records], [len(r["response_token_ids"]) for r in records]
+    rows = _json_lines(path, limit)
+    return prompt_lengths(rows, target), [len(r["answer_ids"]) for r in rows]
+
+
+def _json_lines(path: Path, limit: int | None) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as file:
+        return [json.loads(line) for _, line in zip(range(limit or 1 << 62), file, strict=False)]
+
+
+def prompt_lengths(rows: list[dict], target: str) -> list[int]:
+    """Each ``{"prompt"}`` or ``{"messages"}`` record's length in the target's chat template."""
     from specdraft.models.registry import load_tokenizer
     from specdraft.prompts import encode_prompts
 
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as file:
-        rows = [json.loads(line) for _, line in zip(range(limit or 1 << 62), file, strict=False)]
     conversations = [r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in rows]
-    return [len(ids) for ids in encode_prompts(load_tokenizer(target), conversations)], \
-        [len(r["answer_ids"]) for r in rows]
+    return [len(ids) for ids in encode_prompts(load_tokenizer(target), conversations)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--answers", required=True, help="a JSON Lines file of answers, or a distill-data folder")
+    parser.add_argument("--prompts", help="other prompts (a JSON Lines file) paired in order with the answers' "
+                                          "lengths: the schedule of prompts whose answers are not at hand")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="its chat template encodes the prompts")
     parser.add_argument("--limit", type=int, default=4096)
     parser.add_argument("--rows", default="1024,2048")
@@ -141,6 +155,10 @@ def main() -> None:
     parser.add_argument("--json-out", help="append one JSON line per setting here")
     args = parser.parse_args()
     prompts, answers = read_lengths(Path(args.answers), args.target, args.limit)
+    if args.prompts:
+        prompts = prompt_lengths(_json_lines(Path(args.prompts), args.limit), args.target)
+        answers = answers[: len(prompts)]
+        prompts = prompts[: len(answers)]
     for rows in (int(r) for r in args.rows.split(",")):
         for refill in {"no": [False], "yes": [True], "both": [False, True]}[args.refill]:
             row = replay(prompts, answers, rows, refill, args.max_new_tokens)

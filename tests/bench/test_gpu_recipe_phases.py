@@ -1,6 +1,6 @@
 """benchmarks/gpu_recipe.py --tiny on a toy target with every default phase (the float32 check, the data engine's
 timing with its ledger and profile, data, both drafter lines, EAGLE-3 heads, exact τ): minutes of CPU, so slow;
-the default suite runs the session's path with the data, drafter and τ phases (test_gpu_session.py)."""
+the default suite runs the device path with the data, drafter and τ phases (test_gpu_device.py)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The GPU recipe (``gpu_recipe.py``) as one device session from a clean checkout, on a machine that is sent at most
+"""The GPU recipe (``gpu_recipe.py``) on a device machine from a clean checkout, a machine that is sent at most
 64 MiB of working tree per call, keeps its /root only while it stays warm between calls, has no network, and sends
 back at most 8 files of at most 16 MiB each (64 MiB in all). Three commands:
 
@@ -16,15 +16,16 @@ run, and runs the recipe's phases (``gpu_recipe.py``) within ``--budget`` second
 
 ``unpack`` (here, after): the files a call brought back, joined and unpacked into a folder.
 
-    python benchmarks/gpu_session.py bundle --prompts prompts.jsonl.gz --questions question.jsonl
-    python3 benchmarks/gpu_session.py device                       # there, in every call
-    BUDGET=500 python3 benchmarks/gpu_session.py device            # there, the last call: the recipe's seconds
-    python benchmarks/gpu_session.py unpack FILES_AT gpu-run        # here
+    python benchmarks/gpu_device.py bundle --prompts prompts.jsonl.gz --questions question.jsonl
+    python3 benchmarks/gpu_device.py device                       # there, in every call
+    BUDGET=500 python3 benchmarks/gpu_device.py device            # there, the last call: the recipe's seconds
+    python benchmarks/gpu_device.py unpack FILES_AT gpu-run        # here
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -73,7 +74,7 @@ def check_ignored(carried: Path) -> None:
         return
     probe = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", str(relative / "part")])
     if probe.returncode != 0:
-        raise SystemExit(f"gpu_session: {relative}/ is not ignored by git, so it would travel with every call; "
+        raise SystemExit(f"gpu_device: {relative}/ is not ignored by git, so it would travel with every call; "
                          f"add /{relative}/ to .gitignore")
 
 
@@ -111,11 +112,18 @@ def bundle(target: Path, prompts: Path, questions: Path, carried: Path, room: in
             site.write(path, path.relative_to(package.parent))
     first_room = room - (first / SITE).stat().st_size - 16 * 1024  # and the manifest
     if first_room <= 0:
-        raise SystemExit(f"gpu_session: no room to carry anything ({room} bytes a call)")
+        raise SystemExit(f"gpu_device: no room to carry anything ({room} bytes a call)")
     archive = carried / ("bundle.tar.xz" if xz else "bundle.tar")
     with tarfile.open(archive, "w:xz" if xz else "w") as tar:
         tar.add(target, arcname="target" if target.is_dir() else "target.gguf")
-        tar.add(prompts, arcname="prompts.jsonl.gz" if str(prompts).endswith(".gz") else "prompts.jsonl")
+        if xz and prompts.suffix == ".gz":  # xz packs the text a fifth smaller than gzip did
+            plain = carried / "prompts.jsonl"
+            with gzip.open(prompts, "rb") as source, open(plain, "wb") as copy:
+                shutil.copyfileobj(source, copy)
+            tar.add(plain, arcname="prompts.jsonl")
+            plain.unlink()
+        else:
+            tar.add(prompts, arcname="prompts.jsonl.gz" if prompts.suffix == ".gz" else "prompts.jsonl")
         tar.add(questions, arcname="question.jsonl")
     size = archive.stat().st_size
     parts, offset = [], 0
@@ -141,7 +149,7 @@ def print_calls(manifest: dict) -> None:
     for part in manifest["parts"]:
         last = part["call"] == calls
         command = ("BUDGET=<budget_left_s - 90, at most 540> " if last else "") + \
-            "python3 benchmarks/gpu_session.py device"
+            "python3 benchmarks/gpu_device.py device"
         print(f'  call {part["call"]}: run(command="{command}", carry=[".gpu/call-{part["call"]}"], '
               f'timeout_s={600 if last else 120})')
 
@@ -159,7 +167,7 @@ def stage(carried: Path, work: Path) -> tuple[dict, list[int]]:
         if (folder / SITE).is_file():
             shutil.copy(folder / SITE, work / SITE)
     if not (work / "manifest.json").is_file():
-        raise SystemExit(f"gpu_session: {work} holds no manifest: this machine has not seen call 1 (it was given "
+        raise SystemExit(f"gpu_device: {work} holds no manifest: this machine has not seen call 1 (it was given "
                          "back, or call 1 has not run); start again from call 1")
     manifest = json.loads((work / "manifest.json").read_text())
     if (work / "bundle" / ".complete").is_file():  # joined by an earlier call (the parts are gone)
@@ -168,7 +176,7 @@ def stage(carried: Path, work: Path) -> tuple[dict, list[int]]:
         source = carried / f"call-{part['call']}" / part["name"]
         if source.is_file():
             if sha256(source) != part["sha256"]:
-                raise SystemExit(f"gpu_session: {source} is damaged (SHA-256 differs from the manifest's)")
+                raise SystemExit(f"gpu_device: {source} is damaged (SHA-256 differs from the manifest's)")
             shutil.copy(source, work / "parts" / part["name"])
     missing = [p["call"] for p in manifest["parts"] if not (work / "parts" / p["name"]).is_file()]
     return manifest, missing
@@ -185,7 +193,7 @@ def unbundle(manifest: dict, work: Path) -> Path:
             with open(work / "parts" / part["name"], "rb") as piece:
                 shutil.copyfileobj(piece, joined)
     if sha256(archive) != manifest["archive"]["sha256"]:
-        raise SystemExit("gpu_session: the joined parts differ from the archive that was cut (SHA-256)")
+        raise SystemExit("gpu_device: the joined parts differ from the archive that was cut (SHA-256)")
     shutil.rmtree(folder, ignore_errors=True)
     with tarfile.open(archive) as tar:
         tar.extractall(folder, filter="data")
@@ -205,11 +213,11 @@ def recipe_command(work: Path, budget: float, extra: list[str], bundle_folder: P
 
 
 def start_tests(work: Path, seconds: float, extra: list[str], env: dict) -> None:
-    """The tests phase in the background, in its own session (it outlives this call), once."""
+    """The tests phase in the background, detached (it outlives this call), once."""
     if (work / TESTS_PID).is_file() or seconds <= 0:
         return
     (work / "out").mkdir(parents=True, exist_ok=True)
-    with open(work / "tests-session.log", "w") as log:
+    with open(work / "tests-background.log", "w") as log:
         process = subprocess.Popen(recipe_command(work, seconds, [*extra, "--phases", "tests"]), stdout=log,
                                    stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     (work / TESTS_PID).write_text(str(process.pid))
@@ -353,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--target", help="the target's GGUF or checkpoint folder (default: the built-in's GGUF)")
     make.add_argument("--room", type=int, help="bytes a call may carry (default: 64 MiB less this checkout's "
                                                "travelling working tree and 0.5 MiB)")
-    make.add_argument("--xz", action="store_true", help="compress the archive (the GGUF by ~8%%; minutes here)")
+    make.add_argument("--no-xz", dest="xz", action="store_false", help="do not compress the archive (xz saves ~8%% "
+                                                                       "of the GGUF and ~25%% of the prompts, a call "
+                                                                       "in all, for minutes of CPU here)")
     there = commands.add_parser("device", allow_abbrev=False,  # other options go to gpu_recipe.py
                                 help="there: stage this call's part; once all are there, run the recipe")
     there.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET", 540)),

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_session.py and gpu_recipe.py: the device session of the GPU recipe on the CPU at toy sizes. The
+"""benchmarks/gpu_device.py and gpu_recipe.py: the GPU recipe's run on a device machine, on the CPU at toy sizes. The
 bundle is cut into parts that each fit a call beside the working tree, staged in any order and joined; results are
-packed within a call's file limits; and the whole session (tests in the background while parts travel, then the
+packed within a call's file limits; and the whole run (tests in the background while parts travel, then the
 recipe's data, both drafter lines and exact τ) survives a kill mid-way: run again, it skips the phases that
 finished, ends the phase left running and continues."""
 
@@ -24,8 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def session():
-    spec = importlib.util.spec_from_file_location("gpu_session", BENCHMARKS / "gpu_session.py")
+def script():
+    spec = importlib.util.spec_from_file_location("gpu_device", BENCHMARKS / "gpu_device.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,32 +51,47 @@ def _only(carried: Path, call: int, root: Path) -> Path:
     return folder
 
 
-def test_the_bundle_fits_each_call_and_is_staged_in_any_order_then_joined(session, tmp_path):
+def test_the_bundle_fits_each_call_and_is_staged_in_any_order_then_joined(script, tmp_path):
     target, prompts, questions = _inputs(tmp_path)
     carried, work, room = tmp_path / ".gpu", tmp_path / "work", 200_000
-    manifest = session.bundle(target, prompts, questions, carried, room)
+    manifest = script.bundle(target, prompts, questions, carried, room)
     calls = manifest["calls"]
     assert calls == len(list(carried.glob("call-*"))) >= 3
     for folder in carried.glob("call-*"):  # each call's folder fits the room left beside the working tree
         assert sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) <= room
     with pytest.raises(SystemExit, match="has not seen call 1"):
-        session.stage(_only(carried, 2, tmp_path), work)
-    staged = [session.stage(_only(carried, call, tmp_path), work)[1] for call in [1, calls, *range(2, calls)]]
+        script.stage(_only(carried, 2, tmp_path), work)
+    staged = [script.stage(_only(carried, call, tmp_path), work)[1] for call in [1, calls, *range(2, calls)]]
     assert staged[0] == list(range(2, calls + 1)) and staged[1] == list(range(2, calls)) and staged[-1] == []
-    bundle = session.unbundle(manifest, work)
+    bundle = script.unbundle(manifest, work)
     for source, name in ((target, "target.gguf"), (prompts, "prompts.jsonl"), (questions, "question.jsonl")):
         assert (bundle / name).read_bytes() == source.read_bytes()
-    assert not (work / "parts").exists() and session.unbundle(manifest, work) == bundle  # once
-    assert session.stage(_only(carried, 2, tmp_path), work)[1] == []  # a call after the join: nothing missing
-    session.stage(_only(carried, 1, tmp_path), tmp_path / "other")
+    assert not (work / "parts").exists() and script.unbundle(manifest, work) == bundle  # once
+    assert script.stage(_only(carried, 2, tmp_path), work)[1] == []  # a call after the join: nothing missing
+    script.stage(_only(carried, 1, tmp_path), tmp_path / "other")
     damaged = _only(carried, 2, tmp_path / "again")
     part = damaged / "call-2" / "part-2"
     part.write_bytes(b"x" + part.read_bytes()[1:])
     with pytest.raises(SystemExit, match="damaged"):
-        session.stage(damaged, tmp_path / "other")
+        script.stage(damaged, tmp_path / "other")
 
 
-def test_the_travelling_tree_is_the_tracked_and_the_untracked_files_git_does_not_ignore(session, tmp_path):
+def test_a_compressed_bundle_carries_the_prompts_as_text(script, tmp_path):
+    import gzip
+
+    target, prompts, questions = _inputs(tmp_path)
+    packed = tmp_path / "prompts.jsonl.gz"
+    packed.write_bytes(gzip.compress(prompts.read_bytes()))
+    manifest = script.bundle(target, packed, questions, tmp_path / ".gpu", 400_000, xz=True)
+    assert manifest["archive"]["name"] == "bundle.tar.xz"
+    for call in range(1, manifest["calls"] + 1):
+        script.stage(_only(tmp_path / ".gpu", call, tmp_path), tmp_path / "work")
+    bundle = script.unbundle(manifest, tmp_path / "work")
+    assert (bundle / "prompts.jsonl").read_bytes() == prompts.read_bytes()
+    assert (bundle / "target.gguf").read_bytes() == target.read_bytes()
+
+
+def test_the_travelling_tree_is_the_tracked_and_the_untracked_files_git_does_not_ignore(script, tmp_path):
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
@@ -87,10 +102,10 @@ def test_the_travelling_tree_is_the_tracked_and_the_untracked_files_git_does_not
     (tmp_path / "new.bin").write_bytes(b"n" * 300)
     (tmp_path / ".gpu").mkdir()
     (tmp_path / ".gpu" / "part").write_bytes(b"p" * 5000)
-    assert session.travelling_bytes(tmp_path) == 1000 + 300 + len("/.gpu/\n")
+    assert script.travelling_bytes(tmp_path) == 1000 + 300 + len("/.gpu/\n")
 
 
-def test_results_are_packed_within_a_calls_file_limits_and_unpacked(session, tmp_path, monkeypatch):
+def test_results_are_packed_within_a_calls_file_limits_and_unpacked(script, tmp_path, monkeypatch):
     results = tmp_path / "results"
     (results / "logs").mkdir(parents=True)
     (results / "logs" / "tests.log").write_text("PASSED tests/x.py::test_a\n")
@@ -98,25 +113,25 @@ def test_results_are_packed_within_a_calls_file_limits_and_unpacked(session, tmp
     (results / "exports" / "drafter").mkdir(parents=True)
     weights = random.Random(1).randbytes(5_000)
     (results / "exports" / "drafter" / "model.safetensors").write_bytes(weights)
-    monkeypatch.setattr(session, "PIECE", 8_000)  # small limits: 3 pieces of exports (a tar of 20 KiB)
-    monkeypatch.setattr(session, "OUT_TOTAL", session.MIB + 6_000)
+    monkeypatch.setattr(script, "PIECE", 8_000)  # small limits: 3 pieces of exports (a tar of 20 KiB)
+    monkeypatch.setattr(script, "OUT_TOTAL", script.MIB + 6_000)
     out = tmp_path / "out"
-    written = session.pack_results(results, out)
+    written = script.pack_results(results, out)
     names = sorted(p.name for p in out.iterdir())
-    assert sorted(written) == names and len(names) <= session.OUT_FILES
+    assert sorted(written) == names and len(names) <= script.OUT_FILES
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
     packed = json.loads((out / "summary.json").read_text())["packed"]
     assert packed["left_out"] and set(packed["files"]) == set(names)  # what did not fit is named
-    monkeypatch.setattr(session, "OUT_TOTAL", 64 * session.MIB)
-    session.pack_results(results, out)
+    monkeypatch.setattr(script, "OUT_TOTAL", 64 * script.MIB)
+    script.pack_results(results, out)
     assert not json.loads((out / "summary.json").read_text())["packed"]["left_out"]
-    session.unpack(out, tmp_path / "back")
+    script.unpack(out, tmp_path / "back")
     assert (tmp_path / "back" / "exports" / "drafter" / "model.safetensors").read_bytes() == weights
     assert (tmp_path / "back" / "tests.txt").read_text().startswith("PASSED")
 
 
 def _device(carried: Path, work: Path, out: Path, toy: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(BENCHMARKS / "gpu_session.py"), "device", "--carried", str(carried), "--work",
+    return [sys.executable, str(BENCHMARKS / "gpu_device.py"), "device", "--carried", str(carried), "--work",
             str(work), "--pack", str(out), "--tiny", "--device", "cpu", "--shipped", str(toy / "shipped"),
             "--tests", "tests/test_stopping.py", "--phases", "data,drafter,tau", "--budget", "3000", *extra]
 
@@ -128,7 +143,7 @@ def _phases(work: Path) -> dict:
         return {}
 
 
-def test_a_device_session_survives_a_kill_and_continues_where_it_was(session, tmp_path):
+def test_a_device_run_survives_a_kill_and_continues_where_it_was(script, tmp_path):
     from specdraft.cli import main
 
     toy = tmp_path / "toy"
@@ -136,7 +151,7 @@ def test_a_device_session_survives_a_kill_and_continues_where_it_was(session, tm
     _, prompts, questions = _inputs(toy)
     assert main(["init-drafter", "--target", str(toy / "target"), "--layers", "0", "--out", str(toy / "shipped")]) == 0
     carried, work = tmp_path / ".gpu", tmp_path / "work"
-    session.bundle(toy / "target", prompts, questions, carried, 180_000)
+    script.bundle(toy / "target", prompts, questions, carried, 180_000)
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     first = subprocess.run(_device(_only(carried, 1, tmp_path), work, tmp_path / "out-1", toy), env=env,
                            capture_output=True, text=True, timeout=120)
@@ -146,9 +161,9 @@ def test_a_device_session_survives_a_kill_and_continues_where_it_was(session, tm
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
     while _phases(work).get("drafter-shipped", {}).get("status") != "ok" and time.monotonic() < deadline:
-        assert killed.poll() is None, "the session ended before it could be killed"
+        assert killed.poll() is None, "the run ended before it could be killed"
         time.sleep(0.5)
-    os.killpg(killed.pid, signal.SIGKILL)  # the session and the recipe; the phase running (its own group) is left
+    os.killpg(killed.pid, signal.SIGKILL)  # gpu_device and the recipe; the phase running (its own group) is left
     killed.wait()
     left = int((work / "run" / "phase.pid").read_text())
     rerun = subprocess.run(_device(last, work, tmp_path / "out-3", toy), env=env, capture_output=True, text=True,
@@ -164,7 +179,7 @@ def test_a_device_session_survives_a_kill_and_continues_where_it_was(session, tm
     names = sorted(p.name for p in (tmp_path / "out-3").iterdir())
     assert len(names) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
     assert all((tmp_path / "out-3" / n).stat().st_size <= 16 << 20 for n in names)
-    session.unpack(tmp_path / "out-3", tmp_path / "back")
+    script.unpack(tmp_path / "out-3", tmp_path / "back")
     summary = json.loads((tmp_path / "back" / "summary.json").read_text())
     assert (tmp_path / "back" / "exports" / "drafter" / "config.json").is_file()
     assert "PASSED tests/test_stopping.py" in (tmp_path / "back" / "tests.txt").read_text()
