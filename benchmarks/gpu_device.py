@@ -143,14 +143,18 @@ def bundle(target: Path, prompts: Path, questions: Path, carried: Path, room: in
     return manifest
 
 
-def print_calls(manifest: dict) -> None:
+def print_calls(manifest: dict, carried: Path) -> None:
     calls = manifest["calls"]
+    try:
+        folder = carried.resolve().relative_to(ROOT)
+    except ValueError:
+        folder = carried
     print(f"{calls} device calls, one after the other (the machine keeps /root only while warm, about 30 s):")
     for part in manifest["parts"]:
         last = part["call"] == calls
         command = ("BUDGET=<budget_left_s - 90, at most 540> " if last else "") + \
             "python3 benchmarks/gpu_device.py device"
-        print(f'  call {part["call"]}: run(command="{command}", carry=[".gpu/call-{part["call"]}"], '
+        print(f'  call {part["call"]}: run(command="{command}", carry=["{folder}/call-{part["call"]}"], '
               f'timeout_s={600 if last else 120})')
 
 
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         target = Path(args.target) if args.target else builtin_gguf()
         manifest = bundle(target, Path(args.prompts), Path(args.questions), Path(args.carried), room, args.xz)
         print(json.dumps({k: manifest[k] for k in ("archive", "room", "calls")}))
-        print_calls(manifest)
+        print_calls(manifest, Path(args.carried))
         return 0
     if args.command == "unpack":
         unpack(Path(args.files), Path(args.dest))
