@@ -41,17 +41,19 @@ def load_engine(engine: str, target: str, dtype: str, device: str):
     return StaticEngine(model, refill=engine.endswith("-refill")) if static else model
 
 
-def measure(model, tokenizer, prompts: list, config: DistillDataConfig, profile: str | None = None
-            ) -> tuple[dict, list[list[int]]]:
+def measure(model, tokenizer, prompts: list, config: DistillDataConfig, profile: str | None = None,
+            ledger: bool = False) -> tuple[dict, list[list[int]]]:
     """Answer ``prompts`` in batches of ``config.batch_size``: (tokens, seconds and rates; the answers). The static
     engine also reports ``row_step_use``: answer tokens written per row decoded (rows that ended but still run
     along, or that wait for the batch's longest answer, lower it). With ``profile`` (a path) the timed run is
-    profiled (torch.profiler) and its top operators by device time (CPU time on a CPU) are written there."""
+    profiled (torch.profiler) and its top operators by device time and by host time are written there; with
+    ``ledger``, the static engine's parts are counted and timed (:func:`engine_ledger`)."""
     generate_shard(model, tokenizer, prompts[:2], config, seed=1)  # warm-up: kernels, allocator
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     decoded_before = getattr(model, "row_steps", None)
-    with profiled(profile):
+    parts: dict = {}
+    with profiled(profile), engine_ledger(parts if ledger and decoded_before is not None else None):
         start = time.perf_counter()
         records = generate_shard(model, tokenizer, prompts, config, seed=0)
         seconds = time.perf_counter() - start
@@ -62,12 +64,75 @@ def measure(model, tokenizer, prompts: list, config: DistillDataConfig, profile:
            "profiled": profile is not None}
     if decoded_before is not None:  # each answer's first token comes from the prefill
         row["row_step_use"] = round((tokens - len(records)) / max(model.row_steps - decoded_before, 1), 3)
+    if parts:
+        rest = seconds - parts["prefill_s"] - parts["capture_s"] - parts["compaction_s"]
+        row["ledger"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in parts.items()} | {
+            "other_s": round(rest, 3), "other_ms_per_step": round(1000 * rest / max(parts["steps"], 1), 3),
+            "mean_rows_per_step": round(parts["rows_decoded"] / max(parts["steps"], 1), 1),
+            "mean_slots_per_row": round(parts["slots_attended"] / max(parts["rows_decoded"], 1), 1)}
     return row, [r["response_token_ids"] for r in records]
 
 
 @contextlib.contextmanager
+def engine_ledger(parts: dict | None):
+    """While the block runs, count and time the parts of the static engine (:class:`StaticBatch`) into ``parts``:
+    prefill calls, prompts, tokens and seconds, CUDA graph captures and seconds, compactions and seconds (each
+    synchronised at both ends: they happen at checks, where the loop reads the device anyway), and decode steps,
+    rows decoded and cache slots attended (counted only: no synchronisation per step). The time left over is the
+    decode steps' and the host's (``other_s`` in the row)."""
+    if parts is None:
+        yield
+        return
+    from specdraft.models.static_batch import END_STEP, StaticBatch
+
+    parts |= {"prefill_calls": 0, "prefill_prompts": 0, "prefill_tokens": 0, "prefill_s": 0.0, "graphs_captured": 0,
+              "capture_s": 0.0, "compactions": 0, "compaction_s": 0.0, "steps": 0, "rows_decoded": 0,
+              "slots_attended": 0}
+    originals = {name: getattr(StaticBatch, name) for name in ("prefill", "_capture", "keep_rows", "decode")}
+
+    def timed(name: str, calls: str, seconds: str, count=None):
+        def wrapper(self, *args, **kwargs):
+            _synchronize(self.device)
+            started = time.perf_counter()
+            result = originals[name](self, *args, **kwargs)
+            _synchronize(self.device)
+            parts[seconds] += time.perf_counter() - started
+            parts[calls] += 1
+            if count is not None:
+                count(*args)
+            return result
+        return wrapper
+
+    def prefilled(prompts, rows=None):
+        parts["prefill_prompts"] += len(prompts)
+        parts["prefill_tokens"] += sum(map(len, prompts))
+
+    def decode(self, tokens, n, end):
+        parts["steps"], parts["rows_decoded"] = parts["steps"] + 1, parts["rows_decoded"] + n
+        parts["slots_attended"] += n * min(self.capacity, -(-end // END_STEP) * END_STEP)
+        return originals["decode"](self, tokens, n, end)
+
+    replacements = {"prefill": timed("prefill", "prefill_calls", "prefill_s", prefilled),
+                    "_capture": timed("_capture", "graphs_captured", "capture_s"),
+                    "keep_rows": timed("keep_rows", "compactions", "compaction_s"), "decode": decode}
+    try:
+        for name, function in replacements.items():
+            setattr(StaticBatch, name, function)
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(StaticBatch, name, function)
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
 def profiled(path: str | None):
-    """torch.profiler around the block when ``path`` is given; its top 30 operators written to ``path``."""
+    """torch.profiler around the block when ``path`` is given; its top 30 operators by device time (kernels) and by
+    host time (launches, synchronisations, graph instantiation, allocations) written to ``path``."""
     if path is None:
         yield
         return
@@ -79,9 +144,12 @@ def profiled(path: str | None):
         yield
     if cuda:
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
-    Path(path).write_text(table)
-    print(table, flush=True)
+    averages = prof.key_averages()
+    tables = [f"top operators by {name}\n" + averages.table(sort_by=key, row_limit=30)
+              for name, key in (("device time", "self_cuda_time_total"), ("host time", "self_cpu_time_total"))
+              if cuda or key.startswith("self_cpu")]
+    Path(path).write_text("\n\n".join(tables))
+    print(tables[0], flush=True)
 
 
 def main() -> None:
@@ -98,6 +166,8 @@ def main() -> None:
     parser.add_argument("--json-out", help="append one JSON line per (engine, batch size) here")
     parser.add_argument("--profile", help="profile the timed runs (torch.profiler): the top operators of each are "
                                           "written to PROFILE-<engine>-<batch size>.txt and printed")
+    parser.add_argument("--ledger", action="store_true", help="count and time the static engine's parts: prefills, "
+                                                             "graph captures, compactions, steps (the row's ledger)")
     parser.add_argument("--compare", action="store_true", help="also the share of answers identical to the first "
                                                                "engine's at the same batch size (greedy: in float32, "
                                                                "all of them)")
@@ -120,7 +190,7 @@ def main() -> None:
                                        top_logprobs=args.top_logprobs, engine="hf" if engine == "hf" else "native",
                                        device=device, refill=engine.endswith("-refill"))
             where = f"{args.profile}-{engine}-{batch_size}.txt" if args.profile else None
-            measured, answers = measure(model, tokenizer, prompts, config, where)
+            measured, answers = measure(model, tokenizer, prompts, config, where, args.ledger)
             row = {"engine": engine, "batch_size": batch_size, "device": device, "hardware": hardware,
                    "dtype": dtype, "max_new_tokens": args.max_new_tokens, "top_logprobs": args.top_logprobs,
                    "threads": torch.get_num_threads()} | measured

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig, check_finite, sample, warp
+from specdraft.sampling import SamplingConfig, check_finite, sample, sample_on_device, warp
 
 
 def test_greedy_is_one_hot_argmax():
@@ -83,6 +83,19 @@ def test_sample_follows_generator():
     b = sample(probs, torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
     assert abs((a == 2).float().mean().item() - 0.5) < 0.06
+
+
+def test_sampling_on_the_device_draws_what_multinomial_draws():
+    """Same tokens and the same generator state after, over several draws, with zero-probability tokens too."""
+    probs = torch.softmax(torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    probs[:, 5:15] = 0.0
+    probs = probs / probs.sum(-1, keepdim=True)  # (6, 40)
+    for seed in range(3):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for _ in range(4):
+            assert torch.equal(sample_on_device(probs, ours), sample(probs, theirs))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+    assert sample_on_device(probs[0], None).shape == ()
 
 
 def test_check_finite():

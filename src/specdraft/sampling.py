@@ -81,6 +81,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def sample_on_device(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The draws of :func:`sample`, token for token and generator state for state, without reading anything back to
+    the host: ``torch.multinomial`` draws one sample as argmax(p / E), E ~ Exp(1) per entry (the exponential race,
+    equivalent to the Gumbel-max trick), but first checks p's validity with two host reads, which stall a CUDA loop
+    that samples every step. Here p is not checked (a row of zeros gives token 0). (..., V) -> (...,) long."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)  # (..., V)
+    return (probs / noise).argmax(-1)
+
+
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise a clear error for NaN/inf logits instead of sampling garbage."""
     if not torch.isfinite(logits).all():

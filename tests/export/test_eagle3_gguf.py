@@ -15,7 +15,7 @@ from specdraft.heads import load_heads, save_heads
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import build_eagle3
 from specdraft.models.gguf_files import tokenizer_fields
-from specdraft.training.eagle3 import parse_settings
+from specdraft.training.heads.eagle3 import parse_settings
 from toys import save_tiny_checkpoint, tiny_llama, tiny_tokenizer, write_target_gguf
 
 

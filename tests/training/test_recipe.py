@@ -5,6 +5,7 @@ the held-out answers at every checkpoint, EAGLE-3 heads on the same data, time b
 import csv
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -160,17 +161,48 @@ def test_a_rerun_reuses_every_stage_and_stages_reruns_only_those_named(recipe, c
     assert "50 steps" in (recipe / "eagle3" / "heads" / "README.md").read_text()
 
 
-def test_a_time_budget_lowers_the_steps_after_timing_the_first_ones(recipe, tmp_path, capsys):
-    root = tmp_path
+def _linked(recipe, root):
+    """A recipe folder in ``root`` sharing the module recipe's target, prompts and data."""
     for name in ("target", "prompts.jsonl", "questions.jsonl", "data", "heldout"):
         source = recipe / name
         (root / name).symlink_to(source, target_is_directory=source.is_dir())
+    return root
+
+
+def test_a_time_budget_lowers_the_steps_after_timing_the_first_ones(recipe, tmp_path, capsys):
+    root = _linked(recipe, tmp_path)
     config = _write(root, head_steps=400, head_budget=0.001)
     assert main(["train-drafter", "--config", str(config), "--stages", "heads"]) == 0
     assert "started again" in capsys.readouterr().err
     card = (root / "eagle3" / "heads" / "README.md").read_text()
     assert "21 steps" in card  # the 20 timed steps, then the fewest that a new run may take
     assert [int(r["step"]) for r in _rows(root / "eagle3" / "eval_log.csv")] == [11, 21]
+
+
+def test_a_budgeted_stage_stopped_part_way_continues_with_its_fitted_steps_and_is_reused_after(recipe, tmp_path,
+                                                                                              monkeypatch):
+    """A recipe killed while a stage runs the steps its budget allowed, run again, continues that run from its last
+    checkpoint (not the recipe's steps from the timed ones); run once more, it reuses the finished stage."""
+    import specdraft.training.recipe as recipe_module
+
+    root = _linked(recipe, tmp_path)
+    config = _write(root, head_steps=400, head_budget=0.001)
+    real = recipe_module.training_stage
+
+    def stopped(run, config, inputs, export, overwrite, command):  # the fitted run stops at its first checkpoint
+        real(run, replace(config, stop_after=config.eval_every), inputs, export, overwrite, command)
+
+    monkeypatch.setattr(recipe_module, "training_stage", stopped)
+    assert main(["train-drafter", "--config", str(config), "--stages", "heads"]) == 0
+    staging = root / ".eagle3.staging"
+    assert [int(r["step"]) for r in _rows(staging / "eval_log.csv")] == [11]
+    monkeypatch.setattr(recipe_module, "training_stage", real)
+    assert main(["train-drafter", "--config", str(config), "--stages", "heads"]) == 0
+    assert not staging.exists() and "21 steps" in (root / "eagle3" / "heads" / "README.md").read_text()
+    assert [int(r["step"]) for r in _rows(root / "eagle3" / "eval_log.csv")] == [11, 21]
+    exported = (root / "eagle3" / "heads" / "heads.safetensors").stat().st_mtime_ns
+    assert main(["train-drafter", "--config", str(config), "--stages", "heads"]) == 0
+    assert (root / "eagle3" / "heads" / "heads.safetensors").stat().st_mtime_ns == exported
 
 
 def test_bad_recipes_are_refused_naming_the_section(recipe, capsys):

@@ -44,7 +44,7 @@ from specdraft.training.drafter.init_drafter import InitDrafterConfig, init_draf
 from specdraft.training.drafter.pretrain import PretrainConfig, pretrain, source_inputs
 from specdraft.training.heads.train_heads import HEADS_FOLDER, HeadsConfig, train_heads
 from specdraft.training.runs.checkpoint import export_path, is_complete_export
-from specdraft.training.runs.folders import note, stage_changes
+from specdraft.training.runs.folders import RUN_FILE, note, stage_changes, staging_path
 from specdraft.training.runs.stages import data_inputs
 from specdraft.training.runs.trainer import barrier, init_distributed
 
@@ -189,7 +189,7 @@ def _run_stage(stage: Stage, command: str | None, overwrite: bool, progress: boo
             barrier(world)
     else:
         run, inputs, export = _training(stage)
-        config = fit_budget(stage, run, export, command)
+        config = fit_budget(stage, run, export, command, overwrite)
         training_stage(run, config, inputs, export, overwrite, command)
 
 
@@ -216,19 +216,27 @@ def training_stage(run, config, inputs, export: str, overwrite: bool, command: s
     """Run one training stage of the pipeline: fresh, continued, reused, or (``overwrite``, when its settings or
     inputs changed) replaced."""
     if Path(config.out).exists() and (overwrite or config.overwrite):
-        try:
-            device = resolve_device(config.device).device
-        except ValueError as exc:
-            raise SpecdraftError(str(exc)) from None
-        resolved = replace(config, bf16=resolve_bf16(config.bf16, device).bf16, overwrite=False)
-        if hasattr(resolved, "with_budget"):
-            resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
-        defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
-        if stage_changes(resolved, inputs(), export, defaults, overwrite=True):
+        if stage_changes(_resolved(config), inputs(), export, _defaults(config), overwrite=True):
             run(replace(config, resume=False, overwrite=True), command=command)
             return
     resume = stage_changes(config, {}, export, {}) is not None
     run(replace(config, resume=resume, overwrite=False), command=command)
+
+
+def _resolved(config):
+    """``config`` as its run records it: ``bf16`` auto resolved on its device (and a pretraining budget applied)."""
+    try:
+        device = resolve_device(config.device).device
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from None
+    resolved = replace(config, bf16=resolve_bf16(config.bf16, device).bf16, overwrite=False)
+    if hasattr(resolved, "with_budget"):
+        resolved = resolved.with_budget(int(os.environ.get("WORLD_SIZE", 1)))
+    return resolved
+
+
+def _defaults(config) -> dict:
+    return {f.name: f.default for f in fields(config) if f.default is not MISSING}
 
 
 # --- time budgets ----------------------------------------------------------------------------------------------------
@@ -242,16 +250,21 @@ def spread_evals(config, evals: int | None):
     return replace(config, eval_every=every, checkpoint_every=every)
 
 
-def fit_budget(stage: Stage, run, export: str, command: str | None):
+def fit_budget(stage: Stage, run, export: str, command: str | None, overwrite: bool = False):
     """The stage's config, its steps lowered to fit ``stage.budget_s`` seconds of wall time (loading and evaluations
     included), with ``stage.evals`` spread over them.
 
     A fresh run's first :data:`CALIBRATION_STEPS` steps are run and timed (a real run, stopped there: evaluated and
     checkpointed). When the rest fits, the run continues from there; otherwise it starts again with the steps that
-    fit (the timed steps are lost: its schedule changed). A run already in the folder is continued as it is."""
+    fit (the timed steps are lost: its schedule changed). A run already in the folder is continued as it is; unless
+    ``overwrite`` (the stage is to be redone where it changed), with the steps a budget gave it
+    (:func:`_fitted_run`): a recipe stopped part-way and run again picks up where it was, and a finished one is
+    reused."""
     config = spread_evals(stage.config, stage.evals)
-    if stage.budget_s is None or stage_changes(config, {}, export, {}) is not None:
+    if stage.budget_s is None:
         return config
+    if stage_changes(config, {}, export, {}) is not None:  # a run is there: continued, with the steps it was given
+        return (None if overwrite else _fitted_run(stage, config, export)) or config
     probe = min(CALIBRATION_STEPS, config.steps)
     started = time.perf_counter()
     run(replace(config, stop_after=probe, resume=False, overwrite=False), command=command)
@@ -267,6 +280,23 @@ def fit_budget(stage: Stage, run, export: str, command: str | None):
     note(f"[{stage.name}] {per_step * 1000:.0f} ms a step over the first {probe} (and {fixed:.0f} s to load, "
          f"evaluate and save): {steps} steps fit budget_s={stage.budget_s:g}, not {config.steps}; started again")
     return replace(spread_evals(replace(config, steps=steps), stage.evals), overwrite=True)
+
+
+def _fitted_run(stage: Stage, config, export: str):
+    """The config that continues a run of this stage whose steps a budget lowered, or None when there is none: the
+    run in its staging folder (started again with fewer steps, stopped before it replaced the timed one) or in its
+    folder (finished), when its settings are the stage's but for the steps."""
+    for folder, overwrite in ((staging_path(config.out), True), (Path(config.out), False)):
+        try:
+            steps = json.loads((folder / RUN_FILE).read_text())["settings"]["steps"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(steps, int) or steps >= config.steps:
+            continue
+        fitted = spread_evals(replace(stage.config, steps=steps), stage.evals)
+        if not stage_changes(_resolved(replace(fitted, out=str(folder))), {}, export, _defaults(fitted)):
+            return replace(fitted, overwrite=overwrite)
+    return None
 
 
 def _training_seconds(folder: Path) -> float:

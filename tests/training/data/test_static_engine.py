@@ -77,6 +77,19 @@ def test_sampling_is_reproducible_and_stops_at_eos(target):
         assert (response["finish_reason"] == "eos") == (ids[-1] == 5) and 5 not in ids[:-1]
 
 
+def test_sampled_answers_are_those_multinomial_draws_with_no_host_read(target, monkeypatch):
+    """The static loop samples on the device (no host read per step); its answers are token for token those of
+    ``torch.multinomial`` from the same generator, with rows refilled too."""
+    import specdraft.training.data.native_generation as engine
+    from specdraft.sampling import sample
+
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    ours = _refill(target, "cpu", PROMPTS, 3, 5, 2, 4, sampling, torch.Generator().manual_seed(3))[0]
+    monkeypatch.setattr(engine, "sample_on_device", sample)
+    theirs = _refill(target, "cpu", PROMPTS, 3, 5, 2, 4, sampling, torch.Generator().manual_seed(3))[0]
+    assert ours == theirs and len({tuple(r["ids"]) for r in ours}) > 1
+
+
 def test_an_engine_keeps_its_batch_until_a_call_needs_more(target):
     engine = StaticEngine(load_model(target, torch.float32, backend="native"))
     first = engine.generate(PROMPTS[:4], 12, SamplingConfig(), 5, 0, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.models.batched_llama import batched_forward, new_batched_cache
-from specdraft.sampling import SamplingConfig, sample, warp
+from specdraft.sampling import SamplingConfig, sample, sample_on_device, warp
 
 
 @torch.inference_mode()
@@ -190,7 +190,8 @@ def generate_rows_static(batch, prompts: list[list[int]], max_new_tokens: int, s
     step, row_steps = 0, 0
     while True:
         run = state.run
-        chosen = logits[:run].argmax(-1) if sampling.greedy else sample(warp(logits[:run], sampling), generator)
+        chosen = (logits[:run].argmax(-1) if sampling.greedy  # (run,); no host read (sample_on_device)
+                  else sample_on_device(warp(logits[:run], sampling), generator))
         live = state.owner_t >= 0  # (run,)
         owner = torch.where(live, state.owner_t, n)  # (run,) the spare row n for idle rows
         index = (step - state.start_t).clamp(0, max_new_tokens - 1)  # (run,)
