@@ -18,12 +18,13 @@ callers keep their other paths.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -37,7 +38,6 @@ _WIDTH_ENV = "SPECDRAFT_ROWGEMM_WIDTH"  # "256" keeps the 256-bit attention on A
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("rowgemm.cpp", "rowattention.cpp", "quantgemm.cpp", "quantlayer.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("rowkernels.h", "rowattention_fixed.h", "quantkernels.h"))
-_STALE_LOCK_SECONDS = 300  # a build takes about 10 s
 # explicit FMAs only (the summation order is the source's); OpenMP so that at::parallel_for splits the work (without
 # it the pragma inside ATen's header is ignored and every product runs on one thread)
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
@@ -62,6 +62,20 @@ def build_id() -> str:
     return _build_folder().name
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One process at a time builds or loads the kernels in ``folder``: an ``flock`` that the system releases when its
+    holder dies. torch's own build lock is a plain file that a killed build leaves behind, and a process that finds
+    it waits for its removal forever; under the ``flock`` no other build runs, so such a file is stale: removed."""
+    with open(folder / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def _load() -> bool:
     """Build (first time on this machine) and load the kernel; False, with one warning, where that fails."""
@@ -73,12 +87,10 @@ def _load() -> bool:
         _put_ninja_on_path()
         folder = _build_folder()
         folder.mkdir(parents=True, exist_ok=True)
-        lock = folder / "lock"  # torch's build lock: one left by a build that was killed would block every load
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-        cpp_extension.load(name="specdraft_rowgemm", sources=[str(path) for path in _SOURCES],
-                           extra_cflags=list(_FLAGS), build_directory=str(folder), is_python_module=False,
-                           verbose=False)
+        with _build_lock(folder):
+            cpp_extension.load(name="specdraft_rowgemm", sources=[str(path) for path in _SOURCES],
+                               extra_cflags=list(_FLAGS), build_directory=str(folder), is_python_module=False,
+                               verbose=False)
         return hasattr(torch.ops.specdraft_rowgemm, "linear")
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the other paths remain
         warnings.warn(f"specdraft: the row-product kernel could not be built ({str(exc).splitlines()[0][:200]}); "
