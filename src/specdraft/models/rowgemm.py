@@ -45,7 +45,9 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 
 def _build_folder() -> Path:
     texts = [path.read_text() for path in (*_SOURCES, *_HEADERS)]
-    key = "|".join((*texts, " ".join(_FLAGS), torch.__version__, sys.version))
+    # torch's headers by their path as this interpreter sees it: the build file names it, so two environments that
+    # share the cache (or one reached through two paths) would otherwise rebuild each other's kernels on every load
+    key = "|".join((*texts, " ".join(_FLAGS), torch.__version__, sys.version, str(Path(torch.__file__).parent)))
     return cache_dir() / "kernels" / f"rowgemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
