@@ -20,7 +20,7 @@ from specdraft.costs import cost_curve
 from specdraft.drafters.base import Draft, Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import SamplingConfig
+from specdraft.sampling import LogitsProcessor, SamplingConfig
 from specdraft.speculation import SPECULATION, AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepBounds, propose
 from specdraft.stats import GenerationStats
 from specdraft.step import STEP_ROOM, StepInput, StepResult, StepTarget
@@ -50,6 +50,9 @@ class GenerationConfig:
     max_draft_batch: int = field(default=0, metadata={
         "help": "draft only in steps that decode at most this many sequences together, plainly in fuller ones "
                 "(as vLLM's speculative_disable_by_batch_size); 0 = at every batch size"})
+    logits_processor: LogitsProcessor | None = field(default=None, metadata={
+        "help": "changes the target's logits before warping at every verified position (logit bias, penalties); "
+                "None = none"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -179,7 +182,8 @@ class SequenceState:
 
     def step_input(self, draft: Draft) -> StepInput:
         """This sequence's part of a step that verifies ``draft``."""
-        return StepInput(self.context, draft, self.config.sampling, self.generator)
+        return StepInput(self.context, draft, self.config.sampling, self.generator, self.config.logits_processor,
+                         self.prompt.shape[0])
 
     def commit(self, draft: Draft, step: StepResult, draft_seconds: float, verify_seconds: float) -> list[int]:
         """Take the verified step: the tokens up to EOS, a stop string or ``max_new_tokens`` join the context, the
