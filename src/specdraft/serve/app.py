@@ -233,7 +233,8 @@ async def _collect(http, request: Request, parsed: ParsedRequest, server: _Serve
         _finish(server, request)
     wholes = [stream.whole for stream in logprobs] if parsed.logprobs is not None else None
     body = completion_body(request_id, server.serve.model_id, parsed.chat, texts, reasons,
-                           usage(len(parsed.prompt_ids), request.completion_tokens), wholes)
+                           usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict()),
+                           wholes)
     return SafeJSON(body)
 
 
@@ -286,6 +287,7 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
             yield _sse(chunk_body(request_id, model, chat, event.index, None, event.finish_reason))
     if parsed.include_usage:
         chunk = chunk_body(request_id, model, chat, 0, None, None)
-        chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens)
+        chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens,
+                                                    request.speculation.to_dict())
         yield _sse(chunk)
     yield _sse("[DONE]")

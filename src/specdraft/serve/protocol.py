@@ -337,9 +337,12 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None = None) -> dict:
+    """OpenAI's usage, with the extension ``speculation`` (the request's own speculation counters, summed over its
+    choices: :meth:`specdraft.serve.metrics.SpeculationTally.to_dict`) when given."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    return body if speculation is None else body | {"speculation": speculation}
 
 
 def completion_body(request_id: str, model: str, chat: bool, texts: list[str], reasons: list[str | None],
