@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -62,6 +62,54 @@ class LogitsProcessor(Protocol):
             (n + 1, V) float32 processed logits.
         """
         ...
+
+
+@runtime_checkable
+class ForkingProcessor(Protocol):
+    """A processor with state of its own per sequence (a grammar matcher): each sequence decodes with a fork."""
+
+    def fork(self) -> LogitsProcessor:
+        ...
+
+
+@runtime_checkable
+class DraftChecker(Protocol):
+    """A processor that knows, before verification, which draft tokens it forbids outright (a grammar)."""
+
+    def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """(n,) bool: whether each draft node's path (after ``generated``) can still have p > 0."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChainedProcessors:
+    """Several processors applied in order (penalties and a grammar mask); forks and draft checks pass through."""
+
+    processors: tuple
+
+    def __call__(self, logits: torch.Tensor, generated: torch.Tensor, tokens: torch.Tensor,
+                 parents: torch.Tensor | None) -> torch.Tensor:
+        for processor in self.processors:
+            logits = processor(logits, generated, tokens, parents)
+        return logits
+
+    def fork(self) -> ChainedProcessors:
+        return ChainedProcessors(tuple(p.fork() if isinstance(p, ForkingProcessor) else p for p in self.processors))
+
+    def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
+                      ) -> torch.Tensor:
+        allowed = torch.ones(tokens.shape[0], dtype=torch.bool)  # (n,)
+        for processor in self.processors:
+            if isinstance(processor, DraftChecker):
+                allowed &= processor.allowed_nodes(generated, tokens, parents)
+        return allowed
+
+
+def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:
+    """The processors given (None ones left out) as one: None, the only one, or :class:`ChainedProcessors`."""
+    kept = tuple(p for p in processors if p is not None)
+    return None if not kept else kept[0] if len(kept) == 1 else ChainedProcessors(kept)
 
 
 def path_counts(generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
