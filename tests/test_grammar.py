@@ -52,14 +52,16 @@ def target():
     return hf_target(0, vocab_size=VOCAB)
 
 
-def reference_constrained(model, prompt, compiled, max_new):
-    """Plain greedy constrained decoding without a cache, on xgrammar's matcher directly."""
-    matcher, bitmask, ids = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, VOCAB), list(prompt)
+def reference_constrained(model, prompt, grammar, max_new):
+    """Plain greedy constrained decoding without a cache, on xgrammar's matcher directly (and without the tokens
+    that hold a control character)."""
+    matcher, bitmask, ids = xgr.GrammarMatcher(grammar.compiled), xgr.allocate_token_bitmask(1, VOCAB), list(prompt)
     for _ in range(max_new):
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1:].float()  # (1, V)
         matcher.fill_next_token_bitmask(bitmask)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=VOCAB)
+        logits[:, ~grammar.spellable] = -torch.inf
         ids.append(int(logits.argmax(-1)))
         assert matcher.accept_token(ids[-1])
         if ids[-1] == EOS:
@@ -69,7 +71,13 @@ def reference_constrained(model, prompt, compiled, max_new):
 
 @pytest.fixture(scope="module")
 def expected(target, compiler):
-    return reference_constrained(target.model, PROMPT, compiler.json_schema(SCHEMA).compiled, 120)
+    return reference_constrained(target.model, PROMPT, compiler.json_schema(SCHEMA), 120)
+
+
+def test_no_token_with_a_control_character(compiler, tokenizer):
+    newline, tab = tokenizer.convert_tokens_to_ids("Ċ"), tokenizer.convert_tokens_to_ids("ĉ")
+    assert not compiler.spellable[newline] and not compiler.spellable[tab] and compiler.spellable[EOS]
+    assert 100 < int((~compiler.spellable).sum()) < 1000
 
 
 def test_the_reference_answer_is_valid_json_of_the_schema(expected, tokenizer):

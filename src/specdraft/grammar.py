@@ -11,6 +11,10 @@ reached (that token has p = 0, so it is rejected), and is left unmasked. Before 
 draft up to them. A refused token with a draft distribution q stays (its rejection draws the recovered token from
 norm(max(0, p - q)), which is not p, so dropping it would bias the answer); what follows it goes. A refused
 deterministic token (q a point mass, or greedy decoding) goes too: there norm(max(0, p - q)) = p, since p(x) = 0.
+
+JSON is compact here (no whitespace but the space after ``,`` and ``:``), and a token holding a control character
+(U+0000 to U+001F) is never allowed: xgrammar's schema grammars let one stand unescaped inside a string (its issue
+#286), which is not JSON (RFC 8259, Sec. 7), and compact JSON needs none elsewhere.
 """
 
 from __future__ import annotations
@@ -98,6 +102,11 @@ class GrammarCompiler:
         self.vocab_size, self.cache_size = vocab_size, cache_size
         self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1)
         self._cache: OrderedDict[str, object] = OrderedDict()
+        spellable = torch.ones(vocab_size, dtype=torch.bool)  # (V,) tokens without a control character
+        for token, text in enumerate(info.decoded_vocab[:vocab_size]):
+            spellable[token] = not any(byte < 0x20 for byte in text)
+        spellable[list(info.stop_token_ids)] = True
+        self.spellable = spellable
 
     def json_object(self) -> GrammarProcessor:
         """Any JSON object (OpenAI's ``json_object``), compact: no whitespace but after ``,`` and ``:``, so that
@@ -130,7 +139,16 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return GrammarProcessor(compiled, self.vocab_size)
+        return GrammarProcessor(compiled, self.vocab_size, self.spellable)
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """A (V,) bool mask as xgrammar's bitmask row (ceil(V / 32),) int32: bit j % 32 of word j // 32 is token j."""
+    words = -(-allowed.shape[0] // 32)
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: allowed.shape[0]] = allowed.long()
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(-1)  # (W,) in 0 .. 2**32 - 1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _paths(parents: torch.Tensor | None, n: int) -> list[list[int]]:
@@ -147,15 +165,17 @@ class GrammarProcessor:
     """A grammar's mask as a :class:`~specdraft.sampling.LogitsProcessor` for one sequence (module docstring);
     :meth:`fork` gives each further sequence its own matcher."""
 
-    def __init__(self, compiled, vocab_size: int) -> None:
+    def __init__(self, compiled, vocab_size: int, spellable: torch.Tensor | None = None) -> None:
         self.xgr = _xgrammar()
         self.compiled, self.vocab_size = compiled, vocab_size
+        self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
+        self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
         self.matcher = self.xgr.GrammarMatcher(compiled)
         self.consumed: list[int] = []  # the generated tokens the matcher has accepted
         self.broken = False  # a committed token the grammar refused (never, when every row was masked)
 
     def fork(self) -> GrammarProcessor:
-        return GrammarProcessor(self.compiled, self.vocab_size)
+        return GrammarProcessor(self.compiled, self.vocab_size, self.spellable)
 
     def _sync(self, generated: torch.Tensor) -> None:
         """Advance the matcher to the end of ``generated`` (a prefix of it is what it has accepted already)."""
@@ -181,7 +201,8 @@ class GrammarProcessor:
         for node, path in enumerate(_paths(parents, len(ids))):
             taken = 0
             for step in path:
-                if self.matcher.is_terminated() or not self.matcher.accept_token(ids[step]):
+                if self.matcher.is_terminated() or not self.spellable[ids[step]] or \
+                        not self.matcher.accept_token(ids[step]):
                     break
                 taken += 1
             allowed.append(taken == len(path))
@@ -200,6 +221,10 @@ class GrammarProcessor:
 
         def visit(row: int) -> None:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+            bitmask[row] &= self._spellable_bits
+            if not bool(bitmask[row].any()):
+                raise SpecdraftError("the grammar allows no token of this vocabulary here: the tokenizer cannot "
+                                     "spell what the response format needs")
             rows.append(row)
 
         self._walk(generated, tokens, parents, visit)

@@ -37,6 +37,7 @@ from specdraft.serve.protocol import (
     check,
     chunk_body,
     completion_body,
+    constrain,
     error_body,
     new_id,
     tokenize,
@@ -72,6 +73,15 @@ class _Server:
     eos: tuple[int, ...]
     drain: Drain
     pool: ThreadPoolExecutor  # one thread: tokenising off the event loop, one prompt at a time
+    compiler: object = None  # the GrammarCompiler, made in the pool on the first response_format
+
+    def grammars(self):
+        """The server's :class:`~specdraft.grammar.GrammarCompiler` (made on first use, in the pool's thread)."""
+        if self.compiler is None:
+            from specdraft.grammar import GrammarCompiler
+
+            self.compiler = GrammarCompiler(self.tokenizer, self.engine.vocab_size, self.eos)
+        return self.compiler
 
 
 def build_app(engine: Engine, tokenizer, serve: ServeConfig, eos: tuple[int, ...]) -> FastAPI:
@@ -171,8 +181,9 @@ async def _parse(http: HTTPRequest, chat: bool, server: _Server) -> ParsedReques
         raise BadRequest(f"unreadable JSON in the request body: {type(exc).__name__}: {exc}") from None
     parsed = check(body, chat, server.serve, server.eos, server.engine.vocab_size)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(server.pool, tokenize, parsed, server.tokenizer, server.serve,
-                                      server.engine.context)
+    parsed = await loop.run_in_executor(server.pool, tokenize, parsed, server.tokenizer, server.serve,
+                                        server.engine.context)
+    return await loop.run_in_executor(server.pool, constrain, parsed, server.grammars)
 
 
 async def _complete(http: HTTPRequest, chat: bool, server: _Server, endpoint: str):

@@ -8,19 +8,21 @@ characters), cheaply, on the event loop; :func:`tokenize` then encodes the promp
 Fields: those OpenAI defines that this server implements, plus the extension ``top_k``. ``logit_bias``,
 ``frequency_penalty`` and ``presence_penalty`` become the request's
 :class:`~specdraft.sampling.LogitPenalties`, applied to the target's logits before warping at every verified
-position. A field it does not
+position; ``response_format`` (``json_object``, ``json_schema``) is checked here and compiled into a grammar mask
+(:mod:`specdraft.grammar`) by :func:`constrain`, off the event loop. A field it does not
 implement is refused by name, unless it carries the value that changes nothing (``frequency_penalty: 0``,
 ``tools: []``, ``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
 
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import LogitPenalties, SamplingConfig
+from specdraft.sampling import LogitPenalties, SamplingConfig, chain_processors
 from specdraft.sequence import GenerationConfig
 from specdraft.serve.config import ServeConfig
 
@@ -32,12 +34,13 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on the tokens one logit_bias name
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
 
 _BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
-                   "stream_options", "logprobs", "user", "logit_bias", "frequency_penalty", "presence_penalty"})
+                   "stream_options", "logprobs", "user", "logit_bias", "frequency_penalty", "presence_penalty",
+                   "response_format"})
 _FIELDS = {True: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"}, False: _BOTH | {"prompt"}}
 _NEUTRAL = {  # fields this server does not implement, accepted only at the value that changes nothing
     "tools": ([],), "functions": ([],),
     "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,), "echo": (False,),
+    "modalities": (["text"],), "store": (False,), "echo": (False,),
     "best_of": (1,), "suffix": ("",),
 }
 _ROLES = ("system", "user", "assistant", "developer")
@@ -74,6 +77,7 @@ class ParsedRequest:
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely alternatives
     max_tokens_given: bool = True  # False: the default max_tokens, shortened to fit the context
     prompt_ids: list[int] | None = None  # set by :func:`tokenize`
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
 
 
 def _show(value) -> str:
@@ -259,6 +263,38 @@ def _penalties(body: dict, vocab_size: int) -> LogitPenalties | None:
     return penalties if penalties.active else None
 
 
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(body: dict) -> dict | None:
+    """``response_format``: ``{"type": "text"}`` (None), ``{"type": "json_object"}``, or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "description"?, "strict"?}}`` as OpenAI defines them (the schema is checked
+    when it is compiled, :func:`constrain`)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise BadRequest("response_format must be an object with type text, json_object or json_schema",
+                         "response_format")
+    extra = sorted(set(value) - {"type", "json_schema"} if kind == "json_schema" else set(value) - {"type"})
+    if extra:
+        raise BadRequest(f"response_format.{extra[0]} is not supported for type {kind}", "response_format")
+    if kind != "json_schema":
+        return None if kind == "text" else {"type": kind}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not set(spec) <= {"name", "schema", "description", "strict"}:
+        raise BadRequest("response_format.json_schema must be an object of name, schema, description and strict",
+                         "response_format")
+    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.fullmatch(spec["name"]):
+        raise BadRequest("response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+                         "response_format")
+    if not isinstance(spec.get("schema", {}), dict) or not isinstance(spec.get("strict") or False, bool):
+        raise BadRequest("response_format.json_schema.schema must be an object and strict true or false",
+                         "response_format")
+    return {"type": kind, "schema": spec.get("schema", {})}
+
+
 def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int) -> ParsedRequest:
     """Check every field of a request body against the OpenAI schema and the server's limits; nothing tokenised."""
     if not isinstance(body, dict):
@@ -288,7 +324,7 @@ def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size
     except SpecdraftError as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest(source, config, n, seed, stream, bool(options.get("include_usage", False)), stop, chat,
-                         logprobs, body.get(name) is not None)
+                         logprobs, body.get(name) is not None, response_format=_response_format(body))
 
 
 def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int) -> ParsedRequest:
@@ -319,6 +355,24 @@ def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int
                          f"of {context} tokens", param if room < 1 else "max_tokens")
     if wanted > room:
         request.config = replace(request.config, max_new_tokens=room)
+    return request
+
+
+def constrain(request: ParsedRequest, grammars) -> ParsedRequest:
+    """Compile the request's ``response_format`` into a grammar mask (``grammars``: a callable that gives the
+    server's :class:`~specdraft.grammar.GrammarCompiler`, made on first use) and chain it after the request's
+    penalties. A schema the grammar cannot take, or a server without the grammar library, is bad input (400).
+    Compiling takes milliseconds (cached by schema): run it off the event loop."""
+    spec = request.response_format
+    if spec is None:
+        return request
+    try:
+        compiler = grammars()
+        grammar = compiler.json_object() if spec["type"] == "json_object" else compiler.json_schema(spec["schema"])
+    except SpecdraftError as exc:
+        raise BadRequest(str(exc), "response_format") from None
+    request.config = replace(request.config, logits_processor=chain_processors(request.config.logits_processor,
+                                                                                 grammar))
     return request
 
 
