@@ -13,8 +13,8 @@ norm(max(0, p - q)), which is not p, so dropping it would bias the answer); what
 deterministic token (q a point mass, or greedy decoding) goes too: there norm(max(0, p - q)) = p, since p(x) = 0.
 
 JSON is compact here (no whitespace but the space after ``,`` and ``:``), and a token holding a control character
-(U+0000 to U+001F) is never allowed: xgrammar's schema grammars let one stand unescaped inside a string (its issue
-#286), which is not JSON (RFC 8259, Sec. 7), and compact JSON needs none elsewhere.
+(U+0000 to U+001F) is never allowed: xgrammar's schema grammars let one stand unescaped inside a string
+(mlc-ai/xgrammar#286), which is not JSON (RFC 8259, Sec. 7), and compact JSON needs none elsewhere.
 """
 
 from __future__ import annotations
