@@ -26,6 +26,7 @@ ARCHITECTURE = Path(__file__).resolve().parent.parent / "docs" / "architecture.m
 # Layer of a module, by its longest matching prefix (every module has one: test_every_module_has_a_layer).
 LAYERS = {
     "errors": 0, "files": 0, "hardware": 0, "compat": 0, "prompts": 0, "stopping": 0, "sampling": 0, "trees": 0,
+    "grammar": 0,
     "verification": 0, "stats": 0, "draft_vocab": 0, "datastore_index": 0, "models": 0, "heads": 0, "costs": 0,
     "corpus": 0, "tau": 0, "engines": 0,
     "drafters": 1,

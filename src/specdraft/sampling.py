@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -43,6 +44,117 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+class LogitsProcessor(Protocol):
+    """Changes the target's logits before warping (:func:`warp` runs once, after), at every row of a verify, each row
+    seeing the tokens before it: row 0 follows the committed tokens, row i + 1 follows them and the draft's path to
+    node i. Speculative sampling stays exact for any such processing, since p is processed row by row exactly as
+    plain decoding would process it at that position (Leviathan et al. 2023, Appendix A, for any p)."""
+
+    def __call__(self, logits: torch.Tensor, generated: torch.Tensor, tokens: torch.Tensor,
+                 parents: torch.Tensor | None) -> torch.Tensor:
+        """Args:
+            logits: (n + 1, V) the target's logits at the root and at every draft node.
+            generated: (G,) the tokens generated so far (the prompt excluded).
+            tokens: (n,) the draft's tokens; parents: (n,) its tree, or None for a chain.
+        Returns:
+            (n + 1, V) float32 processed logits.
+        """
+        ...
+
+
+@runtime_checkable
+class ForkingProcessor(Protocol):
+    """A processor with state of its own per sequence (a grammar matcher): each sequence decodes with a fork."""
+
+    def fork(self) -> LogitsProcessor:
+        ...
+
+
+@runtime_checkable
+class DraftChecker(Protocol):
+    """A processor that knows, before verification, which draft tokens it forbids outright (a grammar)."""
+
+    def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """(n,) bool: whether each draft node's path (after ``generated``) can still have p > 0."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChainedProcessors:
+    """Several processors applied in order (penalties and a grammar mask); forks and draft checks pass through."""
+
+    processors: tuple
+
+    def __call__(self, logits: torch.Tensor, generated: torch.Tensor, tokens: torch.Tensor,
+                 parents: torch.Tensor | None) -> torch.Tensor:
+        for processor in self.processors:
+            logits = processor(logits, generated, tokens, parents)
+        return logits
+
+    def fork(self) -> ChainedProcessors:
+        return ChainedProcessors(tuple(p.fork() if isinstance(p, ForkingProcessor) else p for p in self.processors))
+
+    def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
+                      ) -> torch.Tensor:
+        allowed = torch.ones(tokens.shape[0], dtype=torch.bool)  # (n,)
+        for processor in self.processors:
+            if isinstance(processor, DraftChecker):
+                allowed &= processor.allowed_nodes(generated, tokens, parents)
+        return allowed
+
+
+def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:
+    """The processors given (None ones left out) as one: None, the only one, or :class:`ChainedProcessors`."""
+    kept = tuple(p for p in processors if p is not None)
+    return None if not kept else kept[0] if len(kept) == 1 else ChainedProcessors(kept)
+
+
+def path_counts(generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
+                vocab_size: int) -> torch.Tensor:
+    """How often each token occurs before each row of a verify: the generated tokens, then the draft's path.
+
+    Args:
+        generated: (G,); tokens: (n,); parents: (n,) with parents before children, or None for a chain.
+    Returns:
+        (n + 1, V) float32 counts: row 0 counts ``generated``, row i + 1 adds the path from the root to node i.
+    """
+    base = torch.bincount(generated, minlength=vocab_size).float()  # (V,)
+    steps = torch.nn.functional.one_hot(tokens, vocab_size).float()  # (n, V)
+    if parents is None:
+        return torch.cat([base[None], base + steps.cumsum(0)])  # (n + 1, V)
+    counts = base.repeat(tokens.shape[0] + 1, 1)  # (n + 1, V)
+    for node, parent in enumerate(parents.tolist()):
+        counts[node + 1] = counts[parent + 1] + steps[node]
+    return counts
+
+
+@dataclass(frozen=True)
+class LogitPenalties:
+    """OpenAI's ``logit_bias``, ``frequency_penalty`` and ``presence_penalty`` as a :class:`LogitsProcessor`:
+    logit[t] + bias[t] - frequency_penalty * c[t] - presence_penalty * (c[t] > 0), where c[t] counts token t in the
+    text generated so far (the prompt excluded, as vLLM does), draft tokens before the row included."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias) or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    def __call__(self, logits: torch.Tensor, generated: torch.Tensor, tokens: torch.Tensor,
+                 parents: torch.Tensor | None) -> torch.Tensor:
+        out = logits.float().clone()  # (n + 1, V)
+        if self.logit_bias:
+            ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long)  # (B,)
+            out[:, ids] += torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32)
+        if self.frequency_penalty or self.presence_penalty:
+            counts = path_counts(generated, tokens, parents, out.shape[-1])  # (n + 1, V)
+            out -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).float()
+        return out
 
 
 def warp(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

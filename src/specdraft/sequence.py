@@ -19,12 +19,14 @@ import torch
 from specdraft.costs import cost_curve
 from specdraft.drafters.base import Draft, Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
 from specdraft.errors import SpecdraftError
+from specdraft.grammar import grammar_cut
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import SamplingConfig
+from specdraft.sampling import DraftChecker, ForkingProcessor, LogitsProcessor, SamplingConfig
 from specdraft.speculation import SPECULATION, AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepBounds, propose
 from specdraft.stats import GenerationStats
 from specdraft.step import STEP_ROOM, StepInput, StepResult, StepTarget
 from specdraft.stopping import Stopper
+from specdraft.trees import keep_nodes
 
 MAX_NUM_DRAFT_TOKENS = STEP_ROOM // 2 - 1  # the largest γ: a step's draft and its padding fit in STEP_ROOM slots
 
@@ -50,6 +52,9 @@ class GenerationConfig:
     max_draft_batch: int = field(default=0, metadata={
         "help": "draft only in steps that decode at most this many sequences together, plainly in fuller ones "
                 "(as vLLM's speculative_disable_by_batch_size); 0 = at every batch size"})
+    logits_processor: LogitsProcessor | None = field(default=None, metadata={
+        "help": "changes the target's logits before warping at every verified position (logit bias, penalties); "
+                "None = none"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -138,6 +143,7 @@ class SequenceState:
     row: int = 0
     tag: object = None  # the caller's handle (a request, an index)
     error: Exception | None = None  # why this sequence alone failed (finish_reason "error"); a batch went on
+    processor: LogitsProcessor | None = None  # the config's logits processor, this sequence's own fork of it
 
     @classmethod
     def start(cls, target: CausalLM, prompt_ids: Sequence[int] | torch.Tensor, drafter: Drafter | None,
@@ -156,8 +162,11 @@ class SequenceState:
         cache = new_cache(prompt.numel() + config.max_new_tokens)
         drafter.begin(target, cache)
         share_target_cache(drafter, cache)  # GliDe reads the target's keys and values
+        processor = config.logits_processor
+        if isinstance(processor, ForkingProcessor):  # a grammar matcher per sequence
+            processor = processor.fork()
         return cls(prompt, config, drafter, policy, generator, stopper, cache, target.max_context, prompt,
-                   target_features(drafter))  # Medusa / EAGLE read the target's features
+                   target_features(drafter), processor=processor)  # Medusa / EAGLE read the target's features
 
     def prefill(self, target: StepTarget) -> None:
         """Feed all of the prompt but its last token, on the causal path, before the first step (as gpt-fast does):
@@ -175,11 +184,28 @@ class SequenceState:
         length = self.context.shape[0]
         bounds = StepBounds(self.config.max_new_tokens - len(self.generated) - 1, room,
                             self.max_context - 1 - length, sequences)
-        return propose(self.policy, self.drafter, self.context, cached, bounds, self.config.sampling, self.generator)
+        draft = propose(self.policy, self.drafter, self.context, cached, bounds, self.config.sampling,
+                        self.generator)
+        return self._cut_refused(draft)
+
+    def _cut_refused(self, draft: Draft) -> Draft:
+        """``draft`` without what the processor forbids outright (a grammar), where dropping it is exact
+        (:func:`specdraft.grammar.grammar_cut`)."""
+        if len(draft) == 0 or not isinstance(self.processor, DraftChecker):
+            return draft
+        allowed = self.processor.allowed_nodes(self.context[self.prompt.shape[0]:], draft.tokens, draft.parents)
+        keep = grammar_cut(allowed, draft.parents, self.config.sampling.greedy or draft.q is None)  # (n,)
+        if bool(keep.all()):
+            return draft
+        if draft.parents is None:
+            return draft.select(keep.nonzero().flatten(), None)
+        kept, parents = keep_nodes(draft.parents, keep)
+        return draft.select(kept, parents)
 
     def step_input(self, draft: Draft) -> StepInput:
         """This sequence's part of a step that verifies ``draft``."""
-        return StepInput(self.context, draft, self.config.sampling, self.generator)
+        return StepInput(self.context, draft, self.config.sampling, self.generator, self.processor,
+                         self.prompt.shape[0])
 
     def commit(self, draft: Draft, step: StepResult, draft_seconds: float, verify_seconds: float) -> list[int]:
         """Take the verified step: the tokens up to EOS, a stop string or ``max_new_tokens`` join the context, the

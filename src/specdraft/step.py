@@ -23,7 +23,7 @@ import torch
 
 from specdraft.drafters.base import Draft, TargetFeatures
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import SamplingConfig, check_finite
+from specdraft.sampling import LogitsProcessor, SamplingConfig, check_finite
 from specdraft.trees import chain_parents, verify_layout
 from specdraft.verification import VerifyResult, verify
 
@@ -59,19 +59,22 @@ def lay_out(context: torch.Tensor, cached: int, draft: Draft) -> Layout:
 
 @dataclass(frozen=True)
 class StepInput:
-    """One sequence's part of a step: its context (N,) long, its draft, its sampling settings and generator."""
+    """One sequence's part of a step: its context (N,) long, its draft, its sampling settings and generator, and the
+    processor of the target's logits (None: none), which sees the context past ``prompt_length``."""
 
     context: torch.Tensor
     draft: Draft
     sampling: SamplingConfig
     generator: torch.Generator | None
+    processor: LogitsProcessor | None = None
+    prompt_length: int = 0
 
 
 @dataclass(frozen=True)
 class StepResult:
     """One sequence's outcome: the verification result (with the target's features of the committed tokens and the
     auxiliary branch's logits, when fed), the accepted draft tokens, and the target's logits (N + 1, V) at the root
-    and at every node."""
+    and at every node (after the step's logits processor, when it had one: the logits it verified against)."""
 
     result: VerifyResult
     accepted: list[int]
@@ -145,13 +148,16 @@ def roll_back(cache: KVCache, first_node: int, nodes: Sequence[int]) -> None:
 
 
 def settle(cache: KVCache, start: int, layout: Layout, logits: torch.Tensor, features: torch.Tensor | None,
-           sampling: SamplingConfig, generator: torch.Generator | None) -> StepResult:
-    """Verify one sequence on its logits (T, V) of the forward that fed ``layout`` at cache slot ``start``, and roll
+           step: StepInput) -> StepResult:
+    """Verify one sequence on its logits (T, V) of the forward that fed ``layout`` at cache slot ``start`` (after
+    ``step.processor``, row by row, each row seeing the generated tokens and the draft's path before it), and roll
     its cache back to the accepted path."""
     draft, tail = layout.draft, layout.tail
     check_finite(logits[tail - 1 :], "target")
     rows = logits[tail - 1 : tail + len(draft)]  # (N + 1, V): the root, then every node
-    result = verify(draft.tokens, draft.parents, draft.q, rows, sampling, generator, draft.rollback)
+    if step.processor is not None:
+        rows = step.processor(rows, step.context[step.prompt_length :], draft.tokens, draft.parents)  # (N + 1, V)
+    result = verify(draft.tokens, draft.parents, draft.q, rows, step.sampling, step.generator, draft.rollback)
     nodes = list(result.accepted_nodes)
     roll_back(cache, start + tail, nodes)
     if draft.aux is not None:
@@ -173,8 +179,7 @@ def speculative_step(target: StepTarget, inputs: Sequence[StepInput], isolate: b
     results: list[StepResult | Exception] = []
     for row, (step, layout, (logits, features)) in enumerate(zip(inputs, layouts, outputs, strict=True)):
         try:
-            results.append(settle(target.row_cache(row), starts[row], layout, logits, features, step.sampling,
-                                  step.generator))
+            results.append(settle(target.row_cache(row), starts[row], layout, logits, features, step))
         except Exception as exc:
             if not isolate:
                 raise

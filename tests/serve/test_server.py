@@ -12,7 +12,7 @@ from specdraft.api import eos_token_ids, load_target
 from specdraft.decoding import generate
 from specdraft.drafters import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig
+from specdraft.sampling import LogitPenalties, SamplingConfig
 from specdraft.sequence import GenerationConfig
 from specdraft.serve import ServeConfig, build_server_app
 from specdraft.serve.engine import Engine, QueueFull, Request
@@ -55,6 +55,26 @@ def test_chat_completion_equals_batch_one_greedy(client, reference):
     assert response.choices[0].finish_reason == ("length" if result.finish_reason == "length" else "stop")
     assert response.usage.prompt_tokens == prompt_tokens
     assert response.usage.completion_tokens == len(result.token_ids)
+
+
+def test_logit_bias_and_penalties_equal_batch_one_greedy_with_the_same_processing(client, tiny_checkpoint):
+    """The request's bias and penalties reach every verified position: the answer is batch-1 decoding's with the
+    same :class:`LogitPenalties`, and differs from the answer without them."""
+    target, tokenizer = load_target(str(tiny_checkpoint))
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+    penalties = LogitPenalties(((10, 3.0), (20, -100.0)), frequency_penalty=1.5, presence_penalty=0.5)
+    config = GenerationConfig(30, 4, eos_token_ids=eos_token_ids(tokenizer, str(tiny_checkpoint)),
+                              logits_processor=penalties)
+    expected = generate(target, ids, PromptLookupDrafter(), config).token_ids
+    fields = dict(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0)
+    response = client.chat.completions.create(**fields, logit_bias={"10": 3, "20": -100}, frequency_penalty=1.5,
+                                              presence_penalty=0.5)
+    assert response.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert response.choices[0].message.content != client.chat.completions.create(**fields).choices[0].message.content
+    completion = client.completions.create(model="tiny", prompt=ids, max_tokens=30, temperature=0,
+                                           logit_bias={"10": 3, "20": -100}, frequency_penalty=1.5,
+                                           presence_penalty=0.5)
+    assert completion.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_streaming_equals_non_streaming(client, reference):

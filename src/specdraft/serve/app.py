@@ -37,6 +37,7 @@ from specdraft.serve.protocol import (
     check,
     chunk_body,
     completion_body,
+    constrain,
     error_body,
     new_id,
     tokenize,
@@ -72,6 +73,15 @@ class _Server:
     eos: tuple[int, ...]
     drain: Drain
     pool: ThreadPoolExecutor  # one thread: tokenising off the event loop, one prompt at a time
+    compiler: object = None  # the GrammarCompiler, made in the pool on the first response_format
+
+    def grammars(self):
+        """The server's :class:`~specdraft.grammar.GrammarCompiler` (made on first use, in the pool's thread)."""
+        if self.compiler is None:
+            from specdraft.grammar import GrammarCompiler
+
+            self.compiler = GrammarCompiler(self.tokenizer, self.engine.vocab_size, self.eos)
+        return self.compiler
 
 
 def build_app(engine: Engine, tokenizer, serve: ServeConfig, eos: tuple[int, ...]) -> FastAPI:
@@ -171,8 +181,9 @@ async def _parse(http: HTTPRequest, chat: bool, server: _Server) -> ParsedReques
         raise BadRequest(f"unreadable JSON in the request body: {type(exc).__name__}: {exc}") from None
     parsed = check(body, chat, server.serve, server.eos, server.engine.vocab_size)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(server.pool, tokenize, parsed, server.tokenizer, server.serve,
-                                      server.engine.context)
+    parsed = await loop.run_in_executor(server.pool, tokenize, parsed, server.tokenizer, server.serve,
+                                        server.engine.context)
+    return await loop.run_in_executor(server.pool, constrain, parsed, server.grammars)
 
 
 async def _complete(http: HTTPRequest, chat: bool, server: _Server, endpoint: str):
@@ -233,7 +244,8 @@ async def _collect(http, request: Request, parsed: ParsedRequest, server: _Serve
         _finish(server, request)
     wholes = [stream.whole for stream in logprobs] if parsed.logprobs is not None else None
     body = completion_body(request_id, server.serve.model_id, parsed.chat, texts, reasons,
-                           usage(len(parsed.prompt_ids), request.completion_tokens), wholes)
+                           usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict()),
+                           wholes)
     return SafeJSON(body)
 
 
@@ -286,6 +298,7 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
             yield _sse(chunk_body(request_id, model, chat, event.index, None, event.finish_reason))
     if parsed.include_usage:
         chunk = chunk_body(request_id, model, chat, 0, None, None)
-        chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens)
+        chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens,
+                                                    request.speculation.to_dict())
         yield _sse(chunk)
     yield _sse("[DONE]")

@@ -31,7 +31,7 @@ from specdraft.drafters.base import Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.sequence import GenerationConfig, SequenceState
-from specdraft.serve.metrics import Metrics
+from specdraft.serve.metrics import Metrics, SpeculationTally
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Request:
     cancelled: bool = False
     completion_tokens: int = 0
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
+    speculation: SpeculationTally = field(default_factory=SpeculationTally)  # its finished sequences' counters
 
     def generator(self, index: int) -> torch.Generator:
         """Choice ``index``'s generator: seeded ``(seed + index) mod 2**64`` (torch's seed range), else at random."""
@@ -212,6 +213,8 @@ class Engine:
                 self._failed(seq)
                 continue
             request.completion_tokens += len(tokens)
+            if seq.finish_reason is not None:  # counted before the last event: the answer's usage reads it
+                request.speculation.add(seq.stats)
             request.emit(Event(index, tokens, seq.finish_reason, logprobs=self._token_logprobs(seq, tokens)))
             if seq.finish_reason is not None:
                 self._finished(seq)
@@ -263,12 +266,7 @@ class Engine:
                 self.online.finished(seq)
             except Exception:  # recording is best effort: serving goes on
                 log.exception("recording a finished sequence for online distillation failed")
-        stats = self.metrics
-        stats.sequences_finished += 1
-        stats.target_forward_calls += seq.stats.target_forward_calls
-        stats.finished_tokens += seq.stats.new_tokens
-        stats.draft_tokens_proposed += seq.stats.draft_tokens_proposed
-        stats.draft_tokens_accepted += seq.stats.draft_tokens_accepted
+        self.metrics.record_finished(seq.drafter.name, seq.stats)
 
     def _fail_all(self, message: str, status: int) -> None:
         with self._cond:

@@ -1,6 +1,9 @@
 """Server counters in the Prometheus text exposition format (version 0.0.4), in the project's glossary: block
 efficiency τ = generated tokens / target forward calls (per sequence), acceptance rate = accepted / proposed
-draft tokens."""
+draft tokens, acceptance at draft position i = accepted / reached there (a position is reached when every draft
+token before it was accepted; positions count from 1), and the draft lengths verified per step (what the
+speculation policy chose). Speculation counters are per drafter (label ``drafter``) as well as overall; each
+request's own figures are a :class:`SpeculationTally` too (``usage.speculation`` of its response)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,80 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _WINDOW_S = 10.0  # tokens/s is measured over the last this many seconds of steps
+
+
+def _grow(counts: list[int], size: int) -> None:
+    counts += [0] * (size - len(counts))
+
+
+@dataclass
+class SpeculationTally:
+    """Speculation counters summed over sequences (:class:`~specdraft.stats.GenerationStats` of each)."""
+
+    new_tokens: int = 0
+    target_forward_calls: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    reached_per_position: list[int] = field(default_factory=list)  # [i]: steps whose draft reached position i + 1
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: ... and accepted its token there
+    draft_length_counts: list[int] = field(default_factory=list)  # [n]: steps that verified n draft tokens
+
+    def add(self, stats) -> None:
+        """Add one sequence's :class:`~specdraft.stats.GenerationStats`."""
+        self.new_tokens += stats.new_tokens
+        self.target_forward_calls += stats.target_forward_calls
+        self.draft_tokens_proposed += stats.draft_tokens_proposed
+        self.draft_tokens_accepted += stats.draft_tokens_accepted
+        for mine, theirs in ((self.reached_per_position, stats.reached_per_position),
+                             (self.accepted_per_position, stats.accepted_per_position),
+                             (self.draft_length_counts, stats.draft_length_counts)):
+            _grow(mine, len(theirs))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.new_tokens / self.target_forward_calls if self.target_forward_calls else 0.0
+
+    def to_dict(self) -> dict:
+        """The JSON of ``usage.speculation``."""
+        return {"target_forward_calls": self.target_forward_calls, "block_efficiency": self.block_efficiency,
+                "draft_tokens_proposed": self.draft_tokens_proposed,
+                "draft_tokens_accepted": self.draft_tokens_accepted,
+                "reached_per_position": list(self.reached_per_position),
+                "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate_per_position": [a / r if r else None for a, r in
+                                                 zip(self.accepted_per_position, self.reached_per_position,
+                                                     strict=True)],
+                "draft_length_counts": list(self.draft_length_counts)}
+
+    def lines(self, drafter: str) -> list[str]:
+        """Prometheus samples of this tally under the label ``drafter``."""
+        label = f'drafter="{_escape(drafter)}"'
+        out = [f"specdraft_drafter_draft_tokens_proposed_total{{{label}}} {self.draft_tokens_proposed}",
+               f"specdraft_drafter_draft_tokens_accepted_total{{{label}}} {self.draft_tokens_accepted}"]
+        out += [f'specdraft_draft_position_reached_total{{{label},position="{i + 1}"}} {c}'
+                for i, c in enumerate(self.reached_per_position)]
+        out += [f'specdraft_draft_position_accepted_total{{{label},position="{i + 1}"}} {c}'
+                for i, c in enumerate(self.accepted_per_position)]
+        out += [f'specdraft_draft_length_steps_total{{{label},length="{n}"}} {c}'
+                for n, c in enumerate(self.draft_length_counts) if c]
+        return out
+
+
+def _escape(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+_PER_DRAFTER = [  # (name, help) of the per-drafter families, in the order of SpeculationTally.lines
+    ("drafter_draft_tokens_proposed_total", "draft tokens proposed, by drafter (finished sequences)"),
+    ("drafter_draft_tokens_accepted_total", "draft tokens accepted, by drafter (finished sequences)"),
+    ("draft_position_reached_total", "draft positions reached (every earlier draft token accepted), by drafter "
+                                     "and position (from 1)"),
+    ("draft_position_accepted_total", "draft tokens accepted at each position, by drafter and position (from 1)"),
+    ("draft_length_steps_total", "steps that verified a draft of each length, by drafter (0: a plain step)"),
+]
 
 
 @dataclass
@@ -31,6 +108,7 @@ class Metrics:
     draft_tokens_accepted: int = 0
     queue_length: int = 0
     running: int = 0
+    per_drafter: dict[str, SpeculationTally] = field(default_factory=dict)  # drafter name -> its counters
     extra: Callable[[], list[str]] | None = None  # more Prometheus lines (online distillation)
     _recent: collections.deque = field(default_factory=collections.deque)  # (time, tokens) of recent steps
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -43,6 +121,16 @@ class Metrics:
         """An error event sent in a stream (its response had already started with status 200)."""
         with self._lock:
             self.stream_errors[(endpoint, status)] += 1
+
+    def record_finished(self, drafter: str, stats) -> None:
+        """A finished sequence's :class:`~specdraft.stats.GenerationStats`, drafted by ``drafter``."""
+        with self._lock:
+            self.sequences_finished += 1
+            self.target_forward_calls += stats.target_forward_calls
+            self.finished_tokens += stats.new_tokens
+            self.draft_tokens_proposed += stats.draft_tokens_proposed
+            self.draft_tokens_accepted += stats.draft_tokens_accepted
+            self.per_drafter.setdefault(drafter, SpeculationTally()).add(stats)
 
     def record_step(self, now: float, tokens: int, rows: int) -> None:
         with self._lock:
@@ -96,6 +184,12 @@ class Metrics:
         for name, kind, help_text, value in metrics:
             lines += [f"# HELP specdraft_{name} {help_text}", f"# TYPE specdraft_{name} {kind}",
                       f"specdraft_{name} {value:g}" if isinstance(value, float) else f"specdraft_{name} {value}"]
+        with self._lock:
+            samples = [tally.lines(name) for name, tally in sorted(self.per_drafter.items())]
+        for name, help_text in _PER_DRAFTER:
+            lines += [f"# HELP specdraft_{name} {help_text}",
+                      f"# TYPE specdraft_{name} counter"]
+            lines += [line for drafter in samples for line in drafter if line.startswith(f"specdraft_{name}{{")]
         if self.extra is not None:
             lines += self.extra()
         return "\n".join(lines) + "\n"

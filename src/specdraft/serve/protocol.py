@@ -5,33 +5,42 @@ limit) and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}
 :func:`check` reads every field and applies every limit that needs no tokenizer (numbers in range, prompt
 characters), cheaply, on the event loop; :func:`tokenize` then encodes the prompt, off the event loop.
 
-Fields: those OpenAI defines that this server implements, plus the extension ``top_k``. A field it does not
+Fields: those OpenAI defines that this server implements, plus the extension ``top_k``. ``logit_bias``,
+``frequency_penalty`` and ``presence_penalty`` become the request's
+:class:`~specdraft.sampling.LogitPenalties`, applied to the target's logits before warping at every verified
+position; ``response_format`` (``json_object``, ``json_schema``) is checked here and compiled into a grammar mask
+(:mod:`specdraft.grammar`) by :func:`constrain`, off the event loop. A field it does not
 implement is refused by name, unless it carries the value that changes nothing (``frequency_penalty: 0``,
 ``tools: []``, ``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
 
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig
+from specdraft.sampling import LogitPenalties, SamplingConfig, chain_processors
 from specdraft.sequence import GenerationConfig
 from specdraft.serve.config import ServeConfig
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (top_logprobs; logprobs of /v1/completions)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 .. 2
+MAX_PENALTY = 2.0  # frequency_penalty and presence_penalty: OpenAI's range is -2 .. 2
+MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range is -100 .. 100
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on the tokens one logit_bias names
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
 
 _BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
-                   "stream_options", "logprobs", "user"})
+                   "stream_options", "logprobs", "user", "logit_bias", "frequency_penalty", "presence_penalty",
+                   "response_format"})
 _FIELDS = {True: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"}, False: _BOTH | {"prompt"}}
 _NEUTRAL = {  # fields this server does not implement, accepted only at the value that changes nothing
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+    "tools": ([],), "functions": ([],),
     "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,), "echo": (False,),
+    "modalities": (["text"],), "store": (False,), "echo": (False,),
     "best_of": (1,), "suffix": ("",),
 }
 _ROLES = ("system", "user", "assistant", "developer")
@@ -68,6 +77,7 @@ class ParsedRequest:
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely alternatives
     max_tokens_given: bool = True  # False: the default max_tokens, shortened to fit the context
     prompt_ids: list[int] | None = None  # set by :func:`tokenize`
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
 
 
 def _show(value) -> str:
@@ -218,6 +228,73 @@ def _sampling(body: dict, vocab_size: int) -> SamplingConfig:
     return SamplingConfig(temperature, min(top_k, vocab_size), top_p)
 
 
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object from token ids (JSON keys, so strings of decimal digits) to biases in
+    [-100, 100], at most 300 of them, each id in the vocabulary; ids in order, each once."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BadRequest(f"logit_bias must be an object mapping token ids to numbers, got {_show(bias)}",
+                         "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise BadRequest(f"logit_bias names {len(bias)} tokens, more than {MAX_LOGIT_BIAS_ENTRIES}", "logit_bias")
+    pairs: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 else None
+        if token is None or not token < vocab_size:
+            raise BadRequest(f"logit_bias key {_show(key)} is not a token id of the vocabulary (0 .. "
+                             f"{vocab_size - 1})", "logit_bias")
+        if token in pairs:
+            raise BadRequest(f"logit_bias names token {token} twice", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN and infinities fail the range
+            raise BadRequest(f"logit_bias[{key!r}] must be a number in [-100, 100], got {_show(value)}",
+                             "logit_bias")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def _penalties(body: dict, vocab_size: int) -> LogitPenalties | None:
+    """The request's logit bias and penalties, or None when they change nothing."""
+    penalties = LogitPenalties(_logit_bias(body, vocab_size),
+                               _number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                               _number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY))
+    return penalties if penalties.active else None
+
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(body: dict) -> dict | None:
+    """``response_format``: ``{"type": "text"}`` (None), ``{"type": "json_object"}``, or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "description"?, "strict"?}}`` as OpenAI defines them (the schema is checked
+    when it is compiled, :func:`constrain`)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise BadRequest("response_format must be an object with type text, json_object or json_schema",
+                         "response_format")
+    extra = sorted(set(value) - {"type", "json_schema"} if kind == "json_schema" else set(value) - {"type"})
+    if extra:
+        raise BadRequest(f"response_format.{extra[0]} is not supported for type {kind}", "response_format")
+    if kind != "json_schema":
+        return None if kind == "text" else {"type": kind}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not set(spec) <= {"name", "schema", "description", "strict"}:
+        raise BadRequest("response_format.json_schema must be an object of name, schema, description and strict",
+                         "response_format")
+    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.fullmatch(spec["name"]):
+        raise BadRequest("response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+                         "response_format")
+    if not isinstance(spec.get("schema", {}), dict) or not isinstance(spec.get("strict") or False, bool):
+        raise BadRequest("response_format.json_schema.schema must be an object and strict true or false",
+                         "response_format")
+    return {"type": kind, "schema": spec.get("schema", {})}
+
+
 def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int) -> ParsedRequest:
     """Check every field of a request body against the OpenAI schema and the server's limits; nothing tokenised."""
     if not isinstance(body, dict):
@@ -238,15 +315,16 @@ def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size
             not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("stream_options must be an object with at most include_usage (true or false)",
                          "stream_options")
-    stop, logprobs = _stop(body), _logprobs(body, chat)
+    stop, logprobs, penalties = _stop(body), _logprobs(body, chat), _penalties(body, vocab_size)
     try:
-        config = serve.generation(max_tokens, _sampling(body, vocab_size), eos, stop)
+        config = replace(serve.generation(max_tokens, _sampling(body, vocab_size), eos, stop),
+                         logits_processor=penalties)
         if seed is not None and not config.sampling.greedy:  # adaptive draft lengths follow timings, and each
             config = replace(config, speculation="fixed")  # draws its own random numbers: a seed replays only fixed
     except SpecdraftError as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest(source, config, n, seed, stream, bool(options.get("include_usage", False)), stop, chat,
-                         logprobs, body.get(name) is not None)
+                         logprobs, body.get(name) is not None, response_format=_response_format(body))
 
 
 def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int) -> ParsedRequest:
@@ -280,6 +358,24 @@ def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int
     return request
 
 
+def constrain(request: ParsedRequest, grammars) -> ParsedRequest:
+    """Compile the request's ``response_format`` into a grammar mask (``grammars``: a callable that gives the
+    server's :class:`~specdraft.grammar.GrammarCompiler`, made on first use) and chain it after the request's
+    penalties. A schema the grammar cannot take, or a server without the grammar library, is bad input (400).
+    Compiling takes milliseconds (cached by schema): run it off the event loop."""
+    spec = request.response_format
+    if spec is None:
+        return request
+    try:
+        compiler = grammars()
+        grammar = compiler.json_object() if spec["type"] == "json_object" else compiler.json_schema(spec["schema"])
+    except SpecdraftError as exc:
+        raise BadRequest(str(exc), "response_format") from None
+    request.config = replace(request.config, logits_processor=chain_processors(request.config.logits_processor,
+                                                                                 grammar))
+    return request
+
+
 def parse(body, chat: bool, tokenizer, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int,
           context: int) -> ParsedRequest:
     """:func:`check`, then :func:`tokenize` (in the calling thread)."""
@@ -295,9 +391,12 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None = None) -> dict:
+    """OpenAI's usage, with the extension ``speculation`` (the request's own speculation counters, summed over its
+    choices: :meth:`specdraft.serve.metrics.SpeculationTally.to_dict`) when given."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    return body if speculation is None else body | {"speculation": speculation}
 
 
 def completion_body(request_id: str, model: str, chat: bool, texts: list[str], reasons: list[str | None],

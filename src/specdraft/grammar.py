@@ -1,0 +1,252 @@
+"""Structured outputs: a grammar's token mask on the target's p at every verified position, with xgrammar (Dong et
+al. 2024, *XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models*), an optional
+dependency (the ``grammar`` extra).
+
+Exact under speculation. :class:`GrammarProcessor` is a :class:`~specdraft.sampling.LogitsProcessor`: at each row
+of a verify it advances a matcher along the committed tokens and the draft's path to that row, masks the target's
+logits there (forbidden tokens at -inf, before warping), and rolls the matcher back, so each row's p is the masked
+p plain constrained decoding would use at that position. A row behind a draft token the grammar refuses is never
+reached (that token has p = 0, so it is rejected), and is left unmasked. Before verification,
+:meth:`GrammarProcessor.allowed_nodes` tells which draft tokens the grammar allows; :func:`grammar_cut` keeps the
+draft up to them. A refused token with a draft distribution q stays (its rejection draws the recovered token from
+norm(max(0, p - q)), which is not p, so dropping it would bias the answer); what follows it goes. A refused
+deterministic token (q a point mass, or greedy decoding) goes too: there norm(max(0, p - q)) = p, since p(x) = 0.
+
+JSON is compact here (no whitespace but the space after ``,`` and ``:``), and a token holding a control character
+(U+0000 to U+001F) is never allowed: xgrammar's schema grammars let one stand unescaped inside a string
+(mlc-ai/xgrammar#286), which is not JSON (RFC 8259, Sec. 7), and compact JSON needs none elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+GRAMMAR_EXTRA = "pip install 'specdraft[grammar]' (xgrammar)"
+
+# JSON Schema keywords the compiled grammar honours (OpenAI's structured-output subset, as xgrammar converts it);
+# any other keyword in a schema is refused by name rather than silently ignored.
+SCHEMA_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",
+    "oneOf", "$ref", "$defs", "definitions", "description", "title", "default", "examples", "$schema", "$id",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format",
+    "minItems", "maxItems", "minProperties", "maxProperties", "propertyNames", "strict", "nullable",
+})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
+_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames")  # keyword -> schema (or a bool)
+
+
+def unsupported_schema_feature(schema, where: str = "#") -> str | None:
+    """The first keyword of ``schema`` outside :data:`SCHEMA_KEYWORDS` (or a ``$ref`` that is not local), as
+    "keyword at path", or None."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"a schema that is not an object at {where}"
+    for key, value in schema.items():
+        if key not in SCHEMA_KEYWORDS:
+            return f"{key!r} at {where}"
+        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            return f"a $ref that is not local ({value!r}) at {where}"
+        children = []
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            children = [(f"{where}/{key}/{name}", sub) for name, sub in value.items()]
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            children = [(f"{where}/{key}/{i}", sub) for i, sub in enumerate(value)]
+        elif key in _SUBSCHEMAS:
+            children = [(f"{where}/{key}", value)]
+        for path, sub in children:
+            found = unsupported_schema_feature(sub, path)
+            if found is not None:
+                return found
+    return None
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise SpecdraftError(f"structured outputs need the grammar library: {GRAMMAR_EXTRA}") from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles JSON grammars for one tokenizer and vocabulary, caching the last ``cache_size`` by schema.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer; vocab_size: the target's logits (V); stop_token_ids: the ids that end
+            an answer, allowed once the grammar is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], cache_size: int = 64) -> None:
+        xgr = _xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self._start(info, vocab_size, cache_size)
+
+    @classmethod
+    def from_vocab(cls, tokens: list[str], stop_token_ids: tuple[int, ...], cache_size: int = 64) -> GrammarCompiler:
+        """A compiler for a vocabulary given as each token's text (token i is ``tokens[i]``)."""
+        xgr = _xgrammar()
+        compiler = cls.__new__(cls)
+        info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=len(tokens), stop_token_ids=list(stop_token_ids))
+        compiler._start(info, len(tokens), cache_size)
+        return compiler
+
+    def _start(self, info, vocab_size: int, cache_size: int) -> None:
+        self.vocab_size, self.cache_size = vocab_size, cache_size
+        self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1)
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        spellable = torch.ones(vocab_size, dtype=torch.bool)  # (V,) tokens without a control character
+        for token, text in enumerate(info.decoded_vocab[:vocab_size]):
+            spellable[token] = not any(byte < 0x20 for byte in text)
+        spellable[list(info.stop_token_ids)] = True
+        self.spellable = spellable
+
+    def json_object(self) -> GrammarProcessor:
+        """Any JSON object (OpenAI's ``json_object``), compact: no whitespace but after ``,`` and ``:``, so that
+        a model cannot spin in whitespace."""
+        return self._processor("json_object", lambda: self._compile({"type": "object"}, strict=False))
+
+    def json_schema(self, schema: dict) -> GrammarProcessor:
+        """JSON valid against ``schema``, compact as :meth:`json_object`, strict (OpenAI's ``strict: true``: no
+        property outside ``properties`` unless the schema allows more). A schema that is malformed or uses a keyword
+        the grammar would not honour raises :class:`SpecdraftError`."""
+        found = unsupported_schema_feature(schema)
+        if found is not None:
+            raise SpecdraftError(f"unsupported JSON schema feature: {found}")
+        return self._processor("json_schema:" + json.dumps(schema, sort_keys=True),
+                               lambda: self._compile(schema, strict=True))
+
+    def _compile(self, schema: dict, strict: bool):
+        try:
+            return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
+        except RuntimeError as exc:
+            message = str(exc).strip().splitlines()[0]
+            raise SpecdraftError(f"invalid JSON schema: {message.split(': ', 1)[-1][-300:]}") from None
+
+    def _processor(self, key: str, compile_) -> GrammarProcessor:
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = compile_()
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return GrammarProcessor(compiled, self.vocab_size, self.spellable)
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """A (V,) bool mask as xgrammar's bitmask row (ceil(V / 32),) int32: bit j % 32 of word j // 32 is token j."""
+    words = -(-allowed.shape[0] // 32)
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: allowed.shape[0]] = allowed.long()
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(-1)  # (W,) in 0 .. 2**32 - 1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _paths(parents: torch.Tensor | None, n: int) -> list[list[int]]:
+    """Each node's path from the root (node ids, itself last); a chain when ``parents`` is None."""
+    if parents is None:
+        return [list(range(i + 1)) for i in range(n)]
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    return paths
+
+
+class GrammarProcessor:
+    """A grammar's mask as a :class:`~specdraft.sampling.LogitsProcessor` for one sequence (module docstring);
+    :meth:`fork` gives each further sequence its own matcher."""
+
+    def __init__(self, compiled, vocab_size: int, spellable: torch.Tensor | None = None) -> None:
+        self.xgr = _xgrammar()
+        self.compiled, self.vocab_size = compiled, vocab_size
+        self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
+        self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
+        self.matcher = self.xgr.GrammarMatcher(compiled)
+        self.consumed: list[int] = []  # the generated tokens the matcher has accepted
+        self.broken = False  # a committed token the grammar refused (never, when every row was masked)
+
+    def fork(self) -> GrammarProcessor:
+        return GrammarProcessor(self.compiled, self.vocab_size, self.spellable)
+
+    def _sync(self, generated: torch.Tensor) -> None:
+        """Advance the matcher to the end of ``generated`` (a prefix of it is what it has accepted already)."""
+        tokens = generated.tolist()
+        if tokens[: len(self.consumed)] != self.consumed:  # another sequence's tokens: start again
+            self.matcher.reset()
+            self.consumed, self.broken = [], False
+        for token in tokens[len(self.consumed):]:
+            if self.broken or self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                self.broken = True
+            self.consumed.append(token)
+
+    def _walk(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None, visit) -> list[bool]:
+        """For each node, whether the grammar accepts its path; ``visit(row)`` runs with the matcher advanced to the
+        row (0: the root, i + 1: node i) when that row can be masked (path accepted, matcher not terminated)."""
+        self._sync(generated)
+        if self.broken:
+            return [True] * tokens.shape[0]
+        ids = tokens.tolist()
+        if not self.matcher.is_terminated():
+            visit(0)
+        allowed = []
+        for node, path in enumerate(_paths(parents, len(ids))):
+            taken = 0
+            for step in path:
+                if self.matcher.is_terminated() or not self.spellable[ids[step]] or \
+                        not self.matcher.accept_token(ids[step]):
+                    break
+                taken += 1
+            allowed.append(taken == len(path))
+            if allowed[-1] and not self.matcher.is_terminated():
+                visit(node + 1)
+            if taken:
+                self.matcher.rollback(taken)
+        return allowed
+
+    def __call__(self, logits: torch.Tensor, generated: torch.Tensor, tokens: torch.Tensor,
+                 parents: torch.Tensor | None) -> torch.Tensor:
+        """Masked logits (n + 1, V): -inf where the grammar forbids a token at that row."""
+        out = logits.float().clone()  # (n + 1, V)
+        bitmask = self.xgr.allocate_token_bitmask(out.shape[0], self.vocab_size)  # (n + 1, ceil(V / 32)) int32
+        rows: list[int] = []
+
+        def visit(row: int) -> None:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            bitmask[row] &= self._spellable_bits
+            if not bool(bitmask[row].any()):
+                raise SpecdraftError("the grammar allows no token of this vocabulary here: the tokenizer cannot "
+                                     "spell what the response format needs")
+            rows.append(row)
+
+        self._walk(generated, tokens, parents, visit)
+        if rows:
+            self.xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.vocab_size, indices=rows)
+        return out
+
+    def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """(n,) bool: whether the grammar accepts each draft node's path after ``generated``."""
+        return torch.tensor(self._walk(generated, tokens, parents, lambda row: None), dtype=torch.bool)
+
+
+def grammar_cut(allowed: torch.Tensor, parents: torch.Tensor | None, exact_drop: bool) -> torch.Tensor:
+    """Which draft nodes to verify (n,) bool, given the nodes whose path the grammar ``allowed``: the allowed ones,
+    and, unless ``exact_drop`` (greedy decoding, or a deterministic draft), the refused ones whose parent is allowed
+    (their rejection draws from the residual; module docstring)."""
+    if exact_drop:
+        return allowed.clone()
+    n = allowed.shape[0]
+    parent_ok = torch.ones(n, dtype=torch.bool)
+    if n:
+        parent_list = parents.tolist() if parents is not None else list(range(-1, n - 1))
+        parent_ok = torch.tensor([p < 0 or bool(allowed[p]) for p in parent_list], dtype=torch.bool)
+    return parent_ok
