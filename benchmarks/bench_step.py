@@ -45,7 +45,8 @@ def _products(model, rows: int):
 def _attention(model, cache, rows: int):
     """A closure attending ``rows`` new queries over the cache in every layer, as a row-wise step does."""
     config = model.config
-    queries = torch.randn(1, rows, config.num_attention_heads, config.head_dim, dtype=cache.keys[0].dtype)
+    dtype = torch.float32 if cache.keys[0].dtype == torch.float16 else cache.keys[0].dtype  # fp16 caches: fp32 rows
+    queries = torch.randn(1, rows, config.num_attention_heads, config.head_dim, dtype=dtype)
     end = cache.length + rows
     views = [(k[:, :, :end], v[:, :, :end]) for k, v in zip(cache.keys, cache.values, strict=True)]
     mask = torch.ones(rows, end, dtype=torch.bool).tril(cache.length)
