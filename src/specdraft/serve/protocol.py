@@ -9,9 +9,11 @@ Fields: those OpenAI defines that this server implements, plus the extension ``t
 ``frequency_penalty`` and ``presence_penalty`` become the request's
 :class:`~specdraft.sampling.LogitPenalties`, applied to the target's logits before warping at every verified
 position; ``response_format`` (``json_object``, ``json_schema``) is checked here and compiled into a grammar mask
-(:mod:`specdraft.grammar`) by :func:`constrain`, off the event loop. A field it does not
+(:mod:`specdraft.grammar`) by :func:`constrain`, off the event loop. ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (chat) are checked by :mod:`specdraft.serve.tools`, which also renders the prompt; a
+required or named ``tool_choice`` is compiled into the grammar of one call by :func:`constrain`. A field it does not
 implement is refused by name, unless it carries the value that changes nothing (``frequency_penalty: 0``,
-``tools: []``, ``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
+``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ def _message(message, i: int) -> dict:
     for an assistant's calls; :func:`specdraft.serve.tools.check_tool_message`)."""
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
         raise BadRequest(f"messages[{i}] needs a role of system, user, assistant, developer or tool", "messages")
+    if message["role"] == "assistant" and message.get("tool_calls", 0) in (None, []):  # no calls, said explicitly
+        message = {k: v for k, v in message.items() if k != "tool_calls"}
     if message["role"] == "tool" or (message["role"] == "assistant" and "tool_calls" in message):
         try:
             clean = check_tool_message(message, i)
