@@ -159,6 +159,9 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "twice"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 20000}}]}, "tools",
+     "exceed this server's limit"),  # 40,000 characters of tools: over 32 x 1,024
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "combined"),
     ({"messages": [{"role": "tool", "content": "21"}]}, "messages", "tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
         "name": "f", "arguments": "{not json"}}]}]}, "messages", "arguments is not a JSON object"),

@@ -18,6 +18,7 @@ implement is refused by name, unless it carries the value that changes nothing (
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -193,7 +194,8 @@ def _messages(body: dict, serve: ServeConfig) -> list[dict]:
     clean, chars = [], 0
     for i, message in enumerate(messages):
         clean_message = _message(message, i)
-        chars += len(clean_message["content"])
+        chars += len(clean_message["content"]) + sum(len(json.dumps(call["function"]["arguments"]))
+                                                     for call in clean_message.get("tool_calls", ()))
         if chars > serve.prompt_char_limit:
             raise BadRequest(f"the messages exceed this server's limit of {serve.prompt_char_limit} characters",
                              "messages")
@@ -316,6 +318,25 @@ def _response_format(body: dict) -> dict | None:
     return {"type": kind, "schema": spec.get("schema", {})}
 
 
+def _tools(body: dict, messages: list[dict], serve: ServeConfig) -> ToolRequest | None:
+    """The chat request's tools (:func:`specdraft.serve.tools.check_tools`), within the character limit together
+    with the messages, and never beside a ``response_format`` when the answer must be a call."""
+    try:
+        tools = check_tools(body)
+    except ToolError as exc:
+        raise BadRequest(exc.message, exc.param) from None
+    if tools is None:
+        return None
+    shown = len(json.dumps(tools.functions)) if tools.active else 0
+    if shown + sum(len(m["content"]) for m in messages) > serve.prompt_char_limit:
+        raise BadRequest(f"the tools and messages exceed this server's limit of {serve.prompt_char_limit} "
+                         "characters", "tools")
+    if tools.constrained and body.get("response_format") is not None:
+        raise BadRequest("response_format cannot be combined with a required or named tool_choice",
+                         "response_format")
+    return tools
+
+
 def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int) -> ParsedRequest:
     """Check every field of a request body against the OpenAI schema and the server's limits; nothing tokenised."""
     if not isinstance(body, dict):
@@ -337,13 +358,7 @@ def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size
         raise BadRequest("stream_options must be an object with at most include_usage (true or false)",
                          "stream_options")
     stop, logprobs, penalties = _stop(body), _logprobs(body, chat), _penalties(body, vocab_size)
-    try:
-        tools = check_tools(body) if chat else None
-    except ToolError as exc:
-        raise BadRequest(exc.message, exc.param) from None
-    if tools is not None and tools.constrained and body.get("response_format") is not None:
-        raise BadRequest("response_format cannot be combined with a required or named tool_choice",
-                         "response_format")
+    tools = _tools(body, source, serve) if chat else None
     try:
         config = replace(serve.generation(max_tokens, _sampling(body, vocab_size), eos, stop),
                          logits_processor=penalties)
