@@ -132,6 +132,17 @@ def test_streamed_calls_are_assembled_by_the_sdk(client, tool_choice):
     assert json.loads(choice.message.tool_calls[0].function.arguments) == json.loads(expected.arguments)
 
 
+def test_auto_answers_stream_the_same_content_as_whole_ones(client):
+    """The random model never writes a call: its auto answer is text, and the held-back stream loses none of it."""
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=40,
+                                                 temperature=0, stream=True))
+    assert whole.choices[0].message.tool_calls is None and whole.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def test_a_follow_up_with_the_tool_result_is_accepted(client):
     first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                            max_tokens=128, temperature=0)
