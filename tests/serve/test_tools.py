@@ -101,6 +101,14 @@ def test_required_and_named_tool_choice_give_calls_that_validate(client, tool_ch
             _validated(choice.message.tool_calls, name)
 
 
+def test_a_function_without_parameters_is_called_with_an_empty_object(client):
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, tool_choice="required",
+                                            max_tokens=32, temperature=0.8, seed=3)
+    call = answer.choices[0].message.tool_calls[0].function
+    assert (call.name, json.loads(call.arguments)) == ("ping", {})
+
+
 def test_greedy_call_equals_plain_constrained_decoding(client, checkpoint):
     target, tokenizer = load_target(str(checkpoint))
     eos = eos_token_ids(tokenizer, str(checkpoint))
