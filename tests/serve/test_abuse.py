@@ -63,8 +63,11 @@ BAD_FIELDS = [
     (CHAT, _chat(top_p=10**30), "top_p"),
     (CHAT, _chat(top_k=-1), "top_k"),
     (CHAT, _chat(top_k=1.5), "top_k"),
-    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (CHAT, _chat(tool_choice="auto"), "tool_choice"),
+    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "tools"),
+    (CHAT, _chat(tool_choice="auto"), "tool_choice"),  # no tools to choose from
+    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function",
+                                                                                     "function": {"name": "g"}}),
+     "tool_choice"),
     (CHAT, _chat(response_format={"type": "json"}), "response_format"),
     (CHAT, _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
      "response_format"),
@@ -90,7 +93,8 @@ BAD_FIELDS = [
     (COMPLETIONS, {"model": "tiny", "prompt": "w1", "best_of": 3}, "best_of"),
     (CHAT, _chat(stream_options={"include_usage": True, "other": 1}), "stream_options"),
     (CHAT, _chat(messages=[{"role": "user", "content": "w1", "name": "bob"}]), "messages"),
-    (CHAT, _chat(messages=[{"role": "tool", "content": "w1", "tool_call_id": "x"}]), "messages"),
+    (CHAT, _chat(messages=[{"role": "tool", "content": "w1"}]), "messages"),  # a tool result needs tool_call_id
+    (CHAT, _chat(messages=[{"role": "tool", "content": "w1", "tool_call_id": "x", "name": "f"}]), "messages"),
     (CHAT, _chat(messages=[{"role": "user", "content": "w1 " * 700}]), "messages"),  # over the character limit
     (CHAT, _chat(messages=[{"role": "user", "content": ""}] * 65), "messages"),  # more messages than prompt tokens
     (CHAT, _chat(user=5), "user"),

@@ -45,6 +45,7 @@ from specdraft.serve.protocol import (
 )
 from specdraft.serve.shutdown import SHUTDOWN_MESSAGE, Drain
 from specdraft.serve.streams import LogprobStream, TextStream
+from specdraft.serve.tools import ToolStream, call_deltas, parse_calls
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +244,14 @@ async def _collect(http, request: Request, parsed: ParsedRequest, server: _Serve
     finally:
         _finish(server, request)
     wholes = [stream.whole for stream in logprobs] if parsed.logprobs is not None else None
+    calls: list[list[dict]] = [[] for _ in texts]
+    if parsed.tools is not None and parsed.tools.active:
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+            texts[i], calls[i] = parse_calls(text, parsed.tools, reason)
+            reasons[i] = "tool_calls" if calls[i] else reason
     body = completion_body(request_id, server.serve.model_id, parsed.chat, texts, reasons,
                            usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict()),
-                           wholes)
+                           wholes, calls)
     return SafeJSON(body)
 
 
@@ -275,6 +281,7 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
     model, chat = server.serve.model_id, parsed.chat
     streams = [TextStream(server.tokenizer, parsed.stop) for _ in range(parsed.n)]
     logprobs = [LogprobStream(server.tokenizer, chat) for _ in range(parsed.n)]
+    tools = [ToolStream(parsed.tools) for _ in range(parsed.n)] if parsed.tools and parsed.tools.active else None
     done = 0
     if chat:
         for index in range(parsed.n):
@@ -288,14 +295,22 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
             yield _sse(error_body(event.error, event.status))
             yield _sse("[DONE]")
             return
-        finished = event.finish_reason is not None
+        finished, reason = event.finish_reason is not None, event.finish_reason
         piece = streams[event.index].push(event.tokens, finished)
+        if tools is not None:
+            piece = tools[event.index].push(piece, finished, reason)
         part = logprobs[event.index].push(event.tokens, event.logprobs)
         if piece or part:
             yield _sse(chunk_body(request_id, model, chat, event.index, piece, None, logprobs=part))
+        if finished and tools is not None and tools[event.index].calls:
+            reason = "tool_calls"
+            for delta in call_deltas(tools[event.index].calls):
+                chunk = chunk_body(request_id, model, chat, event.index, None, None)
+                chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
+                yield _sse(chunk)
         if finished:
             done += 1
-            yield _sse(chunk_body(request_id, model, chat, event.index, None, event.finish_reason))
+            yield _sse(chunk_body(request_id, model, chat, event.index, None, reason))
     if parsed.include_usage:
         chunk = chunk_body(request_id, model, chat, 0, None, None)
         chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens,

@@ -9,13 +9,16 @@ Fields: those OpenAI defines that this server implements, plus the extension ``t
 ``frequency_penalty`` and ``presence_penalty`` become the request's
 :class:`~specdraft.sampling.LogitPenalties`, applied to the target's logits before warping at every verified
 position; ``response_format`` (``json_object``, ``json_schema``) is checked here and compiled into a grammar mask
-(:mod:`specdraft.grammar`) by :func:`constrain`, off the event loop. A field it does not
+(:mod:`specdraft.grammar`) by :func:`constrain`, off the event loop. ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (chat) are checked by :mod:`specdraft.serve.tools`, which also renders the prompt; a
+required or named ``tool_choice`` is compiled into the grammar of one call by :func:`constrain`. A field it does not
 implement is refused by name, unless it carries the value that changes nothing (``frequency_penalty: 0``,
-``tools: []``, ``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
+``echo: false``, ...); ``user`` is accepted and never changes the answer. Nothing is silently ignored.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -25,6 +28,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.sampling import LogitPenalties, SamplingConfig, chain_processors
 from specdraft.sequence import GenerationConfig
 from specdraft.serve.config import ServeConfig
+from specdraft.serve.tools import ToolError, ToolRequest, call_schema, chat_prompt_ids, check_tool_message, check_tools
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (top_logprobs; logprobs of /v1/completions)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 .. 2
@@ -36,14 +40,15 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
 _BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
                    "stream_options", "logprobs", "user", "logit_bias", "frequency_penalty", "presence_penalty",
                    "response_format"})
-_FIELDS = {True: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"}, False: _BOTH | {"prompt"}}
+_FIELDS = {True: _BOTH | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                          "parallel_tool_calls"}, False: _BOTH | {"prompt"}}
 _NEUTRAL = {  # fields this server does not implement, accepted only at the value that changes nothing
     "tools": ([],), "functions": ([],),
     "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "store": (False,), "echo": (False,),
     "best_of": (1,), "suffix": ("",),
 }
-_ROLES = ("system", "user", "assistant", "developer")
+_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class BadRequest(Exception):
@@ -78,6 +83,7 @@ class ParsedRequest:
     max_tokens_given: bool = True  # False: the default max_tokens, shortened to fit the context
     prompt_ids: list[int] | None = None  # set by :func:`tokenize`
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
+    tools: ToolRequest | None = None  # tools, tool_choice and parallel_tool_calls (chat)
 
 
 def _show(value) -> str:
@@ -146,9 +152,23 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(_text(s, "stop", "stop") for s in stops)
 
 
-def _content(message, i: int) -> str:
+def _message(message, i: int) -> dict:
+    """A message as ``{role, content}`` with a string content (``tool_call_id`` for a tool result, ``tool_calls``
+    for an assistant's calls; :func:`specdraft.serve.tools.check_tool_message`)."""
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
-        raise BadRequest(f"messages[{i}] needs a role of system, user, assistant or developer", "messages")
+        raise BadRequest(f"messages[{i}] needs a role of system, user, assistant, developer or tool", "messages")
+    if message["role"] == "assistant" and message.get("tool_calls", 0) in (None, []):  # no calls, said explicitly
+        message = {k: v for k, v in message.items() if k != "tool_calls"}
+    if message["role"] == "tool" or (message["role"] == "assistant" and "tool_calls" in message):
+        try:
+            clean = check_tool_message(message, i)
+        except ToolError as exc:
+            raise BadRequest(exc.message, exc.param) from None
+        return clean | {"content": _content({"role": clean["role"], "content": clean["content"]}, i)}
+    return {"role": message["role"], "content": _content(message, i)}
+
+
+def _content(message: dict, i: int) -> str:
     extra = sorted(set(message) - {"role", "content"})
     if extra:
         raise BadRequest(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
@@ -173,12 +193,15 @@ def _messages(body: dict, serve: ServeConfig) -> list[dict]:
                          f"{serve.max_prompt_tokens} tokens", "messages")
     clean, chars = [], 0
     for i, message in enumerate(messages):
-        content = _content(message, i)
-        chars += len(content)
+        clean_message = _message(message, i)
+        chars += len(clean_message["content"]) + sum(len(json.dumps(call["function"]["arguments"]))
+                                                     for call in clean_message.get("tool_calls", ()))
         if chars > serve.prompt_char_limit:
             raise BadRequest(f"the messages exceed this server's limit of {serve.prompt_char_limit} characters",
                              "messages")
-        clean.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+        if clean_message["role"] == "developer":
+            clean_message["role"] = "system"
+        clean.append(clean_message)
     return clean
 
 
@@ -295,6 +318,25 @@ def _response_format(body: dict) -> dict | None:
     return {"type": kind, "schema": spec.get("schema", {})}
 
 
+def _tools(body: dict, messages: list[dict], serve: ServeConfig) -> ToolRequest | None:
+    """The chat request's tools (:func:`specdraft.serve.tools.check_tools`), within the character limit together
+    with the messages, and never beside a ``response_format`` when the answer must be a call."""
+    try:
+        tools = check_tools(body)
+    except ToolError as exc:
+        raise BadRequest(exc.message, exc.param) from None
+    if tools is None:
+        return None
+    shown = len(json.dumps(tools.functions)) if tools.active else 0
+    if shown + sum(len(m["content"]) for m in messages) > serve.prompt_char_limit:
+        raise BadRequest(f"the tools and messages exceed this server's limit of {serve.prompt_char_limit} "
+                         "characters", "tools")
+    if tools.constrained and body.get("response_format") is not None:
+        raise BadRequest("response_format cannot be combined with a required or named tool_choice",
+                         "response_format")
+    return tools
+
+
 def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int) -> ParsedRequest:
     """Check every field of a request body against the OpenAI schema and the server's limits; nothing tokenised."""
     if not isinstance(body, dict):
@@ -316,6 +358,7 @@ def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size
         raise BadRequest("stream_options must be an object with at most include_usage (true or false)",
                          "stream_options")
     stop, logprobs, penalties = _stop(body), _logprobs(body, chat), _penalties(body, vocab_size)
+    tools = _tools(body, source, serve) if chat else None
     try:
         config = replace(serve.generation(max_tokens, _sampling(body, vocab_size), eos, stop),
                          logits_processor=penalties)
@@ -324,7 +367,7 @@ def check(body, chat: bool, serve: ServeConfig, eos: tuple[int, ...], vocab_size
     except SpecdraftError as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest(source, config, n, seed, stream, bool(options.get("include_usage", False)), stop, chat,
-                         logprobs, body.get(name) is not None, response_format=_response_format(body))
+                         logprobs, body.get(name) is not None, response_format=_response_format(body), tools=tools)
 
 
 def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int) -> ParsedRequest:
@@ -339,8 +382,7 @@ def tokenize(request: ParsedRequest, tokenizer, serve: ServeConfig, context: int
             raise BadRequest("this model's tokenizer has no chat template: use /v1/completions", "messages")
         try:
             if request.chat:
-                ids = tokenizer.apply_chat_template(request.source, add_generation_prompt=True,
-                                                    return_dict=True)["input_ids"]
+                ids = chat_prompt_ids(request.source, request.tools, tokenizer)
             else:
                 ids = tokenizer(request.source)["input_ids"]
         except Exception as exc:  # the tokenizer refused this text: the request's fault, not the server's
@@ -363,6 +405,8 @@ def constrain(request: ParsedRequest, grammars) -> ParsedRequest:
     server's :class:`~specdraft.grammar.GrammarCompiler`, made on first use) and chain it after the request's
     penalties. A schema the grammar cannot take, or a server without the grammar library, is bad input (400).
     Compiling takes milliseconds (cached by schema): run it off the event loop."""
+    if request.tools is not None:
+        _constrain_tools(request, grammars)
     spec = request.response_format
     if spec is None:
         return request
@@ -376,6 +420,31 @@ def constrain(request: ParsedRequest, grammars) -> ParsedRequest:
     return request
 
 
+def _constrain_tools(request: ParsedRequest, grammars) -> None:
+    """Compile every function's parameters (a schema xgrammar refuses is a 400 naming ``tools``; without the
+    grammar library only a required or named ``tool_choice`` is refused), and for a required or named one the
+    grammar of one call, chained after the penalties."""
+    tools = request.tools
+    try:
+        compiler = grammars()
+    except SpecdraftError as exc:
+        if tools.constrained:
+            raise BadRequest(str(exc), "tool_choice") from None
+        return
+    for i, function in enumerate(tools.functions):
+        try:
+            compiler.json_schema(function["parameters"])
+        except SpecdraftError as exc:
+            raise BadRequest(f"tools[{i}].function.parameters: {exc}", "tools") from None
+    if tools.active and tools.constrained:
+        try:
+            grammar = compiler.json_schema(call_schema(tools))
+        except SpecdraftError as exc:
+            raise BadRequest(f"the tools' parameters cannot be combined into one grammar: {exc}", "tools") from None
+        request.config = replace(request.config, logits_processor=chain_processors(request.config.logits_processor,
+                                                                                     grammar))
+
+
 def parse(body, chat: bool, tokenizer, serve: ServeConfig, eos: tuple[int, ...], vocab_size: int,
           context: int) -> ParsedRequest:
     """:func:`check`, then :func:`tokenize` (in the calling thread)."""
@@ -383,8 +452,9 @@ def parse(body, chat: bool, tokenizer, serve: ServeConfig, eos: tuple[int, ...],
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's finish reasons: an end-of-sequence token or a stop string is "stop", the token limit "length"."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    """OpenAI's finish reasons: an end-of-sequence token or a stop string is "stop", the token limit "length";
+    "tool_calls" (set by the app when the answer holds calls) stays."""
+    return None if reason is None else (reason if reason in ("length", "tool_calls") else "stop")
 
 
 def new_id(chat: bool) -> str:
@@ -400,11 +470,15 @@ def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None =
 
 
 def completion_body(request_id: str, model: str, chat: bool, texts: list[str], reasons: list[str | None],
-                    usage_: dict, logprobs: list[dict | None] | None = None) -> dict:
-    """The whole (non-streaming) response."""
+                    usage_: dict, logprobs: list[dict | None] | None = None,
+                    tool_calls: list[list[dict]] | None = None) -> dict:
+    """The whole (non-streaming) response; ``tool_calls``: each choice's calls (a choice with calls has
+    ``message.tool_calls``, and its text, None when empty, as content)."""
     choices = []
     for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
         content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        if tool_calls and tool_calls[i]:
+            content["message"]["tool_calls"] = tool_calls[i]
         choices.append({"index": i, **content, "logprobs": logprobs[i] if logprobs else None,
                         "finish_reason": finish_reason(reason)})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

@@ -1,0 +1,332 @@
+"""Tool calling on ``/v1/chat/completions``: OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, the
+conversation's tool calls and tool results, and ``tool_calls`` in the answer.
+
+The format is Hermes' (NousResearch), which Qwen2.5 and others use: the model writes each call as
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. A chat template that renders ``tools=``
+itself (its source names ``tools``) gets the tools, the assistant's calls and the tool results as transformers
+passes them; any other template (SmolLM2-135M-Instruct's has no tools section) gets the tools as a block at the end
+of the system prompt (:data:`TOOLS_PROMPT`), the assistant's calls as ``<tool_call>`` text and the tool results as
+a user turn of ``<tool_response>`` blocks.
+
+``tool_choice``: ``none`` (the tools are not shown and nothing is parsed), ``auto`` (free text; the
+``<tool_call>`` blocks of the answer become ``tool_calls``), ``required`` and a named function: the prompt ends with
+``<tool_call>\\n`` and the answer is constrained by a grammar (:mod:`specdraft.grammar`) to one JSON object
+``{"name", "arguments"}`` whose arguments validate against that function's ``parameters`` schema (any listed
+function for ``required``), so the call always parses; exact under speculation as every grammar is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from specdraft.grammar import unsupported_schema_feature
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+
+
+class ToolError(ValueError):
+    """Bad tool input; ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's checked tools: ``functions`` ({name, description?, parameters}), ``choice`` none / auto /
+    required / named (``name`` the named function), ``parallel`` (False: at most one call)."""
+
+    functions: tuple[dict, ...]
+    choice: str
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in ("required", "named")
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none" and bool(self.functions)
+
+    def openai_tools(self) -> list[dict]:
+        return [{"type": "function", "function": f} for f in self.functions]
+
+
+def _function(tool, i: int) -> dict:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) != {"type", "function"}:
+        raise ToolError(f"{where} must be an object {{type: \"function\", function: {{...}}}}", "tools")
+    function = tool["function"]
+    if not isinstance(function, dict) or not set(function) <= {"name", "description", "parameters", "strict"}:
+        raise ToolError(f"{where}.function must be an object of name, description, parameters and strict", "tools")
+    if not isinstance(function.get("name"), str) or not _NAME.fullmatch(function["name"]):
+        raise ToolError(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", "tools")
+    if not isinstance(function.get("description", ""), str) or \
+            not isinstance(function.get("strict") or False, bool):
+        raise ToolError(f"{where}.function.description must be a string and strict true or false", "tools")
+    parameters = function.get("parameters", _EMPTY_PARAMETERS)
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ToolError(f"{where}.function.parameters must be a JSON schema of type object", "tools")
+    found = unsupported_schema_feature(parameters)
+    if found is not None:
+        raise ToolError(f"{where}.function.parameters: unsupported JSON schema feature: {found}", "tools")
+    described = {"description": function["description"]} if "description" in function else {}
+    return {"name": function["name"]} | described | {"parameters": parameters}
+
+
+def _choice(value, names: list[str]) -> tuple[str, str | None]:
+    if value is None:
+        return ("auto" if names else "none"), None
+    if value in ("none", "auto", "required"):
+        if value != "none" and not names:
+            raise ToolError(f"tool_choice {value!r} needs tools", "tool_choice")
+        return value, None
+    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"} and \
+            isinstance(value["function"], dict) and set(value["function"]) == {"name"}:
+        name = value["function"]["name"]
+        if name not in names:
+            raise ToolError(f"tool_choice names function {str(name)[:64]!r}, which is not in tools", "tool_choice")
+        return "named", name
+    raise ToolError("tool_choice must be none, auto, required or {type: \"function\", function: {name}}",
+                    "tool_choice")
+
+
+def check_tools(body: dict) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request, checked; None without tools."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ToolError("tools must be a list of function tools", "tools")
+    functions = [_function(tool, i) for i, tool in enumerate(tools or [])]
+    names = [f["name"] for f in functions]
+    if len(set(names)) < len(names):
+        raise ToolError("tools name a function twice", "tools")
+    choice, name = _choice(body.get("tool_choice"), names)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if not functions:
+        return None
+    return ToolRequest(tuple(functions), choice, name, parallel is not False)
+
+
+def check_tool_message(message: dict, i: int) -> dict:
+    """A ``tool`` message ({role, content, tool_call_id}) or an assistant message with ``tool_calls``, as the clean
+    message the chat template reads (arguments as objects)."""
+    where = f"messages[{i}]"
+    if message["role"] == "tool":
+        if not set(message) <= {"role", "content", "tool_call_id"} or \
+                not isinstance(message.get("tool_call_id"), str):
+            raise ToolError(f"{where}: a tool message needs a tool_call_id string (and role, content only)",
+                            "messages")
+        return {"role": "tool", "content": message.get("content"), "tool_call_id": message["tool_call_id"]}
+    calls = message.get("tool_calls")
+    if not set(message) <= {"role", "content", "tool_calls"} or not isinstance(calls, list) or not calls:
+        raise ToolError(f"{where}.tool_calls must be a non-empty list", "messages")
+    clean = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" or \
+                not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+            raise ToolError(f"{where}.tool_calls[{k}] must be {{id, type: \"function\", function: {{name, "
+                            "arguments}}}} with arguments a JSON string", "messages")
+        try:
+            arguments = json.loads(function["arguments"])
+        except (json.JSONDecodeError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ToolError(f"{where}.tool_calls[{k}].function.arguments is not a JSON object", "messages")
+        clean.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return {"role": "assistant", "content": message.get("content") or "", "tool_calls": clean}
+
+
+def _call_text(call: dict) -> str:
+    body = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+    return f"{OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{CLOSE}"
+
+
+def _hermes_messages(messages: list[dict], tools: ToolRequest | None) -> list[dict]:
+    """Messages for a template without a tools section: tools in the system prompt, calls and results as text."""
+    out: list[dict] = []
+    for message in messages:
+        if message["role"] == "tool":
+            block = f"<tool_response>\n{message['content']}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        elif message.get("tool_calls"):
+            texts = ([message["content"]] if message["content"] else []) + [_call_text(c)
+                                                                             for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(texts)})
+        else:
+            out.append(dict(message))
+    if tools is not None and tools.active:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools.openai_tools())
+        block = TOOLS_PROMPT.format(tools=listed)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = out[0]["content"] + "\n\n" + block
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def template_has_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def chat_prompt_ids(messages: list[dict], tools: ToolRequest | None, tokenizer) -> list[int]:
+    """The prompt's token ids: the chat template with the generation prompt, the tools rendered (module docstring)
+    when ``tool_choice`` is not none, and ``<tool_call>\\n`` after it when the answer must be a call."""
+    native = template_has_tools(tokenizer)
+    shown = tools is not None and tools.active
+    plain = not shown and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if plain or native:
+        kwargs = {"tools": tools.openai_tools()} if shown and native else {}
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                            **kwargs)["input_ids"]
+    else:
+        ids = tokenizer.apply_chat_template(_hermes_messages(messages, tools), add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+    ids = list(ids)
+    if shown and tools.constrained:
+        ids += tokenizer.encode(OPEN + "\n", add_special_tokens=False)
+    return ids
+
+
+def _hoist(parameters: dict, prefix: str, defs: dict) -> dict:
+    """``parameters`` with its local ``$defs``/``definitions`` moved into ``defs`` under ``prefix``-ed names and its
+    ``$ref``s rewritten to match, so that it can sit inside a larger schema."""
+    moved, subs = {}, {}
+    for key in ("$defs", "definitions"):
+        for name, sub in (parameters.get(key) or {}).items():
+            moved[f"#/{key}/{name}"] = f"#/$defs/{prefix}{name}"
+            subs[prefix + name] = sub
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: (moved.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    defs.update({name: rewrite(sub) for name, sub in subs.items()})
+    return rewrite({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})
+
+
+def call_schema(tools: ToolRequest) -> dict:
+    """The JSON schema of one call ``{"name", "arguments"}``: the named function's, or any listed one's."""
+    functions = [f for f in tools.functions if tools.choice != "named" or f["name"] == tools.name]
+    defs: dict = {}
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": _hoist(f["parameters"], f"{f['name']}__", defs)},
+                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return schema | ({"$defs": defs} if defs else {})
+
+
+def _call(body, names: set[str]) -> dict | None:
+    if not isinstance(body, dict) or body.get("name") not in names:
+        return None
+    arguments = body.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": body["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
+def _split(text: str, tools: ToolRequest, finish_reason: str | None) -> tuple[str, list[dict]]:
+    """(the text outside the parsed calls, the calls): :func:`parse_calls` before stripping."""
+    names = {f["name"] for f in tools.functions}
+    if tools.constrained:
+        call = _call(_loads(text), names) if finish_reason != "length" else None
+        return ("", [call]) if call is not None else (text, [])
+    calls, kept, last = [], [], 0
+    for match in _BLOCK.finditer(text):
+        call = _call(_loads(match.group(1)), names)
+        if call is None or (calls and not tools.parallel):
+            continue
+        calls.append(call)
+        kept.append(text[last:match.start()])
+        last = match.end()
+    return ("".join(kept) + text[last:], calls) if calls else (text, [])
+
+
+def parse_calls(text: str, tools: ToolRequest, finish_reason: str | None) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished answer. Constrained: the answer is one call's JSON (the text is kept as
+    content, with no call, when the token budget cut it). Auto: each ``<tool_call>`` block that holds a call of a
+    listed function becomes a call (the first only without ``parallel``); the rest of the text is the content
+    (None when empty and there are calls)."""
+    content, calls = _split(text, tools, finish_reason)
+    if not calls:
+        return content, []
+    return content.strip() or None, calls
+
+
+class ToolStream:
+    """Streamed content of one choice with tools: text goes out as content until a ``<tool_call>`` may begin (a
+    tail that could be the start of the tag is held back); from there the text is held, and at the end the calls
+    are parsed (:func:`parse_calls`) and the content not yet sent is released."""
+
+    def __init__(self, tools: ToolRequest) -> None:
+        self.tools, self.text, self.sent = tools, "", 0
+        self.calls: list[dict] = []
+
+    def push(self, piece: str, finished: bool, finish_reason: str | None = None) -> str:
+        """Add released text; return the content to send now (at the end, :attr:`calls` holds the calls)."""
+        self.text += piece
+        if finished:
+            content, self.calls = _split(self.text, self.tools, finish_reason)
+            rest = content[self.sent:].rstrip() if self.calls else content[self.sent:]
+            self.sent += len(rest)
+            return rest
+        if self.tools.constrained:
+            return ""
+        found = self.text.find(OPEN)
+        ready = len(self.text) if found < 0 else found
+        if found < 0:
+            for size in range(min(len(OPEN) - 1, len(self.text)), 0, -1):
+                if OPEN.startswith(self.text[-size:]):
+                    ready -= size
+                    break
+        out = self.text[self.sent:ready] if ready > self.sent else ""
+        self.sent = max(self.sent, ready)
+        return out
+
+
+def call_deltas(calls: list[dict]) -> list[dict]:
+    """The streamed ``delta.tool_calls`` entries of finished calls: per call, its id and name, then its
+    arguments (as OpenAI streams them; the SDK concatenates the pieces)."""
+    deltas = []
+    for index, call in enumerate(calls):
+        deltas.append({"index": index, "id": call["id"], "type": "function",
+                       "function": {"name": call["function"]["name"], "arguments": ""}})
+        deltas.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
+    return deltas

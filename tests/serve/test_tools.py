@@ -1,0 +1,250 @@
+"""Tool calling through the server (xgrammar; skipped without it), on a tiny random Llama that speaks SmolLM2's
+tokenizer and chat template (which has no tools section: tools go into the system prompt in Hermes' format):
+required and named ``tool_choice`` always give ``tool_calls`` whose arguments validate, non-streamed and streamed
+(assembled by the OpenAI SDK), greedy calls equal plain constrained decoding, a follow-up with the tool's result is
+accepted, bad tools answer an OpenAI-style 400; the parsing of ``auto`` answers and the rendering of a template
+that takes ``tools=`` are checked without a model."""
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from running import RunningServer
+
+pytest.importorskip("xgrammar")
+
+from specdraft.api import eos_token_ids, load_target
+from specdraft.decoding import generate
+from specdraft.grammar import GrammarCompiler
+from specdraft.sequence import GenerationConfig
+from specdraft.serve import ServeConfig, build_server_app
+from specdraft.serve.tools import OPEN, ToolStream, call_schema, chat_prompt_ids, check_tools, parse_calls
+
+SMOL = Path(__file__).resolve().parents[2] / "src/specdraft/weights/smollm2-135m-instruct-drafter"
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and book me a flight there."}]
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+    country: Literal["FR", "DE", "IT"]
+
+
+class Weather(BaseModel):
+    place: Place
+    unit: Literal["celsius", "fahrenheit"]
+    days: int = Field(ge=1, le=7)
+
+
+class Flight(BaseModel):
+    to: str = Field(max_length=10)
+    seats: int = Field(ge=1, le=4)
+    classes: list[Literal["economy", "business"]] = Field(max_length=2)
+
+
+MODELS = {"get_weather": Weather, "book_flight": Flight}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} (a test tool)",
+                                           "parameters": model.model_json_schema()}}
+         for name, model in MODELS.items()]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from toys import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("smol") / "tiny", seed=0,
+                                tokenizer=AutoTokenizer.from_pretrained(SMOL), vocab_size=49152, max_positions=1024)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    config = ServeConfig(target=str(checkpoint), drafter="prompt-lookup", served_model_name="tiny", max_batch=4,
+                         max_tokens=128, max_n=2, speculation="fixed", num_draft_tokens=4)
+    with RunningServer(build_server_app(config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _validated(calls, name: str | None = None) -> None:
+    assert calls and len(calls) == 1
+    call = calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    MODELS[call.function.name].model_validate_json(call.function.arguments)
+
+
+CHOICES = ["required", _named("get_weather"), _named("book_flight")]
+
+
+@pytest.mark.parametrize("tool_choice", CHOICES)
+def test_required_and_named_tool_choice_give_calls_that_validate(client, tool_choice):
+    name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    for temperature, seed in ((0, None), (0.8, 1), (0.8, 2)):
+        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                                max_tokens=128, temperature=temperature, seed=seed, n=2)
+        for choice in answer.choices:
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.content is None
+            _validated(choice.message.tool_calls, name)
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(client):
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, tool_choice="required",
+                                            max_tokens=32, temperature=0.8, seed=3)
+    call = answer.choices[0].message.tool_calls[0].function
+    assert (call.name, json.loads(call.arguments)) == ("ping", {})
+
+
+def test_greedy_call_equals_plain_constrained_decoding(client, checkpoint):
+    target, tokenizer = load_target(str(checkpoint))
+    eos = eos_token_ids(tokenizer, str(checkpoint))
+    tools = check_tools({"tools": TOOLS, "tool_choice": _named("get_weather")})
+    grammar = GrammarCompiler(tokenizer, target.vocab_size, eos).json_schema(call_schema(tools))
+    ids = chat_prompt_ids(MESSAGES, tools, tokenizer)
+    assert tokenizer.decode(ids).endswith(f"<|im_start|>assistant\n{OPEN}\n")
+    plain = generate(target, ids, None, GenerationConfig(128, eos_token_ids=eos, logits_processor=grammar))
+    expected = json.loads(tokenizer.decode(plain.token_ids, skip_special_tokens=True))
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=128,
+                                            temperature=0, tool_choice=_named("get_weather"))
+    call = answer.choices[0].message.tool_calls[0].function
+    assert (call.name, json.loads(call.arguments)) == (expected["name"], expected["arguments"])
+
+
+@pytest.mark.parametrize("tool_choice", CHOICES[:2])
+def test_streamed_calls_are_assembled_by_the_sdk(client, tool_choice):
+    name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                           max_tokens=128, temperature=0)
+    with client.chat.completions.stream(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                        max_tokens=128, temperature=0) as stream:
+        streamed = stream.get_final_completion()
+    choice = streamed.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    _validated(choice.message.tool_calls, name)
+    expected = whole.choices[0].message.tool_calls[0].function
+    assert choice.message.tool_calls[0].function.name == expected.name
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == json.loads(expected.arguments)
+
+
+def test_auto_answers_stream_the_same_content_as_whole_ones(client):
+    """The random model never writes a call: its auto answer is text, and the held-back stream loses none of it."""
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=40,
+                                                 temperature=0, stream=True))
+    assert whole.choices[0].message.tool_calls is None and whole.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_a_follow_up_with_the_tool_result_is_accepted(client):
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           max_tokens=128, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    for tool_choice in ("auto", "none", "required"):
+        answer = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice=tool_choice,
+                                                max_tokens=16, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        if tool_choice != "none":  # "none" does not show the tools, only the conversation
+            assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+BAD = [
+    ({"tool_choice": _named("fly")}, "tool_choice", "not in tools"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "tool_choice must be"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}}}]}, "tools", "invalid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"not": {"type": "string"}}}}}}]}, "tools", "unsupported JSON schema feature: 'not'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     "type object"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "name"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "twice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 20000}}]}, "tools",
+     "exceed this server's limit"),  # 40,000 characters of tools: over 32 x 1,024
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "combined"),
+    ({"messages": [{"role": "tool", "content": "21"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}]}, "messages", "arguments is not a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), BAD)
+def test_bad_tools_answer_400_naming_the_field(server, fields, param, message):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "tools": TOOLS} | fields
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+AUTO = check_tools({"tools": TOOLS})
+
+
+def test_auto_answers_are_parsed_into_calls_and_content():
+    weather = '{"name": "get_weather", "arguments": {"place": {"city": "Rome", "country": "IT"}}}'
+    text = f"Let me look.\n{OPEN}\n{weather}\n</tool_call>\n{OPEN}\n{{\"name\": \"book_flight\", " \
+           '"arguments": "{\\"to\\": \\"Rome\\"}"}\n</tool_call>'
+    content, calls = parse_calls(text, AUTO, "stop")
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "book_flight"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"to": "Rome"}
+    single = check_tools({"tools": TOOLS, "parallel_tool_calls": False})
+    assert len(parse_calls(text, single, "stop")[1]) == 1
+    for plain in ("No call here.", f"{OPEN}{{\"name\": \"unknown\", \"arguments\": {{}}}}</tool_call>",
+                  f"{OPEN}{{broken</tool_call>"):
+        assert parse_calls(plain, AUTO, "stop") == (plain, [])
+    cut = check_tools({"tools": TOOLS, "tool_choice": "required"})
+    assert parse_calls('{"name": "get_we', cut, "length") == ('{"name": "get_we', [])
+
+
+def test_streamed_auto_content_stops_where_a_call_may_begin():
+    stream = ToolStream(AUTO)
+    sent = [stream.push(piece, False) for piece in ("Sure", ". <tool", "_call>\n{\"name\": ", '"book_flight"')]
+    assert sent == ["Sure", ". ", "", ""]
+    assert stream.push(', "arguments": {"to": "Oslo"}}\n</tool_call> done', True, "stop") == " done"
+    assert [c["function"]["name"] for c in stream.calls] == ["book_flight"]
+    plain = ToolStream(AUTO)
+    assert plain.push("a <tool", False) == "a " and plain.push("box", True, "stop") == "<toolbox"
+    assert plain.calls == []
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_a_tools_section_renders_them_itself():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOL)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    history = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "book_flight", "arguments": {"to": "Paris"}}}]},
+        {"role": "tool", "content": "booked", "tool_call_id": "a"}]
+    text = tokenizer.decode(chat_prompt_ids(history, AUTO, tokenizer))
+    assert text.startswith('<|im_start|>system\n<tools>{"type": "function", "function": {"name": "get_weather"')
+    assert '<tool_call>{"name": "book_flight", "arguments": {"to": "Paris"}}</tool_call>' in text
+    assert "# Tools" not in text and text.endswith("<|im_start|>assistant\n")
