@@ -44,13 +44,23 @@ class GrammarDrafter(Combination):
         self.forcing, self.prompt_length = forcing, prompt_length
         self.name = "grammar" if isinstance(self.inner, NoDrafter) else f"{self.inner.name}+grammar"
         self._committed = prompt_length  # the context's length at this step's propose: what follows is drafted
+        self._depths = 0  # this step's num_draft_tokens
+        self._run: tuple[torch.Tensor, list[int], bool] = (torch.zeros(0, dtype=torch.long), [], False)
 
     def forced(self, context: torch.Tensor, limit: int, committed: int | None = None) -> list[int]:
         """Up to ``limit`` tokens the grammar forces after ``context`` (N,): the prompt and generated text, then
-        (past ``committed`` tokens, the whole context by default) draft tokens."""
+        (past ``committed`` tokens, the whole context by default) draft tokens. The last run found is reused for the
+        same context, or one that extends it by the run's first tokens, when it holds enough tokens (or all)."""
         committed = context.shape[0] if committed is None else committed
+        before, run, whole = self._run  # the context the run follows, its tokens, whether it is the whole run
+        done = context.shape[0] - before.shape[0]
+        if 0 <= done < len(run) and (whole or done + limit <= len(run)) and \
+                torch.equal(context[:before.shape[0]], before) and context[before.shape[0]:].tolist() == run[:done]:
+            return run[done:done + limit]
         generated = context[self.prompt_length:committed]
-        return self.forcing.forced_tokens(generated, context[committed:], limit) if limit > 0 else []
+        run = self.forcing.forced_tokens(generated, context[committed:], limit) if limit > 0 else []
+        self._run = (context, run, len(run) < limit)
+        return run
 
     def _splices(self) -> bool:
         """Whether the inner drafter drafts a chain whose depths can be filled (a draft model in chain mode)."""
@@ -60,7 +70,7 @@ class GrammarDrafter(Combination):
     def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         if self._splices():
-            self._committed = context.shape[0]
+            self._committed, self._depths = context.shape[0], num_draft_tokens
             return self.inner.chain(context, num_draft_tokens, sampling, generator, self._fill).draft
         run = self.forced(context, num_draft_tokens)
         if not run:
@@ -72,7 +82,7 @@ class GrammarDrafter(Combination):
 
     def _fill(self, running: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """The forced token at the depth after ``running`` (the context and the chain so far), or None."""
-        run = self.forced(running, 1, self._committed)
+        run = self.forced(running, max(1, self._committed + self._depths - running.shape[0]), self._committed)
         return (torch.tensor(run[0]), GRAMMAR) if run else None
 
     def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
