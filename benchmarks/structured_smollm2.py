@@ -169,11 +169,15 @@ def main() -> None:
             f"equal_{name}": outs["plain"]["tokens"] == outs[name]["tokens"] for name in greedy_spec} | {
             f"valid_{name}": valid(tokenizer, model, out, eos) for name, out in outs.items()}
         row |= {f"{name}_tokens": out["new_tokens"] for name, out in outs.items()}
+        row |= {f"{name}_forwards": out["forwards"] for name, out in outs.items()}
+        row |= {f"{name}_seconds": round(out["seconds"], 2) for name, out in outs.items()}
         rows.append(row)
         print(f"{i:2d} {model.__name__:8s} equal spec/grammar/alone " + "/".join(
             str(row[f"equal_{name}"]) for name in greedy_spec) + " valid " + "/".join(
             str(row[f"valid_{name}"]) for name in names) + " tokens " + "/".join(
-            str(row[f"{name}_tokens"]) for name in names), flush=True)
+            str(row[f"{name}_tokens"]) for name in names) + " forwards " + "/".join(
+            str(row[f"{name}_forwards"]) for name in names) + " seconds " + "/".join(
+            str(row[f"{name}_seconds"]) for name in names), flush=True)
     summary = {name: {"tokens": t, "forwards": f, "seconds": round(s, 2), "tau": round(t / f, 3),
                       "tokens_per_second": round(t / s, 2)} for name, (t, f, s) in totals.items()}
     counts = {key: sum(row[key] for row in rows) for key in [f"equal_{name}" for name in greedy_spec] +

@@ -43,6 +43,8 @@ class GrammarDrafter(Combination):
         super().__init__(inner if inner is not None else NoDrafter())
         self.forcing, self.prompt_length = forcing, prompt_length
         self.name = "grammar" if isinstance(self.inner, NoDrafter) else f"{self.inner.name}+grammar"
+        if hasattr(self.inner, "online_version"):  # the version tag online distillation puts on its drafters
+            self.online_version = self.inner.online_version
         self._committed = prompt_length  # the context's length at this step's propose: what follows is drafted
         self._depths = 0  # this step's num_draft_tokens
         self._run: tuple[torch.Tensor, list[int], bool] = (torch.zeros(0, dtype=torch.long), [], False)
