@@ -2,13 +2,16 @@
 with plain constrained decoding, τ and tokens/s.
 
 Each request (a schema with nested objects, enums, arrays and numbers, and a question) runs, in turn in one process:
-plain constrained greedy decoding (no drafter), speculative constrained greedy decoding with the shipped drafter,
-and speculative constrained sampling at temperature 0.8 (seeded). Every answer that ends with the end-of-sequence
-token is validated against its Pydantic model; greedy speculative answers are compared with plain ones token for
-token. The grammar is the server's (:class:`specdraft.grammar.GrammarCompiler`), so this is what ``specdraft serve``
-does for ``response_format: json_schema``, without HTTP.
+plain constrained greedy decoding (no drafter), speculative constrained greedy decoding with the shipped drafter
+alone, with the shipped drafter and the grammar as a drafter (the tokens the grammar forces spliced into its chain,
+:mod:`specdraft.drafters.grammar_draft`), with the grammar drafter alone, and speculative constrained sampling at
+temperature 0.8 (seeded; ``--no-sampled`` leaves it out). Every answer that ends with the end-of-sequence token is
+validated against its Pydantic model; greedy speculative answers are compared with plain ones token for token. The
+grammar is the server's (:class:`specdraft.grammar.GrammarCompiler`), so this is what ``specdraft serve`` does
+for ``response_format: json_schema`` (with the grammar drafter), without HTTP.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/structured_smollm2.py [--requests 50] [--max-new-tokens 160]
+    PYTHONPATH=src .venv/bin/python benchmarks/structured_smollm2.py [--requests 50] [--max-new-tokens 160] \
+        [--no-sampled]
 
 Needs the grammar extra (xgrammar). Prints one line per request and a summary, then one JSON line.
 """
@@ -19,6 +22,7 @@ import argparse
 import json
 import platform
 import time
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -135,38 +139,49 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--no-sampled", action="store_true", help="leave out the sampled run")
     args = parser.parse_args()
     target, tokenizer = load_target(SMOLLM2)
     drafter = load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER)
     eos = eos_token_ids(tokenizer, SMOLLM2)
     compiler = GrammarCompiler(tokenizer, target.vocab_size, eos)
     generate(target, [1, 2, 3], None, GenerationConfig(4))  # warm-up
-    rows, totals = [], {"plain": [0, 0, 0.0], "speculative": [0, 0, 0.0], "sampled": [0, 0, 0.0]}
+    names = ["plain", "speculative", "grammar", "grammar_alone"] + ([] if args.no_sampled else ["sampled"])
+    greedy_spec = ["speculative", "grammar", "grammar_alone"]
+    rows, totals = [], {name: [0, 0, 0.0] for name in names}
     for i, (model, question) in enumerate(requests(args.requests)):
         ids = prompt_ids(tokenizer, model, question)
         grammar = compiler.json_schema(model.model_json_schema())
         greedy = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, eos_token_ids=eos,
                                   speculation="fixed", logits_processor=grammar)
+        forced = replace(greedy, grammar_draft=True)
         sampled = GenerationConfig(args.max_new_tokens, args.num_draft_tokens, SamplingConfig(0.8), eos_token_ids=eos,
                                    speculation="fixed", logits_processor=grammar)
-        outs = {"plain": run(target, ids, None, greedy), "speculative": run(target, ids, drafter, greedy),
-                "sampled": run(target, ids, drafter, sampled, seed=i)}
+        setups = {"plain": (None, greedy, None), "speculative": (drafter, greedy, None),
+                  "grammar": (drafter, forced, None), "grammar_alone": (None, forced, None),
+                  "sampled": (drafter, sampled, i)}  # (drafter, config, seed)
+        outs = {name: run(target, ids, *setups[name]) for name in names}
         for name, out in outs.items():
             totals[name][0] += out["new_tokens"]
             totals[name][1] += out["forwards"]
             totals[name][2] += out["seconds"]
-        row = {"schema": model.__name__, "question": question, "equal": outs["plain"]["tokens"] ==
-               outs["speculative"]["tokens"]} | {f"valid_{name}": valid(tokenizer, model, out, eos)
-                                                for name, out in outs.items()}
+        row = {"schema": model.__name__, "question": question} | {
+            f"equal_{name}": outs["plain"]["tokens"] == outs[name]["tokens"] for name in greedy_spec} | {
+            f"valid_{name}": valid(tokenizer, model, out, eos) for name, out in outs.items()}
         row |= {f"{name}_tokens": out["new_tokens"] for name, out in outs.items()}
+        row |= {f"{name}_forwards": out["forwards"] for name, out in outs.items()}
+        row |= {f"{name}_seconds": round(out["seconds"], 2) for name, out in outs.items()}
         rows.append(row)
-        print(f"{i:2d} {model.__name__:8s} equal {row['equal']} valid plain/spec/sampled {row['valid_plain']}/"
-              f"{row['valid_speculative']}/{row['valid_sampled']} tokens {row['plain_tokens']}/"
-              f"{row['speculative_tokens']}/{row['sampled_tokens']}", flush=True)
+        print(f"{i:2d} {model.__name__:8s} equal spec/grammar/alone " + "/".join(
+            str(row[f"equal_{name}"]) for name in greedy_spec) + " valid " + "/".join(
+            str(row[f"valid_{name}"]) for name in names) + " tokens " + "/".join(
+            str(row[f"{name}_tokens"]) for name in names) + " forwards " + "/".join(
+            str(row[f"{name}_forwards"]) for name in names) + " seconds " + "/".join(
+            str(row[f"{name}_seconds"]) for name in names), flush=True)
     summary = {name: {"tokens": t, "forwards": f, "seconds": round(s, 2), "tau": round(t / f, 3),
                       "tokens_per_second": round(t / s, 2)} for name, (t, f, s) in totals.items()}
-    counts = {key: sum(row[key] for row in rows) for key in ("equal", "valid_plain", "valid_speculative",
-                                                             "valid_sampled")}
+    counts = {key: sum(row[key] for row in rows) for key in [f"equal_{name}" for name in greedy_spec] +
+              [f"valid_{name}" for name in names]}
     print(f"{len(rows)} requests: {counts}; " + "; ".join(
         f"{name} τ {s['tau']:.2f}, {s['tokens_per_second']:.1f} tokens/s" for name, s in summary.items()))
     print(json.dumps({"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

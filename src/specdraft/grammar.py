@@ -12,6 +12,14 @@ draft up to them. A refused token with a draft distribution q stays (its rejecti
 norm(max(0, p - q)), which is not p, so dropping it would bias the answer); what follows it goes. A refused
 deterministic token (q a point mass, or greedy decoding) goes too: there norm(max(0, p - q)) = p, since p(x) = 0.
 
+The grammar as a drafter. Where the grammar allows one continuation only (keys, punctuation, the rest of an enum
+value, closing braces), :meth:`GrammarProcessor.forced_tokens` gives it as tokens: xgrammar's jump-forward string
+(the longest string certain from the matcher's state, as in SGLang's jump-forward decoding) in the tokenizer's own
+encoding, cut before the first token that a following character could merge into (the encoding of the string and
+of the string plus each of :data:`PROBES` must agree up to there), so the tokens are the ones the target itself
+would produce. They are only proposed: the target verifies them like any draft
+(:class:`~specdraft.drafters.grammar_draft.GrammarDrafter`).
+
 JSON is compact here (no whitespace but the space after ``,`` and ``:``), and a token holding a control character
 (U+0000 to U+001F) is never allowed: xgrammar's schema grammars let one stand unescaped inside a string
 (mlc-ai/xgrammar#286), which is not JSON (RFC 8259, Sec. 7), and compact JSON needs none elsewhere.
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +45,8 @@ SCHEMA_KEYWORDS = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format",
     "minItems", "maxItems", "minProperties", "maxProperties", "propertyNames", "strict", "nullable",
 })
+# characters that may follow a forced string, probed to find where its encoding stops being certain
+PROBES = ("a", "A", "1", '"', " ", "{", "[", "-", ".", "}", "]", ",")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
 _SUBSCHEMAS = ("items", "additionalProperties", "propertyNames")  # keyword -> schema (or a bool)
@@ -88,6 +99,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
         self._start(info, vocab_size, cache_size)
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
 
     @classmethod
     def from_vocab(cls, tokens: list[str], stop_token_ids: tuple[int, ...], cache_size: int = 64) -> GrammarCompiler:
@@ -96,12 +108,14 @@ class GrammarCompiler:
         compiler = cls.__new__(cls)
         info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=len(tokens), stop_token_ids=list(stop_token_ids))
         compiler._start(info, len(tokens), cache_size)
+        compiler.encode = longest_match(tokens)
         return compiler
 
     def _start(self, info, vocab_size: int, cache_size: int) -> None:
         self.vocab_size, self.cache_size = vocab_size, cache_size
         self._compiler = _xgrammar().GrammarCompiler(info, max_threads=1)
         self._cache: OrderedDict[str, object] = OrderedDict()
+        self.encode: Encoder | None = None
         spellable = torch.ones(vocab_size, dtype=torch.bool)  # (V,) tokens without a control character
         for token, text in enumerate(info.decoded_vocab[:vocab_size]):
             spellable[token] = not any(byte < 0x20 for byte in text)
@@ -139,7 +153,42 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return GrammarProcessor(compiled, self.vocab_size, self.spellable)
+        return GrammarProcessor(compiled, self.vocab_size, self.spellable, self.encode)
+
+
+Encoder = Callable[[str], list[int]]  # a text -> the tokenizer's ids for it
+
+
+def longest_match(tokens: list[str]) -> Encoder:
+    """An encoder for a vocabulary given as each token's text: the longest token that starts the rest of the text,
+    again and again (up to where no token does)."""
+    ids = {text: token for token, text in enumerate(tokens) if text}
+    longest = max(map(len, ids), default=0)
+
+    def encode(text: str) -> list[int]:
+        out, at = [], 0
+        while at < len(text):
+            size = next((n for n in range(min(longest, len(text) - at), 0, -1) if text[at:at + n] in ids), 0)
+            if not size:
+                break
+            out.append(ids[text[at:at + size]])
+            at += size
+        return out
+
+    return encode
+
+
+def certain_tokens(encode: Encoder, text: str) -> list[int]:
+    """``text``'s tokens up to the first one that a character following ``text`` could change (module docstring)."""
+    ids = encode(text)
+    keep = len(ids)
+    for probe in PROBES:
+        longer = encode(text + probe)
+        same = 0
+        while same < min(keep, len(longer)) and longer[same] == ids[same]:
+            same += 1
+        keep = same
+    return ids[:keep]
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:
@@ -165,8 +214,10 @@ class GrammarProcessor:
     """A grammar's mask as a :class:`~specdraft.sampling.LogitsProcessor` for one sequence (module docstring);
     :meth:`fork` gives each further sequence its own matcher."""
 
-    def __init__(self, compiled, vocab_size: int, spellable: torch.Tensor | None = None) -> None:
+    def __init__(self, compiled, vocab_size: int, spellable: torch.Tensor | None = None,
+                 encode: Encoder | None = None) -> None:
         self.xgr = _xgrammar()
+        self.encode = encode  # the tokenizer, for the forced tokens (None: none are forced)
         self.compiled, self.vocab_size = compiled, vocab_size
         self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
         self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
@@ -175,7 +226,7 @@ class GrammarProcessor:
         self.broken = False  # a committed token the grammar refused (never, when every row was masked)
 
     def fork(self) -> GrammarProcessor:
-        return GrammarProcessor(self.compiled, self.vocab_size, self.spellable)
+        return GrammarProcessor(self.compiled, self.vocab_size, self.spellable, self.encode)
 
     def _sync(self, generated: torch.Tensor) -> None:
         """Advance the matcher to the end of ``generated`` (a prefix of it is what it has accepted already)."""
@@ -236,6 +287,34 @@ class GrammarProcessor:
                       ) -> torch.Tensor:
         """(n,) bool: whether the grammar accepts each draft node's path after ``generated``."""
         return torch.tensor(self._walk(generated, tokens, parents, lambda row: None), dtype=torch.bool)
+
+
+    def forced_tokens(self, generated: torch.Tensor, drafted: torch.Tensor, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after ``generated`` (G,) and then ``drafted`` (d,) (module
+        docstring); none when it forces nothing there, or refuses ``drafted``. The matcher is left as it was."""
+        self._sync(generated)
+        if self.broken or self.encode is None or limit <= 0:
+            return []
+        taken = 0
+        for token in drafted.tolist():
+            if self.matcher.is_terminated() or not self.spellable[token] or not self.matcher.accept_token(token):
+                break
+            taken += 1
+        forced: list[int] = []
+        if taken == drafted.shape[0] and not self.matcher.is_terminated():
+            text = self.matcher.find_jump_forward_string()
+            if text:
+                accept_all = self.matcher.fork()  # whether nothing can follow the whole string (then all is certain)
+                whole = self.encode(text)
+                ids = whole if accept_all.accept_string(text) and accept_all.is_completed() else \
+                    certain_tokens(self.encode, text)
+                for token in ids[:limit]:
+                    if not self.spellable[token] or not self.matcher.accept_token(token):
+                        break
+                    forced.append(token)
+        if taken + len(forced):
+            self.matcher.rollback(taken + len(forced))
+        return forced
 
 
 def grammar_cut(allowed: torch.Tensor, parents: torch.Tensor | None, exact_drop: bool) -> torch.Tensor:

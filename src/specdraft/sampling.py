@@ -82,6 +82,16 @@ class DraftChecker(Protocol):
         ...
 
 
+@runtime_checkable
+class ForcesTokens(Protocol):
+    """A processor that knows where its constraint leaves one continuation only (a grammar), and gives it as tokens
+    to propose (never to commit: the target verifies them)."""
+
+    def forced_tokens(self, generated: torch.Tensor, drafted: torch.Tensor, limit: int) -> list[int]:
+        """Up to ``limit`` tokens forced after ``generated`` (G,) and then ``drafted`` (d,); [] where none is."""
+        ...
+
+
 @dataclass(frozen=True)
 class ChainedProcessors:
     """Several processors applied in order (penalties and a grammar mask); forks and draft checks pass through."""
@@ -104,6 +114,11 @@ class ChainedProcessors:
             if isinstance(processor, DraftChecker):
                 allowed &= processor.allowed_nodes(generated, tokens, parents)
         return allowed
+
+    def forced_tokens(self, generated: torch.Tensor, drafted: torch.Tensor, limit: int) -> list[int]:
+        """The first forcing processor's forced tokens (a mask after it cannot allow more than it does)."""
+        forcing = next((p for p in self.processors if isinstance(p, ForcesTokens)), None)
+        return [] if forcing is None else forcing.forced_tokens(generated, drafted, limit)
 
 
 def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:

@@ -18,10 +18,11 @@ import torch
 
 from specdraft.costs import cost_curve
 from specdraft.drafters.base import Draft, Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
+from specdraft.drafters.grammar_draft import GrammarDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.grammar import grammar_cut
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import DraftChecker, ForkingProcessor, LogitsProcessor, SamplingConfig
+from specdraft.sampling import DraftChecker, ForcesTokens, ForkingProcessor, LogitsProcessor, SamplingConfig
 from specdraft.speculation import SPECULATION, AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepBounds, propose
 from specdraft.stats import GenerationStats
 from specdraft.step import STEP_ROOM, StepInput, StepResult, StepTarget
@@ -55,6 +56,9 @@ class GenerationConfig:
     logits_processor: LogitsProcessor | None = field(default=None, metadata={
         "help": "changes the target's logits before warping at every verified position (logit bias, penalties); "
                 "None = none"})
+    grammar_draft: bool = field(default=False, metadata={
+        "help": "propose the tokens a grammar forces (logits_processor) as draft tokens, before or inside the "
+                "drafter's draft; verified like any draft"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -158,13 +162,15 @@ class SequenceState:
         drafter = drafter or NoDrafter()
         prompt = check_inputs(prompt_ids, target, drafter, config.max_new_tokens, capacity)
         stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, tokenizer)
+        processor = config.logits_processor
+        if isinstance(processor, ForkingProcessor):  # a grammar matcher per sequence
+            processor = processor.fork()
+        if config.grammar_draft and isinstance(processor, ForcesTokens):  # shares the sequence's matcher
+            drafter = GrammarDrafter(drafter, processor, prompt.numel())
         policy = policy if policy is not None else speculation_policy(config, target, drafter)
         cache = new_cache(prompt.numel() + config.max_new_tokens)
         drafter.begin(target, cache)
         share_target_cache(drafter, cache)  # GliDe reads the target's keys and values
-        processor = config.logits_processor
-        if isinstance(processor, ForkingProcessor):  # a grammar matcher per sequence
-            processor = processor.fork()
         return cls(prompt, config, drafter, policy, generator, stopper, cache, target.max_context, prompt,
                    target_features(drafter), processor=processor)  # Medusa / EAGLE read the target's features
 

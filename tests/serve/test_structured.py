@@ -82,6 +82,20 @@ def test_greedy_answer_equals_plain_constrained_decoding(client, checkpoint):
     assert answer.usage.model_extra["speculation"]["draft_tokens_proposed"] >= 0
 
 
+def test_a_structured_request_drafts_what_the_grammar_forces(client, server):
+    def accepted() -> int:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        label = 'specdraft_drafter_draft_tokens_accepted_total{drafter="prompt-lookup+grammar"} '
+        return int(next((line.split()[-1] for line in text.splitlines() if line.startswith(label)), "0"))
+
+    before = accepted()
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=96, temperature=0,
+                                            response_format=_schema_format(Pet.model_json_schema()))
+    # the keys and the punctuation between them ('{"kind": "', '", "name": "', ...) were drafted and accepted
+    assert answer.usage.model_extra["speculation"]["draft_tokens_accepted"] >= 10
+    assert accepted() - before >= 10
+
+
 def test_json_object_and_n_choices(client):
     answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=96, temperature=0.8, n=2,
                                             seed=5, response_format={"type": "json_object"})
