@@ -14,7 +14,6 @@ vocabulary), so a draft token costs little next to a target step.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +22,8 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.export.base import CheckedDrafter, ExportConfig, register
 from specdraft.export.eagle3 import check_heads, eagle3_tensors
-from specdraft.export.gguf import FILE_TYPES, add_tensors, permute_rows
-from specdraft.models.gguf_files import same_tokenizer, target_gguf_file, tokenizer_fields
+from specdraft.export.gguf import FILE_TYPES, add_tensors, permute_rows, write_checked
+from specdraft.models.gguf_files import target_gguf_file, tokenizer_fields
 
 ARCH = "eagle3"
 # Default types: llama.cpp accepted as many of the shipped heads' drafts in q4_0 as in bf16 (24.6 % and 24.2 %,
@@ -109,16 +108,6 @@ def export_eagle3_gguf(config: ExportConfig, checked: CheckedDrafter) -> Path:
     if len(tokens) != head.sizes["vocab_size"]:
         raise SpecdraftError(f"vocabulary mismatch: target GGUF {source.name} has {len(tokens)} tokens, the heads "
                              f"draft for {head.sizes['vocab_size']}")
-    out = Path(config.out).expanduser()
-    if out.is_dir():
-        raise SpecdraftError(f"{out} is a folder; eagle3-gguf export writes a file (e.g. {out / 'eagle3.gguf'})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        write_eagle3_gguf(tmp, head, fields, *config.gguf_types(DEFAULT_TYPES))
-        if not same_tokenizer(tmp, source):
-            raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    types = config.gguf_types(DEFAULT_TYPES)
+    return write_checked(config.out, source, "eagle3-gguf", "eagle3.gguf",
+                         lambda tmp: write_eagle3_gguf(tmp, head, fields, *types))

@@ -14,6 +14,7 @@ draft token streams. Default: q8_0 matrices with a q4_0 output matrix (:data:`DE
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -161,16 +162,24 @@ def export_gguf(config: ExportConfig, drafter: CheckedDrafter) -> Path:
     fields = tokenizer_fields(source)
     check_vocabulary(fields, drafter.tokenizer, drafter.config["vocab_size"], source)
     tensors = gguf_tensors(standalone_tensors(drafter.folder, drafter.table), drafter.config)
-    out = Path(config.out).expanduser()
-    if out.is_dir():
-        raise SpecdraftError(f"{out} is a folder; gguf export writes a file (e.g. {out / 'drafter.gguf'})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    types = config.gguf_types(DEFAULT_TYPES)
+    return write_checked(config.out, source, "gguf", "drafter.gguf",
+                         lambda tmp: write_gguf(tmp, Path(drafter.name).name, drafter.config, tensors, fields, *types))
+
+
+def write_checked(out: str, source: Path, kind: str, example: str, write: Callable[[Path], None]) -> Path:
+    """Write a GGUF through ``write(path)`` beside ``out``, check that its tokenizer metadata is ``source``'s, then
+    rename it into place (nothing is left half-written)."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise SpecdraftError(f"{path} is a folder; {kind} export writes a file (e.g. {path / example})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        write_gguf(tmp, Path(drafter.name).name, drafter.config, tensors, fields, *config.gguf_types(DEFAULT_TYPES))
+        write(tmp)
         if not same_tokenizer(tmp, source):
             raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
-        os.replace(tmp, out)
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return out
+    return path
