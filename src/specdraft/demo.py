@@ -32,7 +32,7 @@ from specdraft.models.registry import (
 )
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
 from specdraft.sequence import GenerationConfig, GenerationResult, speculation_policy
-from specdraft.stats import draft_lengths_line
+from specdraft.stats import add_counts, draft_lengths_line
 
 # layer-skip is left out by default: its first use calibrates for minutes, and on this small target it drafts slower
 # than plain decoding; medusa and eagle need trained heads (--drafter-option heads=PATH in generate)
@@ -152,9 +152,7 @@ def _speculation_line(results: list[GenerationResult]) -> str:
     for r in results:
         for total, counts in ((accepted, r.stats.accepted_per_position), (reached, r.stats.reached_per_position),
                               (lengths, r.stats.draft_length_counts)):
-            total += [0] * (len(counts) - len(total))
-            for i, c in enumerate(counts):
-                total[i] += c
+            add_counts(total, counts)
     acceptance = [a / n for a, n in zip(accepted, reached, strict=True) if n]
     return draft_lengths_line(acceptance, lengths) or "no drafts"
 

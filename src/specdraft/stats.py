@@ -95,6 +95,14 @@ class GenerationStats:
         }
 
 
+def add_counts(total: list[int], counts: Sequence[int]) -> None:
+    """Add ``counts`` to ``total`` element-wise in place, growing ``total`` to the longer length (per-position
+    counters of several sequences or answers)."""
+    total += [0] * (len(counts) - len(total))
+    for i, count in enumerate(counts):
+        total[i] += count
+
+
 def draft_lengths_line(acceptance: Sequence[float] | None, lengths: Sequence[int] | None) -> str:
     """What a speculation policy chose and how it went, in one line: "acceptance per position 0.71 / 0.52; drafts
     verified (tokens: share of steps) 0: 31%, 1: 40%, 2: 29%"; "" when neither was measured."""

@@ -44,7 +44,7 @@ from pathlib import Path
 from specdraft.bench.questions import SUBTASKS
 from specdraft.bench.records import load_answers, read_run_info
 from specdraft.errors import SpecdraftError
-from specdraft.stats import draft_lengths_line
+from specdraft.stats import add_counts, draft_lengths_line
 
 BASELINE = "ar"
 
@@ -72,9 +72,7 @@ def _sum_positions(records: Iterable[dict], key: str) -> list[int] | None:
         if per_turn is None:
             return None
         for counts in per_turn:
-            total += [0] * (len(counts) - len(total))
-            for i, c in enumerate(counts):
-                total[i] += c
+            add_counts(total, counts)
     return total
 
 

@@ -12,11 +12,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdraft.stats import add_counts
+
 _WINDOW_S = 10.0  # tokens/s is measured over the last this many seconds of steps
-
-
-def _grow(counts: list[int], size: int) -> None:
-    counts += [0] * (size - len(counts))
 
 
 @dataclass
@@ -40,9 +38,7 @@ class SpeculationTally:
         for mine, theirs in ((self.reached_per_position, stats.reached_per_position),
                              (self.accepted_per_position, stats.accepted_per_position),
                              (self.draft_length_counts, stats.draft_length_counts)):
-            _grow(mine, len(theirs))
-            for i, count in enumerate(theirs):
-                mine[i] += count
+            add_counts(mine, theirs)
 
     @property
     def block_efficiency(self) -> float:
