@@ -189,7 +189,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--target", default=SMOLLM2, help="built-in name, checkpoint folder or cached hub id")
     p.add_argument("--methods", default=",".join(default_methods()),
                    help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, llama.cpp, "
-                        "llama.cpp-draft:DRAFT.gguf, llama.cpp-eagle3:EAGLE3.gguf, llama.cpp-ngram:MODE (llama.cpp "
+                        "llama.cpp-draft:DRAFT.gguf, llama.cpp-eagle3:EAGLE3.gguf, llama.cpp-dflash:DFLASH.gguf, "
+                        "llama.cpp-ngram:MODE (llama.cpp "
                         "options after ';', e.g. 'llama.cpp-draft:d.gguf;n_max=2;p_min=0.75'), "
                         "vllm, vllm-ngram, vllm-draft:PATH, vllm-eagle3:PATH, or a "
                         f"drafter by name ({', '.join(sorted(NAMED_DRAFTERS))}); ar always runs")

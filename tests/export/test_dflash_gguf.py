@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from dflash_toys import dflash_spec, dflash_weights, write_dflash_heads
 from gguf import GGUFReader, quants
 from safetensors.torch import load_file
-from toys import save_tiny_checkpoint, tiny_llama, tiny_tokenizer, write_target_gguf
 
+from dflash_toys import dflash_spec, dflash_weights, write_dflash_heads
 from specdraft.cli import main
 from specdraft.models.gguf_files import tokenizer_fields
+from toys import save_tiny_checkpoint, tiny_llama, tiny_tokenizer, write_target_gguf
 
 LAYERS = (0, 2, 3)
 
