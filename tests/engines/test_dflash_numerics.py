@@ -1,5 +1,6 @@
-"""llama.cpp's ``draft-dflash`` computes what the DFlash heads compute: the first block llama.cpp drafts after a
-prompt (its debug log's top candidates) equals the block a plain PyTorch forward of the same heads drafts (the
+"""llama.cpp's ``draft-dflash`` computes what the DFlash heads compute: the first block llama.cpp drafts for a
+prompt (its debug log's top candidates; ``llama-speculative-simple`` prefills all but the prompt's last token, which
+anchors that block) equals the block a plain PyTorch forward of the same heads drafts (the
 forward of the shared layout, written here as the oracle: fused target features -> context K/V, a non-causal block
 ``[last token, MASK ...]`` through Qwen3 layers, the target's head), with the weights rounded to bf16 as the
 ``--gguf-type bf16`` export stores them. The target's features come from transformers' fp32 forward of the
@@ -105,8 +106,9 @@ def test_llama_cpps_first_dflash_block_equals_the_pytorch_forward(tmp_path):
         ids = encode_prompt(tokenizer, prompt, chat=True)
         with torch.no_grad():
             out = target(torch.tensor([ids]), output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i + 1][0] for i in spec["target_layer_ids"]], -1)  # (n, 3H)
-        last = int(out.logits[0, -1].argmax())
+        # llama-speculative-simple prefills all but the last prompt token, which anchors the first block
+        features = torch.cat([out.hidden_states[i + 1][0, :-1] for i in spec["target_layer_ids"]], -1)  # (n-1, 3H)
+        last = ids[-1]
         with torch.no_grad():
             ours = dflash_block_logits(w, spec, features, table, head, last).argmax(-1).tolist()
         theirs = _llama_cpp_first_block(binary, target_gguf_file(SMOLLM2), gguf, tokenizer.decode(ids))
