@@ -189,7 +189,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--target", default=SMOLLM2, help="built-in name, checkpoint folder or cached hub id")
     p.add_argument("--methods", default=",".join(default_methods()),
                    help="comma-separated: ar, draft:PATH, hf, hf-assisted:PATH, llama.cpp, "
-                        "llama.cpp-draft:DRAFT.gguf, llama.cpp-eagle3:EAGLE3.gguf, llama.cpp-ngram:MODE (llama.cpp "
+                        "llama.cpp-draft:DRAFT.gguf, llama.cpp-eagle3:EAGLE3.gguf, llama.cpp-dflash:DFLASH.gguf, "
+                        "llama.cpp-ngram:MODE (llama.cpp "
                         "options after ';', e.g. 'llama.cpp-draft:d.gguf;n_max=2;p_min=0.75'), "
                         "vllm, vllm-ngram, vllm-draft:PATH, vllm-eagle3:PATH, or a "
                         f"drafter by name ({', '.join(sorted(NAMED_DRAFTERS))}); ar always runs")
@@ -328,10 +329,11 @@ def _add_export(sub) -> None:
     p.add_argument("--target-gguf", help="gguf: the target's GGUF file, whose tokenizer metadata is copied "
                                          "(default: the built-in target's)")
     p.add_argument("--gguf-type", choices=GGUF_TYPES,
-                   help="gguf, eagle3-gguf: weight type of the matrices (default: q8_0 for gguf, q4_0 for eagle3-gguf)")
+                   help="gguf, eagle3-gguf, dflash-gguf: weight type of the matrices (default: q8_0 for gguf and "
+                        "dflash-gguf, q4_0 for eagle3-gguf)")
     p.add_argument("--gguf-output-type", choices=GGUF_TYPES,
-                   help="gguf, eagle3-gguf: weight type of the output matrix (default: --gguf-type when given, "
-                        "else q4_0)")
+                   help="gguf, eagle3-gguf, dflash-gguf: weight type of the output matrix (dflash-gguf: and of "
+                        "token_embd) (default: --gguf-type when given, else q4_0; q8_0 for dflash-gguf)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="speculators: γ, draft tokens per step")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export once the new one is done")
     p.set_defaults(run=_run_export)

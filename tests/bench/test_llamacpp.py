@@ -252,3 +252,59 @@ def test_a_draft_gguf_with_another_tokenizer_is_refused(fake_bin, tmp_path):
     code = main(["bench", "--target", str(target), "--questions", "builtin", "--out", str(tmp_path / "r"),
                  "--methods", f"llama.cpp-draft:{other}", "--max-new-tokens", "4"])
     assert code == 2
+
+
+def _dflash_gguf(path, mask: int | None = 63, arch: str = "dflash"):
+    """A GGUF of llama.cpp's ``dflash`` architecture holding only the target's tokenizer plus the mask id."""
+    import gguf
+
+    tokens = tiny_tokenizer().convert_ids_to_tokens(list(range(64)))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{{ messages }}")
+    if mask is not None:
+        writer.add_mask_token_id(mask)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_dflash_setting_runs_its_gguf_with_draft_dflash(fake_bin, tmp_path):
+    write_build_info(fake_bin, _build_info(machine()["cpu"]))
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    dflash = _dflash_gguf(tmp_path / "dflash.gguf")
+    spec = f"llama.cpp-dflash:{dflash};n_max=3;p_min=0.2"
+    code = main(["bench", "--target", str(target), "--questions", "builtin", "--per-category", "1", "--out",
+                 str(tmp_path / "run"), "--methods", f"llama.cpp,{spec}", "--dtype", "float32",
+                 "--max-new-tokens", "4"])
+    assert code == 0
+    method = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"][spec]
+    assert method["engine"]["speculative"] == {"type": "draft-dflash", "draft": str(dflash), "n_max": 3, "n_min": 0,
+                                               "p_min": 0.2}
+    assert method["overall"]["acceptance_rate"] == pytest.approx(3 / 6)  # the stand-in's counters, n_max 3
+
+
+@pytest.mark.parametrize(("method", "file", "message"), [
+    ("llama.cpp-dflash", "draft", "needs a dflash GGUF"),
+    ("llama.cpp-draft", "dflash", "needs a draft model GGUF"),
+    ("llama.cpp-eagle3", "dflash", "needs an eagle3 GGUF"),
+    ("llama.cpp-dflash", "nomask", "has no tokenizer.ggml.mask_token_id"),
+])
+def test_a_gguf_of_another_kind_is_refused(fake_bin, tmp_path, capsys, method, file, message):
+    write_build_info(fake_bin, _build_info(machine()["cpu"]))
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0)
+    _gguf(target / "model.gguf")
+    path = tmp_path / f"{file}.gguf"
+    _gguf(path) if file == "draft" else _dflash_gguf(path, None if file == "nomask" else 63)
+    code = main(["bench", "--target", str(target), "--questions", "builtin", "--per-category", "1", "--out",
+                 str(tmp_path / "r"), "--methods", f"{method}:{path}", "--dtype", "float32", "--max-new-tokens", "4"])
+    assert code == 2 and message in capsys.readouterr().err

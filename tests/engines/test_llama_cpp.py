@@ -2,11 +2,12 @@
 GGUF export of the shipped drafter and accepts its drafts about as often as specdraft does (within 5 points, greedy,
 γ 4, on held-out ShareGPT prompts); llama.cpp's greedy answers with the shipped drafter (``draft-simple``) and with
 the shipped EAGLE-3 heads (``draft-eagle3``, the ``eagle3-gguf`` export) equal its plain greedy answers, and the
-EAGLE-3 drafts are accepted; transformers' assisted generation with the hf export equals plain greedy in
-fp32, and the speculators package accepts the speculators export. The llama.cpp build fits this machine: its build
-info matches this CPU and ``llama-bench`` processes a prompt with weight repacking on (where AMX is reported but
-not usable, a build with AMX dies there with SIGILL). Skipped when an engine is not built; a build made for another
-machine fails."""
+EAGLE-3 drafts are accepted; so do its answers with DFlash heads (``draft-dflash``, the ``dflash-gguf`` export of
+the shipped heads, else of random heads of the same layout, whose drafts then only run, unaccepted); transformers'
+assisted generation with the hf export equals plain greedy in fp32, and the speculators package accepts the
+speculators export. The llama.cpp build fits this machine: its build info matches this CPU and ``llama-bench``
+processes a prompt with weight repacking on (where AMX is reported but not usable, a build with AMX dies there with
+SIGILL). Skipped when an engine is not built; a build made for another machine fails."""
 
 import json
 import subprocess
@@ -18,6 +19,7 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.export import ExportConfig, export
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER, SMOLLM2_EAGLE3, cache_dir
+from specdraft.prompts import encode_prompt
 
 pytestmark = pytest.mark.engines
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,3 +152,54 @@ def test_the_speculators_package_accepts_the_speculators_export(exports):
     done = subprocess.run([str(SPECULATORS_PYTHON), str(ROOT / "tools" / "check_speculators.py"), str(bad)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "speculative_tokens" in done.stderr
+
+
+def _dflash_heads(tmp_path) -> tuple[Path, bool]:
+    """The shipped DFlash heads if there are any (trained: their drafts must be accepted), else random heads for
+    SmolLM2 in the same layout, with a draft vocabulary."""
+    from transformers import AutoConfig
+
+    from dflash_toys import dflash_spec, write_dflash_heads
+    from specdraft.models.registry import WEIGHTS_DIR, resolve
+
+    shipped = WEIGHTS_DIR / "smollm2-135m-instruct-dflash"
+    if (shipped / "heads.json").is_file():
+        return shipped, True
+    spec = dflash_spec(AutoConfig.from_pretrained(resolve(SMOLLM2)), 1, 8, (1, 14, 27), draft_vocab_size=8192)
+    return write_dflash_heads(tmp_path / "dflash", spec, SMOLLM2), False
+
+
+def test_llama_cpps_greedy_answers_with_dflash_heads_equal_its_plain_answers(llama_server, tmp_path):
+    """Held-out ShareGPT prompts, 64 tokens, 2 threads: draft-dflash with the q8_0 dflash-gguf export, blocks of 3
+    and 5 draft tokens, against one plain server."""
+    from specdraft.bench.llamacpp import LlamaServer, completion_payload
+    from specdraft.bench.llamacpp_spec import parse_speculation
+    from specdraft.bench.questions import SHAREGPT_HELDOUT, load_questions
+    from specdraft.decoding import GenerationConfig
+    from specdraft.models.gguf_files import target_gguf_file
+    from specdraft.models.registry import load_tokenizer
+
+    heads, trained = _dflash_heads(tmp_path)
+    gguf = export(ExportConfig(str(heads), "dflash-gguf", str(tmp_path / "dflash.gguf"), target=SMOLLM2))
+    tokenizer, target = load_tokenizer(SMOLLM2), target_gguf_file(SMOLLM2)
+    servers = {"plain": LlamaServer(target, threads=2)}
+    for n_max in (3, 5):
+        servers[n_max] = LlamaServer(target, parse_speculation("llama.cpp-dflash", f"{gguf};n_max={n_max}"), 2)
+    config = GenerationConfig(64, 3, eos_token_ids=(tokenizer.eos_token_id,))
+    counters = {name: [0, 0] for name in servers}
+    try:
+        for question in load_questions(SHAREGPT_HELDOUT)[:4]:
+            payload = completion_payload(encode_prompt(tokenizer, question.turns[0], chat=True), config, seed=0)
+            answers = {name: server.complete(payload) for name, server in servers.items()}
+            for name, answer in answers.items():
+                assert answer["tokens"] == answers["plain"]["tokens"], (name, question.turns[0][:60])
+                timings = answer.get("timings") or {}
+                counters[name][0] += int(timings.get("draft_n", 0))
+                counters[name][1] += int(timings.get("draft_n_accepted", 0))
+    finally:
+        for server in servers.values():
+            server.close()
+    for n_max in (3, 5):
+        drafted, accepted = counters[n_max]
+        assert drafted > 0 and 0 <= accepted <= drafted, (n_max, counters[n_max])
+        assert accepted > 0 or not trained, (n_max, counters[n_max])

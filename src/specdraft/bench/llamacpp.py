@@ -1,6 +1,7 @@
 """llama.cpp as benchmarked methods: ``llama.cpp`` (its plain decoding of the target's GGUF) and its speculative
 decoding, ``llama.cpp-draft:DRAFT.gguf`` (a draft model, e.g. ``specdraft export --format gguf``),
-``llama.cpp-eagle3:EAGLE3.gguf`` (EAGLE-3 heads, ``specdraft export --format eagle3-gguf``) and
+``llama.cpp-eagle3:EAGLE3.gguf`` (EAGLE-3 heads, ``specdraft export --format eagle3-gguf``),
+``llama.cpp-dflash:DFLASH.gguf`` (DFlash heads, ``specdraft export --format dflash-gguf``) and
 ``llama.cpp-ngram:MODE`` (its model-free n-gram drafting), with options
 (:mod:`specdraft.bench.llamacpp_spec`).
 

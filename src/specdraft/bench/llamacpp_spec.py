@@ -4,8 +4,10 @@ A ``llama-server`` takes its speculative settings on the command line only: this
 the per-request ``speculative.*`` fields (its server compiles them out), so every setting is one server. Methods:
 
 - ``llama.cpp-draft:DRAFT.gguf`` (``--spec-type draft-simple``, a draft model such as ``specdraft export DRAFTER
-  --format gguf``) and ``llama.cpp-eagle3:EAGLE3.gguf`` (``--spec-type draft-eagle3``, ``specdraft export HEADS
-  --format eagle3-gguf``), with options ``;n_max=N`` (``--spec-draft-n-max``, default γ), ``;n_min=N``
+  --format gguf``), ``llama.cpp-eagle3:EAGLE3.gguf`` (``--spec-type draft-eagle3``, ``specdraft export HEADS
+  --format eagle3-gguf``) and ``llama.cpp-dflash:DFLASH.gguf`` (``--spec-type draft-dflash``, one forward drafts a
+  block: ``specdraft export HEADS --format dflash-gguf``; llama.cpp clamps ``n_max`` to the block size less one),
+  with options ``;n_max=N`` (``--spec-draft-n-max``, default γ), ``;n_min=N``
   (``--spec-draft-n-min``: a shorter draft is dropped; llama.cpp's default 0) and ``;p_min=P``
   (``--spec-draft-p-min``: drafting stops at a token whose draft probability is below P; llama.cpp's default 0),
   e.g. ``llama.cpp-draft:d.gguf;n_max=2;p_min=0.75``.
@@ -26,7 +28,10 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 
-DRAFT_KINDS = {"llama.cpp-draft": "draft-simple", "llama.cpp-eagle3": "draft-eagle3"}
+DRAFT_KINDS = {"llama.cpp-draft": "draft-simple", "llama.cpp-eagle3": "draft-eagle3",
+               "llama.cpp-dflash": "draft-dflash"}
+HEAD_ARCHS = {"draft-eagle3": ("eagle3", "eagle3-gguf"), "draft-dflash": ("dflash", "dflash-gguf")}  # else: a model
+MASK_KEY = "tokenizer.ggml.mask_token_id"  # a DFlash GGUF adds its block filler to the target's tokenizer
 DRAFT_OPTIONS = {"n_max": ("--spec-draft-n-max", int), "n_min": ("--spec-draft-n-min", int),
                  "p_min": ("--spec-draft-p-min", float)}
 DRAFT_DEFAULTS = {"n_min": 0, "p_min": 0.0}  # llama.cpp's own defaults (common.h of the pinned build)
@@ -146,16 +151,25 @@ def _read_facts(path: str, mtime_ns: int, size: int) -> GgufFacts:
 
 
 def check_draft_file(speculation: Speculation, target: Path, kind: str) -> None:
-    """Refuse a draft GGUF that is missing, speaks another vocabulary than ``target``, or is of the wrong kind
-    (an EAGLE-3 GGUF under draft-simple, a draft model under draft-eagle3)."""
+    """Refuse a draft GGUF that is missing, speaks another vocabulary than ``target`` (a DFlash GGUF may add its
+    mask token id), or is of the wrong kind (heads of one kind under another --spec-type, a draft model under
+    draft-eagle3 or draft-dflash)."""
     draft = speculation.draft
-    make = "--format eagle3-gguf" if speculation.spec_type == "draft-eagle3" else "--format gguf"
+    arch, fmt = HEAD_ARCHS.get(speculation.spec_type, (None, "gguf"))
+    make = f"specdraft export ... --format {fmt}"
     if draft is None or not draft.is_file():
-        raise SpecdraftError(f"{kind}: no GGUF file at {draft} (make one with specdraft export ... {make})")
+        raise SpecdraftError(f"{kind}: no GGUF file at {draft} (make one with {make})")
     facts = gguf_facts(draft)
-    if facts.tokenizer != gguf_facts(target).tokenizer:
+    heads = {a for a, _ in HEAD_ARCHS.values()}
+    if facts.architecture != arch and (arch is not None or facts.architecture in heads):
+        needs = f"{'an' if arch[0] in 'aeiou' else 'a'} {arch}" if arch else "a draft model"
+        raise SpecdraftError(f"{kind}: {draft.name} is a {facts.architecture!r} GGUF; {kind} needs {needs} GGUF "
+                             f"({make})")
+    tokenizer = facts.tokenizer
+    if arch == "dflash":
+        tokenizer = {k: v for k, v in tokenizer.items() if k != MASK_KEY}
+        if MASK_KEY not in facts.tokenizer:
+            raise SpecdraftError(f"{kind}: {draft.name} has no {MASK_KEY}, which draft-dflash fills its block with "
+                                 f"({make})")
+    if tokenizer != gguf_facts(target).tokenizer:
         raise SpecdraftError(f"{kind}: the draft GGUF's tokenizer metadata differs from the target's {target.name}")
-    if (facts.architecture == "eagle3") != (speculation.spec_type == "draft-eagle3"):
-        raise SpecdraftError(f"{kind}: {draft.name} is a {facts.architecture!r} GGUF; {kind} needs "
-                             f"{'an eagle3' if speculation.spec_type == 'draft-eagle3' else 'a draft model'} GGUF "
-                             f"(specdraft export ... {make})")

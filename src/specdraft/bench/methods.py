@@ -12,8 +12,9 @@ Method specs on the command line (``--methods ar,draft:PATH,prompt-lookup,hf,hf-
 - ``hf-assisted:PATH``: transformers' assisted generation with the draft model at PATH, with
   ``num_assistant_tokens`` = γ, schedule "constant" and ``assistant_confidence_threshold`` = 0.
 - ``llama.cpp``: llama.cpp's plain decoding of the target's GGUF; ``llama.cpp-draft:DRAFT.gguf``,
-  ``llama.cpp-eagle3:EAGLE3.gguf`` and ``llama.cpp-ngram:MODE``: llama.cpp's own speculative decoding with a draft
-  model, EAGLE-3 heads or n-gram lookup, γ draft tokens unless the options say (``;n_max=2;p_min=0.75``;
+  ``llama.cpp-eagle3:EAGLE3.gguf``, ``llama.cpp-dflash:DFLASH.gguf`` and ``llama.cpp-ngram:MODE``: llama.cpp's own
+  speculative decoding with a draft model, EAGLE-3 heads, DFlash heads (a block per forward) or n-gram lookup, γ
+  draft tokens unless the options say (``;n_max=2;p_min=0.75``;
   :mod:`specdraft.bench.llamacpp_spec`).
 - ``vllm``, ``vllm-ngram``, ``vllm-draft:PATH``, ``vllm-eagle3:PATH``: vLLM's plain decoding, its n-gram lookup,
   an exported draft model, exported EAGLE-3 heads, γ draft tokens, one engine each (:mod:`specdraft.bench.vllm`).
@@ -306,8 +307,8 @@ def _build_llama_cpp(ctx: BuildContext, spec: str, arg: str | None, gammas, swee
 
 
 def _build_llama_cpp_spec(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    """llama.cpp-draft, llama.cpp-eagle3, llama.cpp-ngram: one llama-server per setting (per γ where the options
-    leave n_max to γ)."""
+    """llama.cpp-draft, llama.cpp-eagle3, llama.cpp-dflash, llama.cpp-ngram: one llama-server per setting (per γ
+    where the options leave n_max to γ)."""
     from specdraft.bench.llamacpp import LlamaServer, draft_param_ratio
     from specdraft.bench.llamacpp_spec import check_draft_file, fixed_length, parse_speculation
     from specdraft.models.gguf_files import target_gguf_file
@@ -363,6 +364,7 @@ METHOD_KINDS: dict[str, MethodKind] = {
     "llama.cpp": MethodKind(_build_llama_cpp),
     "llama.cpp-draft": MethodKind(_build_llama_cpp_spec, needs_path=True, check=_check_llama_cpp_spec),
     "llama.cpp-eagle3": MethodKind(_build_llama_cpp_spec, needs_path=True, check=_check_llama_cpp_spec),
+    "llama.cpp-dflash": MethodKind(_build_llama_cpp_spec, needs_path=True, check=_check_llama_cpp_spec),
     "llama.cpp-ngram": MethodKind(_build_llama_cpp_spec, takes_options=True, check=_check_llama_cpp_spec),
     "vllm": MethodKind(_build_vllm),
     "vllm-ngram": MethodKind(_build_vllm, takes_options=True),
@@ -379,8 +381,8 @@ def _kind(spec: str) -> tuple[MethodKind, str | None]:
     if kind is None:
         known = [*METHOD_KINDS, *NAMED_DRAFTERS]
         raise SpecdraftError(f"unknown method {spec!r}; known: {', '.join(known)} "
-                             "(draft, hf-assisted, llama.cpp-draft, llama.cpp-eagle3, vllm-draft and vllm-eagle3 take "
-                             ":PATH, llama.cpp-ngram a :MODE)")
+                             "(draft, hf-assisted, llama.cpp-draft, llama.cpp-eagle3, llama.cpp-dflash, vllm-draft and "
+                             "vllm-eagle3 take :PATH, llama.cpp-ngram a :MODE)")
     if kind.needs_path and not arg:
         raise SpecdraftError(f"method {name!r} needs a draft model: {name}:PATH")
     if not kind.needs_path and not kind.takes_options and arg:

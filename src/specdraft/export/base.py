@@ -33,9 +33,11 @@ class ExportConfig:
     target_gguf: str | None = field(default=None, metadata={
         "help": "gguf: the target's GGUF file, whose tokenizer metadata the export copies (default: the built-in's)"})
     gguf_type: str | None = field(default=None, metadata={
-        "help": "gguf, eagle3-gguf: weight type of the matrices, bf16, q8_0 or q4_0; default: the format's"})
+        "help": "gguf, eagle3-gguf, dflash-gguf: weight type of the matrices, bf16, q8_0 or q4_0; "
+                "default: the format's"})
     gguf_output_type: str | None = field(default=None, metadata={
-        "help": "gguf, eagle3-gguf: weight type of the output matrix (a drafter's shared embedding table); "
+        "help": "gguf, eagle3-gguf, dflash-gguf: weight type of the output matrix (a drafter's shared embedding "
+                "table; dflash-gguf: also its token_embd); "
                 "default: gguf_type when given, else the format's"})
     num_draft_tokens: int = field(default=4, metadata={"help": "speculators: γ, draft tokens per target forward"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing export (once the new one is done)"})

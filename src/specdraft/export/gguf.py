@@ -167,9 +167,11 @@ def export_gguf(config: ExportConfig, drafter: CheckedDrafter) -> Path:
                          lambda tmp: write_gguf(tmp, Path(drafter.name).name, drafter.config, tensors, fields, *types))
 
 
-def write_checked(out: str, source: Path, kind: str, example: str, write: Callable[[Path], None]) -> Path:
-    """Write a GGUF through ``write(path)`` beside ``out``, check that its tokenizer metadata is ``source``'s, then
-    rename it into place (nothing is left half-written)."""
+def write_checked(out: str, source: Path, kind: str, example: str, write: Callable[[Path], None],
+                  added: dict | None = None) -> Path:
+    """Write a GGUF through ``write(path)`` beside ``out``, check that its tokenizer metadata is ``source``'s (with
+    the ``added`` fields, e.g. a mask token id, set on top), then rename it into place (nothing is left
+    half-written)."""
     path = Path(out).expanduser()
     if path.is_dir():
         raise SpecdraftError(f"{path} is a folder; {kind} export writes a file (e.g. {path / example})")
@@ -177,7 +179,7 @@ def write_checked(out: str, source: Path, kind: str, example: str, write: Callab
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
-        if not same_tokenizer(tmp, source):
+        if not same_tokenizer(tmp, source, added):
             raise SpecdraftError(f"tokenizer metadata of the written GGUF differs from {source}")
         os.replace(tmp, path)
     finally:

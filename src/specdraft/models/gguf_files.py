@@ -38,6 +38,7 @@ def tokenizer_fields(path: str | Path) -> dict[str, tuple]:
     return {k: (f.contents(), list(f.types)) for k, f in reader.fields.items() if k.startswith(TOKENIZER_PREFIX)}
 
 
-def same_tokenizer(a: str | Path, b: str | Path) -> bool:
-    """Whether two GGUF files carry equal tokenizer metadata."""
-    return {k: v[0] for k, v in tokenizer_fields(a).items()} == {k: v[0] for k, v in tokenizer_fields(b).items()}
+def same_tokenizer(a: str | Path, b: str | Path, added: dict | None = None) -> bool:
+    """Whether GGUF ``a`` carries the tokenizer metadata of ``b`` (with the ``added`` fields set on top)."""
+    theirs = {k: v[0] for k, v in tokenizer_fields(b).items()} | (added or {})
+    return {k: v[0] for k, v in tokenizer_fields(a).items()} == theirs
