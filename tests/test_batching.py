@@ -211,3 +211,32 @@ def test_adaptive_speculation_switches_a_batchs_drafting_off_and_on(target, monk
     for seq in others:
         assert sum(size > 0 for _, size in drafted[id(seq)]) <= 2  # the sequences that joined never paid to draft
     assert first.generated == _alone(target, PROMPTS[0], None, config)
+
+
+@pytest.fixture(scope="module")
+def quantized_target():
+    from specdraft.models.quantized_llama import QuantizedLlama
+
+    return QuantizedLlama.from_dense(NativeLlama.from_hf(tiny_llama(0)), "int4")
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "pattern", "tree"])
+def test_quantized_batched_verifies_equal_batched_plain_decoding(quantized_target, drafter_model, kind):
+    """A quantized target (fp16 cache, block kernels) decoded in a batch: every row's speculative output equals the
+    same batch decoded plainly, token for token; its verifies attend each query on its own as its plain steps do."""
+    offsets = itertools.count()
+
+    def pattern():
+        offset = next(offsets)
+        return PatternDrafter(quantized_target, lambda step, i: ((step + offset) * 7 + i * 3) % 5 == 0)
+
+    makers = {
+        "draft-model": lambda: DraftModelDrafter(drafter_model),
+        "pattern": pattern,
+        "tree": lambda: DraftModelDrafter(drafter_model, tree_branching=2, tree_nodes=6),
+    }
+    config = GenerationConfig(48, 4, speculation="fixed")
+    plain = generate_batch(quantized_target, PROMPTS, lambda: None, config)
+    speculative = generate_batch(quantized_target, PROMPTS, makers[kind], config)
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+    assert sum(r.stats.target_forward_calls for r in speculative) < sum(r.stats.target_forward_calls for r in plain)

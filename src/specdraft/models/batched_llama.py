@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.errors import SpecdraftError
+from specdraft.models import rowgemm
 
 
 class BatchedKVCache:
@@ -84,8 +85,9 @@ class BatchedKVCache:
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys and values (n, T, K, hd) in the reserved slots; return the rows' keys and
         values so far, each (n, K, max length + T, hd): views into the cache for dense rows, else gathered."""
-        self.keys[layer][self._rows, :, self._slots] = keys  # index (n, T) -> (n, T, K, hd)
-        self.values[layer][self._rows, :, self._slots] = values
+        dtype = self.keys[layer].dtype  # the cache's format: rounded once, as the batch-1 cache writes it
+        self.keys[layer][self._rows, :, self._slots] = keys.to(dtype)  # index (n, T) -> (n, T, K, hd)
+        self.values[layer][self._rows, :, self._slots] = values.to(dtype)
         return self.keys[layer][self._view, :, : self._end], self.values[layer][self._view, :, : self._end]
 
     def end_forward(self, num_new: list[int]) -> None:
@@ -102,8 +104,9 @@ def new_batched_cache(model, max_rows: int, capacity: int) -> BatchedKVCache:
     if max_rows < 1:
         raise SpecdraftError(f"batch size must be at least 1, got {max_rows}")
     config = model.config
+    dtype = getattr(model, "cache_dtype", model.dtype)  # a quantized model's cache format (fp16 by default)
     return BatchedKVCache(config.num_hidden_layers, max_rows, config.num_key_value_heads, capacity, config.head_dim,
-                          model.dtype, model.rope_cos.device)
+                          dtype, model.rope_cos.device)
 
 
 def supports_batching(model) -> bool:
@@ -129,9 +132,12 @@ def _project(layer, name: str, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias"))
 
 
-def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope, mask: torch.Tensor) -> torch.Tensor:
-    """One pre-norm Llama block over (n, T, D) with grouped-query attention of the folded queries (as the batch-1
-    path does) under the per-row mask (n, 1, G*T, S)."""
+def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope, mask: torch.Tensor,
+           rowwise: bool) -> torch.Tensor:
+    """One pre-norm Llama block over (n, T, D) with grouped-query attention under the per-row mask (n, 1, G*T, S):
+    ``rowwise``, each query on its own (the row-invariant kernel the batch-1 steps use, row by row with its own
+    mask), so a row's k-token verify equals its k 1-token steps bit for bit; else the folded queries through SDPA
+    (a prefill, or a model without the row path)."""
     batch, steps, _ = hidden.shape
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     groups = heads // kv_heads
@@ -140,6 +146,15 @@ def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope,
     rotated = _rotate(qkv[:, :, : heads + kv_heads], *rope)  # (n, T, H+K, hd)
     queries, new_keys = rotated.split((heads, kv_heads), dim=2)  # (n, T, H, hd), (n, T, K, hd)
     keys, values = cache.write(index, new_keys, qkv[:, :, heads + kv_heads :])  # (n, K, S, hd)
+    if rowwise:
+        out = torch.cat([rowgemm.attention(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], mask[i, 0, :steps])
+                         for i in range(batch)])  # (n, T, H*hd)
+        hidden = hidden + _project(layer, "o", out)  # (n, T, D)
+        normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
+        gate, up = _project(layer, "gate_up", normed).chunk(2, dim=-1)  # (n, T, F) each
+        return hidden + _project(layer, "down", F.silu(gate) * up)  # (n, T, D)
+    if keys.dtype != queries.dtype:  # a cache in its own format, widened exactly
+        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     folded = queries.reshape(batch, steps, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # (n, K, G, T, hd)
     folded = folded.reshape(batch, kv_heads, groups * steps, head_dim)  # (n, K, G*T, hd)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # (n, K, G*T, hd)
@@ -148,6 +163,14 @@ def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope,
     normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
     gate, up = _project(layer, "gate_up", normed).chunk(2, dim=-1)  # (n, T, F) each
     return hidden + _project(layer, "down", F.silu(gate) * up)  # (n, T, D)
+
+
+def _attends_rowwise(model, steps: int) -> bool:
+    """Whether a forward of ``steps`` tokens attends each query on its own, as the model's batch-1 steps after a
+    prefill do (:meth:`~specdraft.models.native_llama.NativeLlama._rowwise`): then plain decoding and every verify
+    of the batched path agree bit for bit."""
+    rows = getattr(model, "_rowwise", None)
+    return rows is not None and rows(steps) and model.rope_cos.device.type == "cpu" and rowgemm.available()
 
 
 def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int, groups: int) -> torch.Tensor:
@@ -212,10 +235,11 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
     if sorted(taps) != list(hidden_layers) or any(not 0 <= i < len(model.layers) for i in taps):
         raise SpecdraftError(f"hidden_layers must be increasing indices in 0 .. {len(model.layers) - 1}, "
                              f"got {list(hidden_layers)}")
+    rowwise = _attends_rowwise(model, steps)
     for index, layer in enumerate(model.layers):
         if index in taps:
             aux.append(hidden)  # (n, T, D)
-        hidden = _layer(layer, hidden, cache, index, rope, mask)
+        hidden = _layer(layer, hidden, cache, index, rope, mask, rowwise)
     cache.end_forward(num_new)
     hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
     head_in = hidden[torch.arange(batch), torch.tensor(num_new) - 1][:, None] if last_only else hidden  # (n, 1|T, D)
