@@ -416,7 +416,7 @@ def constrain(request: ParsedRequest, grammars) -> ParsedRequest:
     except SpecdraftError as exc:
         raise BadRequest(str(exc), "response_format") from None
     request.config = replace(request.config, logits_processor=chain_processors(request.config.logits_processor,
-                                                                                 grammar), grammar_draft=True)
+                                                                                 grammar))
     return request
 
 
