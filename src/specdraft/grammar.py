@@ -222,6 +222,7 @@ class GrammarProcessor:
         self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
         self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
         self.matcher = self.xgr.GrammarMatcher(compiled)
+        self.stop_token_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
         self.consumed: list[int] = []  # the generated tokens the matcher has accepted
         self.broken = False  # a committed token the grammar refused (never, when every row was masked)
 
@@ -291,7 +292,9 @@ class GrammarProcessor:
 
     def forced_tokens(self, generated: torch.Tensor, drafted: torch.Tensor, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces after ``generated`` (G,) and then ``drafted`` (d,) (module
-        docstring); none when it forces nothing there, or refuses ``drafted``. The matcher is left as it was."""
+        docstring), ending with the stop token when the grammar is complete there and allows nothing else
+        (:meth:`certain_stop`); none when it forces nothing there, or refuses ``drafted``. The matcher is left as
+        it was."""
         self._sync(generated)
         if self.broken or self.encode is None or limit <= 0:
             return []
@@ -312,9 +315,36 @@ class GrammarProcessor:
                     if not self.spellable[token] or not self.matcher.accept_token(token):
                         break
                     forced.append(token)
+            stop = self._only_stop() if len(forced) < limit else None
+            if stop is not None:
+                forced.append(stop)
+                self.matcher.accept_token(stop)
         if taken + len(forced):
             self.matcher.rollback(taken + len(forced))
         return forced
+
+    def certain_stop(self, generated: torch.Tensor) -> int | None:
+        """The stop token, when the grammar is complete after ``generated`` (G,) and allows no other token there:
+        the masked p is then a point mass on it, whatever the target's logits, so it can be committed without a
+        target forward. None elsewhere."""
+        self._sync(generated)
+        return None if self.broken else self._only_stop()
+
+    def _only_stop(self) -> int | None:
+        """The one token the matcher allows now, when the grammar is complete and that token is a stop token."""
+        if self.matcher.is_terminated() or not self.matcher.is_completed():
+            return None
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)  # (1, ceil(V / 32)) int32
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = bitmask[0] & self._spellable_bits  # (ceil(V / 32),) int32
+        words = allowed.nonzero().flatten()  # the words that hold an allowed token
+        if words.numel() != 1:
+            return None
+        word = int(allowed[words[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit: more than one token
+            return None
+        token = int(words[0]) * 32 + word.bit_length() - 1
+        return token if token in self.stop_token_ids else None
 
 
 def grammar_cut(allowed: torch.Tensor, parents: torch.Tensor | None, exact_drop: bool) -> torch.Tensor:
