@@ -107,9 +107,13 @@ def test_required_and_named_tool_choice_give_calls_that_validate(client, tool_ch
         answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
                                                 max_tokens=128, temperature=temperature, seed=seed, n=2)
         for choice in answer.choices:
-            assert choice.finish_reason == "tool_calls"
-            assert choice.message.content is None
-            _validated(choice.message.tool_calls, name)
+            calls = choice.message.tool_calls
+            if choice.finish_reason == "length":  # parallel calls (the default) up to the budget: the last one cut
+                assert len(calls) >= 2 and (choice.message.content or "{").startswith("{")  # a head cut: content
+                calls = calls[:-1]
+            else:
+                assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            _validated(calls, name)
 
 
 @pytest.mark.parametrize("tool_choice", CHOICES[:2])
@@ -134,7 +138,7 @@ def test_parallel_calls_whole_and_streamed_token_by_token(client, tool_choice):
                   temperature=0, logit_bias=NEWLINE | {"2": -100})
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "length"
-    assert whole.message.content is None or whole.message.content.startswith('{"name"')  # a call cut in its head
+    assert (whole.message.content or "{").startswith("{")  # None, or a call cut before its arguments
     calls = whole.message.tool_calls
     assert len(calls) >= 2
     _validated(calls[:-1], name)  # the last one's arguments are cut short
