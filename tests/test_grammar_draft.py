@@ -13,11 +13,11 @@ xgr = pytest.importorskip("xgrammar")
 from specdraft.decoding import generate  # noqa: E402
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
 from specdraft.drafters.grammar_draft import GRAMMAR, GrammarDrafter, after_run  # noqa: E402
-from specdraft.grammar import GrammarCompiler, certain_tokens, longest_match  # noqa: E402
+from specdraft.grammar import GrammarCompiler, GrammarProcessor, certain_tokens, longest_match  # noqa: E402
 from specdraft.sampling import LogitPenalties, SamplingConfig, chain_processors  # noqa: E402
 from specdraft.sequence import GenerationConfig  # noqa: E402
 from test_grammar import EOS, PROMPT, SCHEMA, TOKENIZER, VOCAB, constrained_sequence_probs, reference_constrained  # noqa: E402
-from toys import assert_sequences_follow, hf_target, random_bigram  # noqa: E402
+from toys import BigramLM, assert_sequences_follow, hf_target, random_bigram  # noqa: E402
 
 # a vocabulary where the forced opening '{"a": ' is one token and also three: the target may take either
 PIECES = ["<eos>", "{", '"a"', ": ", '{"a": ', "1", "2", "}", "x"]
@@ -65,7 +65,10 @@ def test_the_forced_encoding_stops_where_a_following_character_could_join_it():
     grammar = GrammarCompiler.from_vocab(PIECES, (0,)).json_schema(ONE_KEY)
     assert grammar.forced_tokens(EMPTY, EMPTY, 4) == [4]
     assert grammar.forced_tokens(torch.tensor([1]), EMPTY, 4) == [2, 3]  # the target took "{": the rest in pieces
-    assert grammar.forced_tokens(torch.tensor([4, 5]), EMPTY, 4) == [7]  # "}" ends the grammar: nothing can follow
+    assert grammar.forced_tokens(torch.tensor([4, 5]), EMPTY, 4) == [7, 0]  # "}" ends the grammar: then the stop
+    assert grammar.forced_tokens(torch.tensor([4, 5]), EMPTY, 1) == [7]
+    assert grammar.forced_tokens(torch.tensor([4, 5, 7]), EMPTY, 4) == [0]
+    assert grammar.certain_stop(torch.tensor([4, 5, 7])) == 0 and grammar.certain_stop(torch.tensor([4, 5])) is None
     assert grammar.forced_tokens(torch.tensor([4]), EMPTY, 4) == []  # 1 or 2
 
 
@@ -120,3 +123,27 @@ def test_sampling_with_the_grammar_drafter_follows_the_processed_distribution(dr
     exact = constrained_sequence_probs(bigram.table, prompt, 4, sampling, processor)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-4)
     assert_sequences_follow(counts, exact, 3000)
+
+
+def test_the_stop_token_after_a_complete_grammar_costs_no_target_forward(monkeypatch):
+    """The target's own token completes the grammar ('1}' after '{"a": '): the stop token, the only one allowed
+    there, is committed in the same step. Greedy output equals plain constrained decoding, in fewer forwards than
+    with the certain stop switched off (then a last forward only confirms it)."""
+    pieces = PIECES + ["1}"]  # token 9 closes the object with the value
+    table = torch.zeros(10, 10)
+    table[8, 4] = table[4, 9] = 5.0  # the target prefers '{"a": ' after "x", then "1}"
+    target = BigramLM(table)
+    grammar = GrammarCompiler.from_vocab(pieces, (0,)).json_schema(ONE_KEY)
+
+    def run(grammar_draft: bool):
+        config = GenerationConfig(8, 1, speculation="fixed", eos_token_ids=(0,), logits_processor=grammar,
+                                  grammar_draft=grammar_draft)
+        return generate(target, [8, 8], None, config)
+
+    plain = run(False)
+    assert plain.token_ids == [4, 9, 0] and plain.stats.target_forward_calls == 3
+    drafted = run(True)  # '{"a": ' forced and accepted, "1}" the target's, then the stop without a forward
+    assert drafted.token_ids == plain.token_ids and drafted.finish_reason == "eos"
+    assert drafted.stats.target_forward_calls == 1 and drafted.stats.new_tokens == 3
+    monkeypatch.setattr(GrammarProcessor, "_only_stop", lambda self: None)
+    assert run(True).stats.target_forward_calls == 2

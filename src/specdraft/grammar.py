@@ -28,6 +28,7 @@ JSON is compact here (no whitespace but the space after ``,`` and ``:``), and a 
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -47,6 +48,9 @@ SCHEMA_KEYWORDS = frozenset({
 })
 # characters that may follow a forced string, probed to find where its encoding stops being certain
 PROBES = ("a", "A", "1", '"', " ", "{", "[", "-", ".", "}", "]", ",")
+# an EBNF string literal, a character class, or the rule name ``root`` (group 1): the one the last is renamed to
+_EBNF_NAMES = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\b(root)\b')
+_VALUE_RULE = "json_value"
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
 _SUBSCHEMAS = ("items", "additionalProperties", "propertyNames")  # keyword -> schema (or a bool)
@@ -117,10 +121,12 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, object] = OrderedDict()
         self.encode: Encoder | None = None
         spellable = torch.ones(vocab_size, dtype=torch.bool)  # (V,) tokens without a control character
+        newlines = torch.zeros(vocab_size, dtype=torch.bool)  # (V,) tokens of newlines only
         for token, text in enumerate(info.decoded_vocab[:vocab_size]):
             spellable[token] = not any(byte < 0x20 for byte in text)
+            newlines[token] = bool(text) and set(text) == {0x0A}
         spellable[list(info.stop_token_ids)] = True
-        self.spellable = spellable
+        self.spellable, self.newlines = spellable, newlines
 
     def json_object(self) -> GrammarProcessor:
         """Any JSON object (OpenAI's ``json_object``), compact: no whitespace but after ``,`` and ``:``, so that
@@ -137,6 +143,26 @@ class GrammarCompiler:
         return self._processor("json_schema:" + json.dumps(schema, sort_keys=True),
                                lambda: self._compile(schema, strict=True))
 
+    def json_schema_list(self, schema: dict, separator: str) -> GrammarProcessor:
+        """One or more JSON values, each valid against ``schema`` (as :meth:`json_schema`), with ``separator``
+        between them (parallel tool calls). The schema's grammar (xgrammar's EBNF of it) is renamed and repeated.
+        Tokens of newlines only are allowed too, for a separator that holds them (xgrammar's JSON strings refuse a
+        raw newline themselves)."""
+        found = unsupported_schema_feature(schema)
+        if found is not None:
+            raise SpecdraftError(f"unsupported JSON schema feature: {found}")
+
+        def compile_():
+            self._compile(schema, strict=True)  # a schema xgrammar refuses: the same error as json_schema's
+            one = str(_xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                           strict_mode=True))
+            renamed = _EBNF_NAMES.sub(lambda m: _VALUE_RULE if m.group(1) else m.group(0), one)
+            return self._compiler.compile_grammar(
+                f"{renamed}\nroot ::= {_VALUE_RULE} ({json.dumps(separator)} {_VALUE_RULE})*\n")
+
+        return self._processor("json_schema_list:" + json.dumps([schema, separator], sort_keys=True), compile_,
+                               self.spellable | self.newlines if "\n" in separator else None)
+
     def _compile(self, schema: dict, strict: bool):
         try:
             return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
@@ -144,7 +170,7 @@ class GrammarCompiler:
             message = str(exc).strip().splitlines()[0]
             raise SpecdraftError(f"invalid JSON schema: {message.split(': ', 1)[-1][-300:]}") from None
 
-    def _processor(self, key: str, compile_) -> GrammarProcessor:
+    def _processor(self, key: str, compile_, spellable: torch.Tensor | None = None) -> GrammarProcessor:
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = compile_()
@@ -153,7 +179,8 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return GrammarProcessor(compiled, self.vocab_size, self.spellable, self.encode)
+        return GrammarProcessor(compiled, self.vocab_size, self.spellable if spellable is None else spellable,
+                                self.encode)
 
 
 Encoder = Callable[[str], list[int]]  # a text -> the tokenizer's ids for it
@@ -222,6 +249,7 @@ class GrammarProcessor:
         self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
         self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
         self.matcher = self.xgr.GrammarMatcher(compiled)
+        self.stop_token_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
         self.consumed: list[int] = []  # the generated tokens the matcher has accepted
         self.broken = False  # a committed token the grammar refused (never, when every row was masked)
 
@@ -291,7 +319,9 @@ class GrammarProcessor:
 
     def forced_tokens(self, generated: torch.Tensor, drafted: torch.Tensor, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces after ``generated`` (G,) and then ``drafted`` (d,) (module
-        docstring); none when it forces nothing there, or refuses ``drafted``. The matcher is left as it was."""
+        docstring), ending with the stop token when the grammar is complete there and allows nothing else
+        (:meth:`certain_stop`); none when it forces nothing there, or refuses ``drafted``. The matcher is left as
+        it was."""
         self._sync(generated)
         if self.broken or self.encode is None or limit <= 0:
             return []
@@ -312,9 +342,36 @@ class GrammarProcessor:
                     if not self.spellable[token] or not self.matcher.accept_token(token):
                         break
                     forced.append(token)
+            stop = self._only_stop() if len(forced) < limit else None
+            if stop is not None:
+                forced.append(stop)
+                self.matcher.accept_token(stop)
         if taken + len(forced):
             self.matcher.rollback(taken + len(forced))
         return forced
+
+    def certain_stop(self, generated: torch.Tensor) -> int | None:
+        """The stop token, when the grammar is complete after ``generated`` (G,) and allows no other token there:
+        the masked p is then a point mass on it, whatever the target's logits, so it can be committed without a
+        target forward. None elsewhere."""
+        self._sync(generated)
+        return None if self.broken else self._only_stop()
+
+    def _only_stop(self) -> int | None:
+        """The one token the matcher allows now, when the grammar is complete and that token is a stop token."""
+        if self.matcher.is_terminated() or not self.matcher.is_completed():
+            return None
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)  # (1, ceil(V / 32)) int32
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = bitmask[0] & self._spellable_bits  # (ceil(V / 32),) int32
+        words = allowed.nonzero().flatten()  # the words that hold an allowed token
+        if words.numel() != 1:
+            return None
+        word = int(allowed[words[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit: more than one token
+            return None
+        token = int(words[0]) * 32 + word.bit_length() - 1
+        return token if token in self.stop_token_ids else None
 
 
 def grammar_cut(allowed: torch.Tensor, parents: torch.Tensor | None, exact_drop: bool) -> torch.Tensor:

@@ -91,6 +91,11 @@ class ForcesTokens(Protocol):
         """Up to ``limit`` tokens forced after ``generated`` (G,) and then ``drafted`` (d,); [] where none is."""
         ...
 
+    def certain_stop(self, generated: torch.Tensor) -> int | None:
+        """The stop token after ``generated`` (G,) when the constraint allows no other token there (the processed
+        p is a point mass on it, so it needs no target forward); None elsewhere."""
+        ...
+
 
 @dataclass(frozen=True)
 class ChainedProcessors:
@@ -119,6 +124,11 @@ class ChainedProcessors:
         """The first forcing processor's forced tokens (a mask after it cannot allow more than it does)."""
         forcing = next((p for p in self.processors if isinstance(p, ForcesTokens)), None)
         return [] if forcing is None else forcing.forced_tokens(generated, drafted, limit)
+
+    def certain_stop(self, generated: torch.Tensor) -> int | None:
+        """The first forcing processor's certain stop token (a mask is -inf elsewhere, which no bias undoes)."""
+        forcing = next((p for p in self.processors if isinstance(p, ForcesTokens)), None)
+        return None if forcing is None else forcing.certain_stop(generated)
 
 
 def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:

@@ -166,7 +166,7 @@ class SequenceState:
         if isinstance(processor, ForkingProcessor):  # a grammar matcher per sequence
             processor = processor.fork()
         if config.grammar_draft and isinstance(processor, ForcesTokens):  # shares the sequence's matcher
-            drafter = GrammarDrafter(drafter, processor, prompt.numel())
+            drafter = GrammarDrafter(drafter, processor, prompt.numel(), config.eos_token_ids)
         policy = policy if policy is not None else speculation_policy(config, target, drafter)
         cache = new_cache(prompt.numel() + config.max_new_tokens)
         drafter.begin(target, cache)
@@ -221,13 +221,27 @@ class SequenceState:
             result = replace(result, hidden=torch.cat([self.prompt_features, result.hidden]))  # with the first step's
             self.prompt_features = None
         keep, self.finish_reason = self.stopper.scan(self.generated, step.tokens)
-        new = step.tokens[:keep]
+        new = step.tokens[:keep] + self._certain_stop(step.tokens[:keep])
         self.generated += new
         self.context = torch.cat([self.context, torch.tensor(new, dtype=torch.long)])
         self.drafter.observe(result)
         self.policy.observe(draft, result, draft_seconds, verify_seconds)
-        self.stats.record_step(result, keep, draft_s=draft_seconds, verify_s=verify_seconds)
+        self.stats.record_step(result, len(new), draft_s=draft_seconds, verify_s=verify_seconds)
         return new
+
+    def _certain_stop(self, new: list[int]) -> list[int]:
+        """With the grammar drafter, the stop token its grammar leaves as the only token after ``new`` ([] when
+        there is none, or the sequence has ended): p there is a point mass on it, so the sequence ends now, as
+        decoding it would, without the target forward that would only confirm it."""
+        if self.finish_reason is not None or not self.config.grammar_draft or \
+                not isinstance(self.processor, ForcesTokens):
+            return []
+        generated = torch.tensor(self.generated + new, dtype=torch.long)  # (G,)
+        stop = self.processor.certain_stop(generated)
+        if stop is None:
+            return []
+        keep, self.finish_reason = self.stopper.scan(self.generated + new, [stop])
+        return [stop][:keep]
 
     def finish(self, now: float) -> None:
         """The sequence has ended (finished, failed or abandoned) at ``now`` (``time.perf_counter``)."""

@@ -142,3 +142,19 @@ def test_bad_response_formats_answer_400(server, response_format, message):
     error = response.json()["error"]
     assert error["param"] == "response_format" and message in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_stop_token_committed_without_a_forward_has_logprob_zero():
+    """The grammar drafter commits a certain stop token after the verified ones: its p is a point mass."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specdraft.serve.engine import LOGPROB_FLOOR, Engine, Request
+
+    seq = SimpleNamespace(tag=(Request([1], GenerationConfig(4), logprobs=2), 0))
+    logp = torch.log_softmax(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), dim=-1)  # (1, V): the one verified position
+    engine = SimpleNamespace(_logp={id(seq): logp})
+    first, stop = Engine._token_logprobs(engine, seq, [3, 0])
+    assert first[0] == pytest.approx(float(logp[0, 3])) and first[1][0][0] == 3
+    assert stop[0] == 0.0 and stop[1][0] == (0, 0.0) and stop[1][1][1] == LOGPROB_FLOOR

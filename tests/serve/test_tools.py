@@ -12,6 +12,7 @@ from typing import Literal
 import httpx
 import openai
 import pytest
+import torch
 from pydantic import BaseModel, Field
 from running import RunningServer
 
@@ -22,7 +23,16 @@ from specdraft.decoding import generate
 from specdraft.grammar import GrammarCompiler
 from specdraft.sequence import GenerationConfig
 from specdraft.serve import ServeConfig, build_server_app
-from specdraft.serve.tools import OPEN, ToolStream, call_schema, chat_prompt_ids, check_tools, parse_calls
+from specdraft.serve.tools import (
+    OPEN,
+    SEPARATOR,
+    CallScanner,
+    ToolStream,
+    call_schema,
+    chat_prompt_ids,
+    check_tools,
+    parse_calls,
+)
 
 SMOL = Path(__file__).resolve().parents[2] / "src/specdraft/weights/smollm2-135m-instruct-drafter"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and book me a flight there."}]
@@ -78,15 +88,16 @@ def _named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
-def _validated(calls, name: str | None = None) -> None:
-    assert calls and len(calls) == 1
-    call = calls[0]
-    assert call.type == "function" and call.id.startswith("call_")
-    assert name is None or call.function.name == name
-    MODELS[call.function.name].model_validate_json(call.function.arguments)
+def _validated(calls, name: str | None = None, single: bool = False) -> None:
+    assert calls and (len(calls) == 1 or not single)
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert name is None or call.function.name == name
+        MODELS[call.function.name].model_validate_json(call.function.arguments)
 
 
 CHOICES = ["required", _named("get_weather"), _named("book_flight")]
+NEWLINE = {"198": 100}  # logit_bias: "\n", which only a next call can start
 
 
 @pytest.mark.parametrize("tool_choice", CHOICES)
@@ -96,9 +107,53 @@ def test_required_and_named_tool_choice_give_calls_that_validate(client, tool_ch
         answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
                                                 max_tokens=128, temperature=temperature, seed=seed, n=2)
         for choice in answer.choices:
+            calls = choice.message.tool_calls
+            if choice.finish_reason == "length":  # parallel calls (the default) up to the budget: the last one cut
+                assert len(calls) >= 2 and (choice.message.content or "{").startswith("{")  # a head cut: content
+                calls = calls[:-1]
+            else:
+                assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            _validated(calls, name)
+
+
+@pytest.mark.parametrize("tool_choice", CHOICES[:2])
+def test_without_parallel_tool_calls_an_answer_is_exactly_one_call(client, tool_choice):
+    for temperature, seed in ((0, None), (1.0, 4)):
+        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                                parallel_tool_calls=False, max_tokens=128, temperature=temperature,
+                                                seed=seed, n=2, logit_bias=NEWLINE | {"2": -100})
+        for choice in answer.choices:
             assert choice.finish_reason == "tool_calls"
-            assert choice.message.content is None
-            _validated(choice.message.tool_calls, name)
+            _validated(choice.message.tool_calls, single=True)
+
+
+@pytest.mark.parametrize("tool_choice", CHOICES[:2])
+def test_parallel_calls_whole_and_streamed_token_by_token(client, tool_choice):
+    """With parallel_tool_calls (the default) a required or named answer may hold several calls. Here the stop is
+    all but forbidden and a newline, which only a next call can start, favoured: greedy, call follows call until the
+    budget cuts the last one. Streamed, each call's name comes first and its arguments in pieces as they are
+    decoded, and the SDK assembles the same calls as the whole answer."""
+    name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=128,
+                  temperature=0, logit_bias=NEWLINE | {"2": -100})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length"
+    assert (whole.message.content or "{").startswith("{")  # None, or a call cut before its arguments
+    calls = whole.message.tool_calls
+    assert len(calls) >= 2
+    _validated(calls[:-1], name)  # the last one's arguments are cut short
+    with pytest.raises(openai.LengthFinishReasonError) as cut:
+        with client.chat.completions.stream(**kwargs) as stream:
+            stream.get_final_completion()
+    streamed = cut.value.completion.choices[0]
+    assert streamed.finish_reason == "length" and (streamed.message.content or None) == whole.message.content
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    pieces: dict[int, int] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            pieces[delta.index] = pieces.get(delta.index, 0) + bool(delta.function and delta.function.arguments)
+    assert len(pieces) == len(calls) and min(list(pieces.values())[:-1]) >= 2
 
 
 def test_a_function_without_parameters_is_called_with_an_empty_object(client):
@@ -135,9 +190,8 @@ def test_streamed_calls_are_assembled_by_the_sdk(client, tool_choice):
     choice = streamed.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     _validated(choice.message.tool_calls, name)
-    expected = whole.choices[0].message.tool_calls[0].function
-    assert choice.message.tool_calls[0].function.name == expected.name
-    assert json.loads(choice.message.tool_calls[0].function.arguments) == json.loads(expected.arguments)
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
 
 
 def test_auto_answers_stream_the_same_content_as_whole_ones(client):
@@ -215,6 +269,47 @@ def test_auto_answers_are_parsed_into_calls_and_content():
         assert parse_calls(plain, AUTO, "stop") == (plain, [])
     cut = check_tools({"tools": TOOLS, "tool_choice": "required"})
     assert parse_calls('{"name": "get_we', cut, "length") == ('{"name": "get_we', [])
+
+
+def test_calls_are_read_as_they_are_written():
+    first = '{"name": "book_flight", "arguments": {"to": "a}\\"{[", "seats": 2, "classes": ["economy"]}}'
+    second = '{"name": "get_weather", "arguments": {"place": {"city": "Rome", "country": "IT"}, "days": 3}}'
+    text = first + SEPARATOR + second
+    whole = CallScanner()
+    whole.push(text)
+    assert [c["function"]["name"] for c in whole.calls] == ["book_flight", "get_weather"] and whole.rest == ""
+    assert [json.loads(c["function"]["arguments"]) for c in whole.calls] == \
+        [json.loads(first)["arguments"], json.loads(second)["arguments"]]
+    scanner, assembled = CallScanner(), {}
+    for start in range(0, len(text), 3):  # three characters at a time, as tokens come
+        for delta in scanner.push(text[start:start + 3]):
+            entry = assembled.setdefault(delta["index"], {"name": "", "arguments": ""})
+            entry["name"] += delta["function"].get("name", "") if "id" in delta else ""
+            entry["arguments"] += delta["function"]["arguments"]
+    assert [(e["name"], e["arguments"]) for e in assembled.values()] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole.calls]
+    cut = check_tools({"tools": TOOLS, "tool_choice": "required"})
+    content, calls = parse_calls(text[:len(first) + 30], cut, "length")  # cut inside the second call's head
+    assert content == text[len(first) + len(SEPARATOR):len(first) + 30] and len(calls) == 1
+    content, calls = parse_calls(first[:50], cut, "length")  # cut inside the arguments: as far as written
+    assert content is None and calls[0]["function"]["arguments"] == first[37:50]
+
+
+def test_parallel_calls_are_a_grammar_of_one_or_more_calls():
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(SMOL), 49152, (2,))
+    tools = check_tools({"tools": TOOLS, "tool_choice": "required"})
+    one = '{"name": "book_flight", "arguments": {"to": "Oslo", "seats": 1, "classes": []}}'
+    for text, parallel, accepted in ((one + SEPARATOR + one, True, True), (one, True, True),
+                                     (one + SEPARATOR, False, False), (one + SEPARATOR, True, True)):
+        grammar = compiler.json_schema_list(call_schema(tools), SEPARATOR) if parallel else \
+            compiler.json_schema(call_schema(tools))
+        assert grammar.matcher.accept_string(text) == accepted
+        assert not accepted or grammar.matcher.is_completed() == text.endswith("}")
+    ids = torch.tensor(compiler.encode(one))  # after one call: the stop, or a newline that starts the next one
+    assert compiler.json_schema_list(call_schema(tools), SEPARATOR).certain_stop(ids) is None
+    assert compiler.json_schema(call_schema(tools)).certain_stop(ids) == 2
 
 
 def test_streamed_auto_content_stops_where_a_call_may_begin():

@@ -15,6 +15,11 @@ the output unverified.
 - any other drafter (prompt lookup, a tree, none) drafts after the forced run at the start of the draft: the run,
   then the drafter's draft from the context the run extends.
 
+Where the grammar is complete and allows nothing but the stop token, the run ends with it (and nothing is drafted
+after it); where that happens after the target's own token, the sequence commits the stop token in the same step
+(:meth:`~specdraft.sequence.SequenceState.commit`): p there is a point mass on it, so no target forward is spent
+confirming it.
+
 Whether a depth is forced depends only on the context and the tokens drafted before it, so the draft's length and
 q stay a stopping time of the drafting process (exactness as :class:`~specdraft.drafters.combined.WithChainCopies`).
 The forced tokens live in the sequence's generated text, which starts after ``prompt_length`` tokens.
@@ -39,9 +44,11 @@ class GrammarDrafter(Combination):
     """``inner``'s draft (``inner`` None: no other drafter) with the tokens ``forcing`` forces after the sequence's
     generated text (the context past ``prompt_length``) proposed where they are forced (module docstring)."""
 
-    def __init__(self, inner: Drafter | None, forcing: ForcesTokens, prompt_length: int) -> None:
+    def __init__(self, inner: Drafter | None, forcing: ForcesTokens, prompt_length: int,
+                 stop_token_ids: tuple[int, ...] = ()) -> None:
         super().__init__(inner if inner is not None else NoDrafter())
         self.forcing, self.prompt_length = forcing, prompt_length
+        self.stop_token_ids = frozenset(stop_token_ids)  # a forced run that ends with one ends the answer
         self.name = "grammar" if isinstance(self.inner, NoDrafter) else f"{self.inner.name}+grammar"
         if hasattr(self.inner, "online_version"):  # the version tag online distillation puts on its drafters
             self.online_version = self.inner.online_version
@@ -71,10 +78,12 @@ class GrammarDrafter(Combination):
 
     def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
+        run = self.forced(context, num_draft_tokens)
+        if run and run[-1] in self.stop_token_ids:  # the answer ends there: nothing to draft after it
+            return after_run(torch.tensor(run, dtype=torch.long), None, self.inner.vocab_size)
         if self._splices():
             self._committed, self._depths = context.shape[0], num_draft_tokens
             return self.inner.chain(context, num_draft_tokens, sampling, generator, self._fill).draft
-        run = self.forced(context, num_draft_tokens)
         if not run:
             return self.inner.propose(context, num_draft_tokens, sampling, generator)
         forced = torch.tensor(run, dtype=torch.long)  # (k,)

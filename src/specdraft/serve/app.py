@@ -45,7 +45,7 @@ from specdraft.serve.protocol import (
 )
 from specdraft.serve.shutdown import SHUTDOWN_MESSAGE, Drain
 from specdraft.serve.streams import LogprobStream, TextStream
-from specdraft.serve.tools import ToolStream, call_deltas, parse_calls
+from specdraft.serve.tools import ToolStream, parse_calls
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ async def _collect(http, request: Request, parsed: ParsedRequest, server: _Serve
     if parsed.tools is not None and parsed.tools.active:
         for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
             texts[i], calls[i] = parse_calls(text, parsed.tools, reason)
-            reasons[i] = "tool_calls" if calls[i] else reason
+            reasons[i] = "tool_calls" if calls[i] and reason != "length" else reason
     body = completion_body(request_id, server.serve.model_id, parsed.chat, texts, reasons,
                            usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict()),
                            wholes, calls)
@@ -302,12 +302,12 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
         part = logprobs[event.index].push(event.tokens, event.logprobs)
         if piece or part:
             yield _sse(chunk_body(request_id, model, chat, event.index, piece, None, logprobs=part))
-        if finished and tools is not None and tools[event.index].calls:
+        for delta in tools[event.index].deltas if tools is not None else ():
+            chunk = chunk_body(request_id, model, chat, event.index, None, None)
+            chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
+            yield _sse(chunk)
+        if finished and tools is not None and tools[event.index].calls and reason != "length":
             reason = "tool_calls"
-            for delta in call_deltas(tools[event.index].calls):
-                chunk = chunk_body(request_id, model, chat, event.index, None, None)
-                chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
-                yield _sse(chunk)
         if finished:
             done += 1
             yield _sse(chunk_body(request_id, model, chat, event.index, None, reason))

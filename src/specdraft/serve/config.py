@@ -29,6 +29,9 @@ class ServeConfig:
     num_draft_tokens: int = field(default=4, metadata={"help": "γ: draft tokens per target forward (the most, with "
                                                                 "adaptive speculation)"})
     speculation: str = field(default="adaptive", metadata={"help": SPECULATION_HELP})
+    grammar_draft: bool = field(default=True, metadata={"help": "propose the tokens a request's grammar forces "
+                                                                 "(response_format, a required or named tool_choice) "
+                                                                 "as draft tokens; False: the drafter's alone"})
     max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
     max_draft_batch: int = field(default=0, metadata={"help": "draft only in steps of at most this many sequences; "
                                                                "0 = at every batch size"})
@@ -86,7 +89,7 @@ class ServeConfig:
         """A request's decoding settings: its own, and the server's speculation (the same vocabulary as
         ``specdraft generate``, ``bench`` and ``demo``)."""
         return GenerationConfig(max_tokens, self.num_draft_tokens, sampling or SamplingConfig(), eos_token_ids,
-                                stop_strings, self.speculation, self.max_draft_batch)
+                                stop_strings, self.speculation, self.max_draft_batch, grammar_draft=self.grammar_draft)
 
     @property
     def model_id(self) -> str:

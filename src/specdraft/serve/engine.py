@@ -233,6 +233,10 @@ class Engine:
         if logp is None or not tokens:
             return None
         top = seq.tag[0].logprobs
+        if len(tokens) > logp.shape[0]:  # a stop token committed without a forward: p there is a point mass on it
+            certain = torch.full((len(tokens) - logp.shape[0], logp.shape[1]), float("-inf"))  # (extra, V)
+            certain[torch.arange(certain.shape[0]), torch.tensor(tokens[logp.shape[0]:])] = 0.0
+            logp = torch.cat([logp, certain])  # (k, V)
         chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()  # (k,)
         best = logp[: len(tokens)].topk(top) if top else None  # (k, top)
         return [(max(value, LOGPROB_FLOOR),

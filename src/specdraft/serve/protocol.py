@@ -28,7 +28,15 @@ from specdraft.errors import SpecdraftError
 from specdraft.sampling import LogitPenalties, SamplingConfig, chain_processors
 from specdraft.sequence import GenerationConfig
 from specdraft.serve.config import ServeConfig
-from specdraft.serve.tools import ToolError, ToolRequest, call_schema, chat_prompt_ids, check_tool_message, check_tools
+from specdraft.serve.tools import (
+    SEPARATOR,
+    ToolError,
+    ToolRequest,
+    call_schema,
+    chat_prompt_ids,
+    check_tool_message,
+    check_tools,
+)
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (top_logprobs; logprobs of /v1/completions)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 .. 2
@@ -416,7 +424,7 @@ def constrain(request: ParsedRequest, grammars) -> ParsedRequest:
     except SpecdraftError as exc:
         raise BadRequest(str(exc), "response_format") from None
     request.config = replace(request.config, logits_processor=chain_processors(request.config.logits_processor,
-                                                                                 grammar), grammar_draft=True)
+                                                                                 grammar))
     return request
 
 
@@ -438,7 +446,8 @@ def _constrain_tools(request: ParsedRequest, grammars) -> None:
             raise BadRequest(f"tools[{i}].function.parameters: {exc}", "tools") from None
     if tools.active and tools.constrained:
         try:
-            grammar = compiler.json_schema(call_schema(tools))
+            grammar = compiler.json_schema_list(call_schema(tools), SEPARATOR) if tools.parallel else \
+                compiler.json_schema(call_schema(tools))
         except SpecdraftError as exc:
             raise BadRequest(f"the tools' parameters cannot be combined into one grammar: {exc}", "tools") from None
         request.config = replace(request.config, logits_processor=chain_processors(request.config.logits_processor,

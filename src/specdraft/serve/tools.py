@@ -10,9 +10,12 @@ a user turn of ``<tool_response>`` blocks.
 
 ``tool_choice``: ``none`` (the tools are not shown and nothing is parsed), ``auto`` (free text; the
 ``<tool_call>`` blocks of the answer become ``tool_calls``), ``required`` and a named function: the prompt ends with
-``<tool_call>\\n`` and the answer is constrained by a grammar (:mod:`specdraft.grammar`) to one JSON object
+``<tool_call>\\n`` and the answer is constrained by a grammar (:mod:`specdraft.grammar`) to a JSON object
 ``{"name", "arguments"}`` whose arguments validate against that function's ``parameters`` schema (any listed
-function for ``required``), so the call always parses; exact under speculation as every grammar is.
+function for ``required``), so the call always parses; with ``parallel_tool_calls`` (the default) one or more of
+them, separated by :data:`SEPARATOR` (the end of one block and the start of the next). Exact under speculation as
+every grammar is. The calls of a constrained answer are read as they are written (:class:`CallScanner`), so a
+streamed answer sends each call's name as soon as it is complete and its arguments token by token.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from specdraft.grammar import unsupported_schema_feature
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+SEPARATOR = f"\n{CLOSE}\n{OPEN}\n"  # between two calls of a constrained answer
+_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')  # a constrained call up to its arguments
 TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -251,7 +256,7 @@ def _call(body, names: set[str]) -> dict | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return {"id": _new_id(), "type": "function",
             "function": {"name": body["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -262,12 +267,79 @@ def _loads(text: str):
         return None
 
 
+def _new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class CallScanner:
+    """The calls of a constrained answer (``{"name": ..., "arguments": {...}}``, then :data:`SEPARATOR` and the next)
+    read as its text arrives: :meth:`push` returns the streamed ``delta.tool_calls`` entries the new text completes
+    (a call's id and name once its ``"arguments": `` is written, then its arguments' text as it comes; the SDK
+    concatenates them); :attr:`calls` holds the calls so far, each call's ``arguments`` the text the model wrote.
+    The grammar fixes the shape (the keys in that order, compact JSON), so nothing is guessed."""
+
+    def __init__(self) -> None:
+        self.text, self.at = "", 0  # all the text, and how far it has been read
+        self.calls: list[dict] = []
+        self._state = "head"  # head: before a call's arguments; arguments: inside them; tail: after them
+        self._depth, self._string, self._escaped = 0, False, False
+
+    def push(self, piece: str) -> list[dict]:
+        self.text += piece
+        deltas: list[dict] = []
+        while self.at < len(self.text):
+            if self._state == "head":
+                head = _HEAD.match(self.text, self.at)
+                if head is None:
+                    break
+                self.calls.append({"id": _new_id(), "type": "function",
+                                   "function": {"name": head.group(1), "arguments": ""}})
+                deltas.append({"index": len(self.calls) - 1, "id": self.calls[-1]["id"], "type": "function",
+                               "function": {"name": head.group(1), "arguments": ""}})
+                self.at, self._state = head.end(), "arguments"
+            elif self._state == "arguments":
+                start = self.at
+                self._arguments()
+                written = self.text[start:self.at]
+                self.calls[-1]["function"]["arguments"] += written
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": written}})
+            elif self.text.startswith("}" + SEPARATOR, self.at):
+                self.at, self._state = self.at + 1 + len(SEPARATOR), "head"
+            else:  # the closing brace, then the separator or the end
+                break
+        return deltas
+
+    def _arguments(self) -> None:
+        """Read the arguments object's characters (string-aware brace depth) up to its end or the text's."""
+        while self.at < len(self.text):
+            char = self.text[self.at]
+            self.at += 1
+            if self._string:
+                self._string = self._escaped or char != '"'
+                self._escaped = not self._escaped and char == "\\"
+            elif char == '"':
+                self._string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state = "tail"
+                    return
+
+    @property
+    def rest(self) -> str:
+        """The text not read into a call (a call cut before its arguments began)."""
+        return self.text[self.at:] if self._state == "head" else ""
+
+
 def _split(text: str, tools: ToolRequest, finish_reason: str | None) -> tuple[str, list[dict]]:
     """(the text outside the parsed calls, the calls): :func:`parse_calls` before stripping."""
     names = {f["name"] for f in tools.functions}
     if tools.constrained:
-        call = _call(_loads(text), names) if finish_reason != "length" else None
-        return ("", [call]) if call is not None else (text, [])
+        scanner = CallScanner()
+        scanner.push(text)
+        return scanner.rest, scanner.calls
     calls, kept, last = [], [], 0
     for match in _BLOCK.finditer(text):
         call = _call(_loads(match.group(1)), names)
@@ -280,10 +352,11 @@ def _split(text: str, tools: ToolRequest, finish_reason: str | None) -> tuple[st
 
 
 def parse_calls(text: str, tools: ToolRequest, finish_reason: str | None) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished answer. Constrained: the answer is one call's JSON (the text is kept as
-    content, with no call, when the token budget cut it). Auto: each ``<tool_call>`` block that holds a call of a
-    listed function becomes a call (the first only without ``parallel``); the rest of the text is the content
-    (None when empty and there are calls)."""
+    """(content, tool_calls) of a finished answer. Constrained: the answer is one or more calls' JSON
+    (:class:`CallScanner`; cut by the token budget, the calls as far as they were written, the last one's arguments
+    cut short, as OpenAI answers then, and the text of a call cut before its arguments as content). Auto: each
+    ``<tool_call>`` block that holds a call of a listed function becomes a call (the first only without
+    ``parallel``); the rest of the text is the content (None when empty and there are calls)."""
     content, calls = _split(text, tools, finish_reason)
     if not calls:
         return content, []
@@ -291,24 +364,31 @@ def parse_calls(text: str, tools: ToolRequest, finish_reason: str | None) -> tup
 
 
 class ToolStream:
-    """Streamed content of one choice with tools: text goes out as content until a ``<tool_call>`` may begin (a
-    tail that could be the start of the tag is held back); from there the text is held, and at the end the calls
-    are parsed (:func:`parse_calls`) and the content not yet sent is released."""
+    """Streamed content and calls of one choice with tools. Constrained: the calls go out as they are written
+    (:class:`CallScanner`). Auto: text goes out as content until a ``<tool_call>`` may begin (a tail that could be
+    the start of the tag is held back); from there the text is held, and at the end the calls are parsed
+    (:func:`parse_calls`) and sent whole, and the content not yet sent is released."""
 
     def __init__(self, tools: ToolRequest) -> None:
         self.tools, self.text, self.sent = tools, "", 0
         self.calls: list[dict] = []
+        self.scanner = CallScanner() if tools.constrained else None
+        self.deltas: list[dict] = []  # the ``delta.tool_calls`` entries to send now, set by :meth:`push`
 
     def push(self, piece: str, finished: bool, finish_reason: str | None = None) -> str:
-        """Add released text; return the content to send now (at the end, :attr:`calls` holds the calls)."""
+        """Add released text; return the content to send now, with :attr:`deltas` the calls' pieces to send (at
+        the end, :attr:`calls` holds the calls)."""
         self.text += piece
+        if self.scanner is not None:
+            self.deltas, self.calls = self.scanner.push(piece), self.scanner.calls
+            return self.scanner.rest if finished else ""
+        self.deltas = []
         if finished:
             content, self.calls = _split(self.text, self.tools, finish_reason)
             rest = content[self.sent:].rstrip() if self.calls else content[self.sent:]
             self.sent += len(rest)
+            self.deltas = call_deltas(self.calls)
             return rest
-        if self.tools.constrained:
-            return ""
         found = self.text.find(OPEN)
         ready = len(self.text) if found < 0 else found
         if found < 0:
