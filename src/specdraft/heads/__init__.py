@@ -1,7 +1,8 @@
 """Self-drafting heads on a frozen target's features: Medusa (Cai et al. 2024, arXiv 2401.10774), EAGLE (Li et
 al. 2024, arXiv 2401.15077), EAGLE-3, DFlash's block drafter (arXiv 2602.06036), and GliDe's draft model, which reads
 the target's KV cache (Du et al. 2024, arXiv 2402.02082). This package holds the head architectures (one module per
-kind) and their exported file format; training them (``specdraft train-heads --kind NAME``) lives in :mod:`specdraft.training.heads.train_heads`.
+kind) and their exported file format; training them (``specdraft train-heads --kind NAME``) lives in
+:mod:`specdraft.training.heads.train_heads`.
 
 ``<out>/heads/`` holds ``heads.safetensors`` (the trainable weights only; the frozen target is never copied),
 ``heads.json`` (``{"format": 1, "kind": NAME, "spec": {...}, "target": NAME_OR_PATH}``) and a model card
