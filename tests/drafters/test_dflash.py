@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from specdraft.batching import generate_batch
 from specdraft.decoding import generate
 from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.base import facts_of
@@ -78,6 +79,17 @@ def test_greedy_equals_plain_decoding(toy, speculation):
             assert max(result.stats.accept_lengths, default=0) <= min(gamma, head.block_size - 1)
 
 
+def test_batched_rows_draft_as_batch_one(toy):
+    """Batched decoding hands each row's drafter the features of its own committed tokens: every row's output and
+    accepted lengths equal batch-1 decoding's."""
+    _, target, head = toy
+    config = GenerationConfig(24, 4, speculation="fixed")
+    alone = [generate(target, prompt, DFlashDrafter.from_module(head), config) for prompt in PROMPTS]
+    batched = generate_batch(target, PROMPTS, lambda: DFlashDrafter.from_module(head), config)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.stats.accept_lengths for r in batched] == [r.stats.accept_lengths for r in alone]
+
+
 def _third_token_marginal(model, prompt: list[int], sampling) -> torch.Tensor:
     """sum_{t1, t2} p(t1) p(t2 | t1) p(t3 | t1, t2) (V,) of a transformers toy."""
     vocab = model.config.vocab_size
@@ -137,3 +149,32 @@ def test_registration_and_errors(toy):
     other = NativeLlama.from_hf(tiny_llama(layers=4, hidden=48))
     with pytest.raises(SpecdraftError, match="DFlash head mismatch"):
         DFlashDrafter.from_module(head).begin(other, None)
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_greedy_equals_plain_decoding_on_spec_bench():
+    """The real target in fp32 with the shipped DFlash heads (``--drafter dflash``'s default): the output is plain
+    greedy decoding's on the first Spec-Bench question of every subtask, at fixed γ 7 and adaptively."""
+    from pathlib import Path
+
+    from specdraft.bench.questions import load_questions, select_questions
+    from specdraft.drafters.registry import make_named
+    from specdraft.models.registry import SMOLLM2, eos_token_ids, load_model, load_tokenizer
+    from specdraft.prompts import encode_prompt
+
+    questions_file = Path("/work/shared/data/spec_bench/question.jsonl")
+    if not questions_file.is_file():
+        pytest.skip(f"Spec-Bench questions not found at {questions_file}")
+    target, tokenizer = load_model(SMOLLM2, torch.float32), load_tokenizer(SMOLLM2)
+    eos = eos_token_ids(tokenizer, SMOLLM2)
+    accepted = 0
+    for question in select_questions(load_questions(questions_file), per_category=1):
+        ids = encode_prompt(tokenizer, question.turns[0], chat=True)
+        plain = generate(target, ids, None, GenerationConfig(48, eos_token_ids=eos)).token_ids
+        for speculation in ("fixed", "adaptive"):
+            drafter = make_named("dflash", target, tokenizer, {})
+            config = GenerationConfig(48, 7, eos_token_ids=eos, speculation=speculation)
+            result = generate(target, ids, drafter, config)
+            assert result.token_ids == plain, (question.category, speculation)
+            accepted += sum(result.stats.accept_lengths)
+    assert accepted > 0
