@@ -117,13 +117,14 @@ class DFlashDrafter(ReadsTargetFeatures):
         if self._received == 0 or num_draft_tokens < 1:
             return EMPTY_DRAFT  # the first step: no features yet
         self._sync(context)
-        logits = self._block(context)[: min(num_draft_tokens, self.head.block_size - 1)]  # (n, V)
-        probs = torch.softmax(logits, -1) if sampling.greedy else warp(logits, sampling)  # (n, V)
-        confidence = probs.max(-1).values  # (n,)
-        if sampling.greedy:
-            return Draft(logits.argmax(-1), None, confidence=confidence)
+        logits = self._block(context)[: min(num_draft_tokens, self.head.block_size - 1)]  # (n, V_d)
+        if sampling.greedy:  # the draft vocabulary's argmax and softmax are the full vocabulary's
+            confidence = torch.softmax(logits, -1).max(-1).values  # (n,)
+            return Draft(self._ids[logits.argmax(-1)], None, confidence=confidence)
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # (n, V)
+        probs = warp(full.index_copy_(-1, self._ids, logits), sampling)  # (n, V): q_j, 0 outside the draft vocab
         tokens = torch.multinomial(probs, 1, generator=generator).flatten()  # (n,): x_j ~ q_j
-        return Draft(tokens, probs, confidence=confidence)
+        return Draft(tokens, probs, confidence=probs.max(-1).values)
 
     def _sync(self, context: torch.Tensor) -> None:
         """Encode the feature rows not yet in the draft KV cache into every layer's keys and values."""
@@ -157,7 +158,7 @@ class DFlashDrafter(ReadsTargetFeatures):
         return grown
 
     def _block(self, context: torch.Tensor) -> torch.Tensor:
-        """One forward over [x_{L-1}, MASK x (B-1)]: (B - 1, V) float32 logits, -inf outside the draft vocabulary."""
+        """One forward over [x_{L-1}, MASK x (B-1)]: (B - 1, V_d) float32 logits over the draft vocabulary."""
         n = context.shape[0] - 1
         h = self.head.block_embeddings(context[-1:], self._embed)  # (1, B, D)
         positions = torch.arange(n, n + self.head.block_size)  # (B,)
@@ -165,5 +166,4 @@ class DFlashDrafter(ReadsTargetFeatures):
         hidden = self.head(h, positions, kv)[0, 1:]  # (B - 1, D)
         logits = self.head.logits(hidden).float()  # (B - 1, V_d)
         check_finite(logits, "draft")
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # (B - 1, V)
-        return full.index_copy_(-1, self._ids, logits)
+        return logits
