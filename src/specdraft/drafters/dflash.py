@@ -117,7 +117,7 @@ class DFlashDrafter(ReadsTargetFeatures):
         if self._received == 0 or num_draft_tokens < 1:
             return EMPTY_DRAFT  # the first step: no features yet
         self._sync(context)
-        logits = self._block(context)[: min(num_draft_tokens, self.head.block_size - 1)]  # (n, V_d)
+        logits = self._block(context, min(num_draft_tokens, self.head.block_size - 1))  # (n, V_d)
         if sampling.greedy:  # the draft vocabulary's argmax and softmax are the full vocabulary's
             confidence = torch.softmax(logits, -1).max(-1).values  # (n,)
             return Draft(self._ids[logits.argmax(-1)], None, confidence=confidence)
@@ -157,13 +157,14 @@ class DFlashDrafter(ReadsTargetFeatures):
         grown[:, :, : self._fed] = cache[:, :, : self._fed]
         return grown
 
-    def _block(self, context: torch.Tensor) -> torch.Tensor:
-        """One forward over [x_{L-1}, MASK x (B-1)]: (B - 1, V_d) float32 logits over the draft vocabulary."""
+    def _block(self, context: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """One forward over [x_{L-1}, MASK x (B-1)]: the first ``rows`` (default all B - 1) draft positions' float32
+        logits over the draft vocabulary, (rows, V_d); the LM head reads only those rows."""
         n = context.shape[0] - 1
         h = self.head.block_embeddings(context[-1:], self._embed)  # (1, B, D)
         positions = torch.arange(n, n + self.head.block_size)  # (B,)
         kv = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._keys, self._values, strict=True)]
-        hidden = self.head(h, positions, kv)[0, 1:]  # (B - 1, D)
-        logits = self.head.logits(hidden).float()  # (B - 1, V_d)
+        hidden = self.head(h, positions, kv)[0, 1 : 1 + (rows or self.head.block_size - 1)]  # (rows, D)
+        logits = self.head.logits(hidden).float()  # (rows, V_d)
         check_finite(logits, "draft")
         return logits
