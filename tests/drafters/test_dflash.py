@@ -15,6 +15,7 @@ from specdraft.drafters.base import facts_of
 from specdraft.drafters.dflash import DFlashDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.heads.eagle import head_config
+from specdraft.models import quantized
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.sequence import GenerationConfig
@@ -67,16 +68,38 @@ def test_training_blocks_equal_drafting_on_the_cache(toy):
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
-def test_greedy_equals_plain_decoding(toy, speculation):
-    """fp32: DFlash's output is plain greedy output token for token at every γ, below, at and above the block."""
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_greedy_equals_plain_decoding(toy, speculation, quantize):
+    """fp32: DFlash's output is plain greedy output token for token at every γ, below, at and above the block,
+    with dense or int8 drafter weights."""
+    if quantize == "int8" and not quantized.available():
+        pytest.skip("specdraft's int8 kernels cannot run here")
     _, target, head = toy
     for prompt in PROMPTS:
         plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
         for gamma in (1, 3, 4, 6):
-            drafter = DFlashDrafter.from_module(head)
+            drafter = DFlashDrafter.from_module(head, quantize=quantize)
             result = generate(target, prompt, drafter, GenerationConfig(24, gamma, speculation=speculation))
             assert result.token_ids == plain
             assert max(result.stats.accept_lengths, default=0) <= min(gamma, head.block_size - 1)
+
+
+def test_int8_drafts_track_the_dense_head(toy):
+    """The int8 copy of the head drafts from logits close to the dense head's (Q8_0 rounding only)."""
+    if not quantized.available():
+        pytest.skip("specdraft's int8 kernels cannot run here")
+    model, target, head = toy
+    context = torch.tensor(PROMPTS[0])
+    layers = [i + 1 for i in head.target_layer_ids]
+    features, _, _ = teacher(model, context[None], torch.ones_like(context[None]), layers, head.d2t)
+    logits = []
+    for quantize in ("none", "int8"):
+        drafter = DFlashDrafter.from_module(head, quantize=quantize)
+        drafter.begin(target, None)
+        drafter.observe(VerifyResult(0, 0, 0, hidden=features[0, :-1]))
+        drafter._sync(context)
+        logits.append(drafter._block(context))
+    assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
 
 
 def test_batched_rows_draft_as_batch_one(toy):

@@ -18,18 +18,26 @@ and resamples from norm(max(p - q_j, 0)), which is exact for any proposal distri
 before the draw, so adaptive speculation (:mod:`specdraft.speculation`) may cut the chain; the drafter's facts say
 that one forward drafts any length, so the policy prices a draft at one forward's cost.
 
+Weights (``quantize``): by default (``auto``) every linear of the drafter runs on specdraft's int8 kernels
+(Q8_0 blocks, :mod:`specdraft.models.quantized`) where they can run: a block's few rows are far cheaper there than
+through fp32 GEMMs (the 8,192-row LM head most of all). Only the drafts change; verification stays exact.
+
 The first step of a generation has no features yet and proposes nothing (plain decoding).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch import nn
 
 from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts, ReadsTargetFeatures, TargetFeatures
 from specdraft.drafters.loading import with_heads_defaults
 from specdraft.drafters.options import build
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads
+from specdraft.models import quantized
 from specdraft.models.registry import default_heads
 from specdraft.models.shared_embeddings import target_weights
 from specdraft.sampling import SamplingConfig, check_finite, warp
@@ -41,6 +49,7 @@ class DFlashDrafter(ReadsTargetFeatures):
 
     Args:
         heads: the heads folder (``<out>/heads``) or the name of shipped heads.
+        quantize: ``auto`` (int8 kernels where they run, else the dense weights), ``int8`` or ``none``.
     """
 
     name = "dflash"
@@ -56,21 +65,29 @@ class DFlashDrafter(ReadsTargetFeatures):
             options = {"heads": default_heads("dflash", getattr(target, "name", ""))} | options
         return build(cls, with_heads_defaults(options, cls.method, cls.method))
 
-    def __init__(self, heads: str) -> None:
+    def __init__(self, heads: str, quantize: str = "auto") -> None:
         if not str(heads).strip():
             raise SpecdraftError("dflash needs heads=PATH: a folder made by `specdraft train-heads --kind dflash`")
         _, head = load_heads(heads, kind="dflash")
-        self._setup(head)
+        self._setup(head, quantize)
 
     @classmethod
-    def from_module(cls, head) -> DFlashDrafter:
-        """A drafter over an in-memory :class:`~specdraft.heads.dflash.DFlashHead`."""
+    def from_module(cls, head, quantize: str = "none") -> DFlashDrafter:
+        """A drafter over an in-memory :class:`~specdraft.heads.dflash.DFlashHead` (its weights as they are unless
+        ``quantize``)."""
         drafter = cls.__new__(cls)
-        drafter._setup(head)
+        drafter._setup(head, quantize)
         return drafter
 
-    def _setup(self, head) -> None:
+    def _setup(self, head, quantize: str) -> None:
+        if quantize not in ("auto", "int8", "none"):
+            raise SpecdraftError(f"dflash option quantize must be auto, int8 or none, got {quantize!r}")
+        if quantize == "int8" and not quantized.available():
+            raise SpecdraftError("dflash quantize=int8 needs specdraft's int8 kernels, which cannot run here (an x86 "
+                                 "CPU with AVX2, FMA and F16C and a C++ compiler)")
+        self.quantize = quantize == "int8" or (quantize == "auto" and quantized.available())
         self.head = head.eval()
+        self._run = None  # the head that drafts: ``head`` in the target's dtype, or its int8 copy
         self.vocab_size = int(head.spec["vocab_size"])
         self.max_context = int(head.spec["max_position_embeddings"])
         self.hidden_layers = tuple(i + 1 for i in head.target_layer_ids)  # inputs of the next layers
@@ -101,6 +118,9 @@ class DFlashDrafter(ReadsTargetFeatures):
                                  f"{getattr(target, 'name', '?')!r} has {layers}")
         if self.head.dtype != embed.dtype:
             self.head.to(embed.dtype)
+            self._run = None
+        if self._run is None:
+            self._run = int8_head(self.head) if self.quantize else self.head
         self._embed = embed.detach()
         self._ids = self.head.d2t  # (V_d,)
         self._reset()
@@ -137,9 +157,9 @@ class DFlashDrafter(ReadsTargetFeatures):
             return
         features = torch.cat(self._features) if len(self._features) > 1 else self._features[0]  # (n, kD)
         self._features = [features]
-        g = self.head.encode(features[self._fed :])[None]  # (1, F, D)
+        g = self._run.encode(features[self._fed :])[None]  # (1, F, D)
         positions = torch.arange(self._fed, self._received)  # (F,)
-        new = self.head.context(g, positions)  # per layer (1, K, F, hd) twice
+        new = self._run.context(g, positions)  # per layer (1, K, F, hd) twice
         if not self._keys or self._keys[0].shape[2] < self._received:
             capacity = min(max(2 * self._received, 256), max(self.max_context, self._received))
             self._keys = [self._grown(k, capacity) for k in self._keys] or [
@@ -161,10 +181,31 @@ class DFlashDrafter(ReadsTargetFeatures):
         """One forward over [x_{L-1}, MASK x (B-1)]: the first ``rows`` (default all B - 1) draft positions' float32
         logits over the draft vocabulary, (rows, V_d); the LM head reads only those rows."""
         n = context.shape[0] - 1
-        h = self.head.block_embeddings(context[-1:], self._embed)  # (1, B, D)
+        h = self._run.block_embeddings(context[-1:], self._embed)  # (1, B, D)
         positions = torch.arange(n, n + self.head.block_size)  # (B,)
         kv = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._keys, self._values, strict=True)]
-        hidden = self.head(h, positions, kv)[0, 1 : 1 + (rows or self.head.block_size - 1)]  # (rows, D)
-        logits = self.head.logits(hidden).float()  # (rows, V_d)
+        hidden = self._run(h, positions, kv)[0, 1 : 1 + (rows or self.head.block_size - 1)]  # (rows, D)
+        logits = self._run.logits(hidden).float()  # (rows, V_d)
         check_finite(logits, "draft")
         return logits
+
+
+class Int8Linear(nn.Module):
+    """A linear layer on Q8_0 blocks (:func:`specdraft.models.quantized.linear`): (..., K) -> (..., N) in x's dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = quantized.quantize(linear.weight.detach().float(), "q8_0")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized.linear(x.contiguous(), self.weight).to(x.dtype)
+
+
+def int8_head(head: nn.Module) -> nn.Module:
+    """A copy of ``head`` whose every linear layer runs on int8 kernels (norms and the mask vector stay dense)."""
+    copied = copy.deepcopy(head)
+    for name, module in list(copied.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent, _, attribute = name.rpartition(".")
+            setattr(copied.get_submodule(parent) if parent else copied, attribute, Int8Linear(module))
+    return copied

@@ -152,7 +152,8 @@ class DFlashHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        """The dtype of the dense weights (norms), also where the linear layers run on other kernels."""
+        return self.norm.weight.dtype
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., T) positions -> cos, sin (..., T, 1, hd/2) in the head's dtype (angles in fp32)."""
