@@ -155,9 +155,9 @@ class DFlashDrafter(ReadsTargetFeatures):
                                  f"{context.shape[0]} (expected one more: the last token is not fed yet)")
         if self._fed == self._received:
             return
-        features = torch.cat(self._features) if len(self._features) > 1 else self._features[0]  # (n, kD)
-        self._features = [features]
-        g = self._run.encode(features[self._fed :])[None]  # (1, F, D)
+        pending = torch.cat(self._features) if len(self._features) > 1 else self._features[0]  # (F, kD)
+        self._features = []  # only rows not yet encoded are kept
+        g = self._run.encode(pending)[None]  # (1, F, D)
         positions = torch.arange(self._fed, self._received)  # (F,)
         new = self._run.context(g, positions)  # per layer (1, K, F, hd) twice
         if not self._keys or self._keys[0].shape[2] < self._received:
