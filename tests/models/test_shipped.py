@@ -281,7 +281,7 @@ def test_shipped_dflash_head_is_small_bf16_with_its_card_and_is_the_default(tmp_
     card = (folder / "README.md").read_text()
     assert "Budget" in card and "train-heads --kind dflash" in card
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
-    drafter = load_drafter(SimpleNamespace(name=SMOLLM2), None, drafter="dflash")
+    drafter = load_drafter(SimpleNamespace(name=SMOLLM2), None, drafter="dflash", options={"quantize": "none"})
     assert isinstance(drafter, DFlashDrafter) and drafter.hidden_layers == (2, 9, 15, 21, 28)
     with pytest.raises(SpecdraftError, match="no shipped dflash heads for target 'other-model'"):
         load_drafter(SimpleNamespace(name="other-model"), None, drafter="dflash")
