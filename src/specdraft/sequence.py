@@ -17,7 +17,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdraft.costs import cost_curve
-from specdraft.drafters.base import Draft, Drafter, NoDrafter, TargetFeatures, share_target_cache, target_features
+from specdraft.drafters.base import (
+    Draft,
+    Drafter,
+    NoDrafter,
+    TargetFeatures,
+    facts_of,
+    share_target_cache,
+    target_features,
+)
 from specdraft.drafters.grammar_draft import GrammarDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.grammar import grammar_cut
@@ -97,7 +105,8 @@ def speculation_policy(config: GenerationConfig, target: CausalLM | None, drafte
         return FixedPolicy(config.num_draft_tokens, config.max_draft_batch)
     if target is None:
         raise SpecdraftError("adaptive speculation prices each step by the target's measured costs: give the target")
-    return AdaptivePolicy(cost_curve(target, log=log), config.num_draft_tokens, max_sequences=config.max_draft_batch)
+    return AdaptivePolicy(cost_curve(target, log=log), config.num_draft_tokens, max_sequences=config.max_draft_batch,
+                          one_forward_draft=facts_of(drafter).one_forward_draft)
 
 
 def check_inputs(prompt_ids: Sequence[int] | torch.Tensor, target: CausalLM, drafter: Drafter, max_new: int,

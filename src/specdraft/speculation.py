@@ -43,7 +43,9 @@ is learned from the batch's measured forwards. ``max_sequences`` (both policies)
 The confidence-to-acceptance map is learned online: counts of accepted / reached nodes per (source, confidence
 decile) or, for nodes without a confidence (prompt lookup, REST, Lookahead, heads), per (source, depth), with a
 Beta prior at the confidence itself (or 0.5). The drafter's cost per requested token and a scale on the measured
-verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings. The per-depth
+verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings; a drafter whose one
+forward drafts any length (DFlash's block, ``DrafterFacts.one_forward_draft``) is priced per draft instead, so deeper
+drafts cost it nothing more to draft. The per-depth
 acceptance that ``budget`` prices before drafting, the drafting cost per token and the verified nodes per depth are
 learned per draft kind: a draft model whose context holds a long prompt-lookup match copies at no drafting cost and
 is usually right, while its own chain costs a forward a token and, on a summary of a long article, is mostly wrong;
@@ -156,7 +158,7 @@ def depth_key(depth: int, kind: Hashable) -> tuple:
 class _KindState:
     """What :class:`AdaptivePolicy` learns per draft kind besides acceptance."""
 
-    draft_seconds_per_token: float = 0.0  # moving average, per requested token
+    draft_seconds_per_token: float = 0.0  # moving average, per requested token (per draft: one_forward_draft)
     nodes_per_depth: float = 1.0  # moving average of verified nodes per requested depth
     plain_run: int = 0  # plain steps in a row (exploration, _EXPLORE_EVERY)
 
@@ -169,9 +171,10 @@ class AdaptivePolicy:
     """
 
     def __init__(self, target_costs: CostCurve, max_draft_tokens: int, draft_seconds_per_token: float = 0.0,
-                 max_sequences: int = 0) -> None:
+                 max_sequences: int = 0, one_forward_draft: bool = False) -> None:
         self.costs = target_costs
         self.max_draft_tokens, self.max_sequences = max_draft_tokens, max_sequences
+        self.one_forward_draft = one_forward_draft  # a draft of any length costs one forward: price it per draft
         self.acceptance = AcceptanceMap()
         self.initial_draft_seconds = draft_seconds_per_token
         self.kinds: dict[Hashable, _KindState] = {}  # per draft kind: drafting cost, nodes per depth, plain run
@@ -202,8 +205,8 @@ class AdaptivePolicy:
             reach *= self.acceptance.rate(depth_key(depth, kind))
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
-            seconds = state.draft_seconds_per_token * depth + self._verify_seconds(1 + nodes, context_length,
-                                                                                   sequences)
+            drafting = state.draft_seconds_per_token * (1 if self.one_forward_draft else depth)
+            seconds = drafting + self._verify_seconds(1 + nodes, context_length, sequences)
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
@@ -256,7 +259,8 @@ class AdaptivePolicy:
         self._learn_depths(draft, parents, accepted)
         if self._asked > 0:
             state = self._state(self._kind)
-            state.draft_seconds_per_token += _EMA * (draft_seconds / self._asked - state.draft_seconds_per_token)
+            per = draft_seconds if self.one_forward_draft else draft_seconds / self._asked
+            state.draft_seconds_per_token += _EMA * (per - state.draft_seconds_per_token)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
         predicted = self.costs.seconds(self._sequences * (1 + len(draft)), self._context)  # the whole forward
         if predicted > 0 and verify_seconds > 0:

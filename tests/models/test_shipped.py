@@ -253,3 +253,35 @@ def test_shipped_eagle3_head_with_smollm2_is_lossless_and_drafts(tmp_path):
     _assert_lossless_and_drafting(target, tokenizer, drafter)
     assert main(["export", SMOLLM2_EAGLE3, "--format", "eagle3", "--out", str(tmp_path / "flat")]) == 0
     assert (tmp_path / "flat" / "model.safetensors").is_file()
+
+
+def test_shipped_dflash_head_is_small_bf16_with_its_card_and_is_the_default(tmp_path, monkeypatch):
+    """``smollm2-135m-instruct-dflash``: bf16 weights under 20 MiB with an exact int64 ``d2t``, the spec the
+    llama.cpp export reads, a card with its budget, and ``--drafter dflash``'s default for SmolLM2 only."""
+    from types import SimpleNamespace
+
+    from specdraft.drafters import load_drafter
+    from specdraft.drafters.dflash import DFlashDrafter
+    from specdraft.errors import SpecdraftError
+    from specdraft.heads import WEIGHTS_FILE, load_heads
+    from specdraft.models.registry import DEFAULT_HEADS, SMOLLM2_DFLASH, resolve_heads
+
+    folder = resolve_heads(SMOLLM2_DFLASH)
+    assert DEFAULT_HEADS[("dflash", SMOLLM2)] == SMOLLM2_DFLASH
+    assert (folder / WEIGHTS_FILE).stat().st_size <= 20 * 2**20
+    with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes.pop("d2t") == "I64" and set(dtypes.values()) == {"BF16"} and "mask_embedding" in dtypes
+    meta, head = load_heads(SMOLLM2_DFLASH, kind="dflash")
+    assert meta["target"] == SMOLLM2 and meta["spec"]["target_layer_ids"] == [1, 8, 14, 20, 27]
+    spec = meta["spec"]
+    assert (spec["block_size"], spec["mask_token_id"], spec["draft_vocab_size"]) == (8, 16, 8192)
+    ids = head.d2t
+    assert bool((ids[1:] > ids[:-1]).all()) and int(ids[-1]) < 49152
+    card = (folder / "README.md").read_text()
+    assert "Budget" in card and "train-heads --kind dflash" in card
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    drafter = load_drafter(SimpleNamespace(name=SMOLLM2), None, drafter="dflash", options={"quantize": "none"})
+    assert isinstance(drafter, DFlashDrafter) and drafter.hidden_layers == (2, 9, 15, 21, 28)
+    with pytest.raises(SpecdraftError, match="no shipped dflash heads for target 'other-model'"):
+        load_drafter(SimpleNamespace(name="other-model"), None, drafter="dflash")

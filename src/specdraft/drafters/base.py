@@ -181,6 +181,7 @@ class DrafterFacts:
     batchable: bool = True  # runs in batched decoding (needs no access to the target's KV cache)
     reads_target_features: bool = False  # implements ReadsTargetFeatures
     reads_target_cache: bool = False  # implements ReadsTargetCache, or drafts through the target's cache
+    one_forward_draft: bool = False  # one forward drafts any length (DFlash): priced per draft, not per token
 
 
 def facts_of(drafter) -> DrafterFacts:

@@ -1,7 +1,8 @@
 """Self-drafting heads on a frozen target's features: Medusa (Cai et al. 2024, arXiv 2401.10774), EAGLE (Li et
-al. 2024, arXiv 2401.15077) and EAGLE-3, and GliDe's draft model, which reads the target's KV cache (Du et al. 2024,
-arXiv 2402.02082). This package holds the head architectures (one module per kind) and their exported
-file format; training them (``specdraft train-heads --kind NAME``) lives in :mod:`specdraft.training.heads.train_heads`.
+al. 2024, arXiv 2401.15077), EAGLE-3, DFlash's block drafter (arXiv 2602.06036), and GliDe's draft model, which reads
+the target's KV cache (Du et al. 2024, arXiv 2402.02082). This package holds the head architectures (one module per
+kind) and their exported file format; training them (``specdraft train-heads --kind NAME``) lives in
+:mod:`specdraft.training.heads.train_heads`.
 
 ``<out>/heads/`` holds ``heads.safetensors`` (the trainable weights only; the frozen target is never copied),
 ``heads.json`` (``{"format": 1, "kind": NAME, "spec": {...}, "target": NAME_OR_PATH}``) and a model card
@@ -28,12 +29,14 @@ FORMAT = 1
 
 def _builders() -> dict[str, Callable[[dict], nn.Module]]:
     """Kind name -> build(spec) -> a fresh module; a new kind of heads adds its builder here."""
+    from specdraft.heads.dflash import build_dflash
     from specdraft.heads.eagle import build_eagle
     from specdraft.heads.eagle3 import build_eagle3
     from specdraft.heads.glide import build_glide
     from specdraft.heads.medusa import build_medusa
 
-    return {"medusa": build_medusa, "eagle": build_eagle, "eagle3": build_eagle3, "glide": build_glide}
+    return {"medusa": build_medusa, "eagle": build_eagle, "eagle3": build_eagle3, "glide": build_glide,
+            "dflash": build_dflash}
 
 
 def build_heads(kind: str, spec: dict) -> nn.Module:

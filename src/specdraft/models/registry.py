@@ -48,9 +48,12 @@ WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # checkpoints 
 SHIPPED = {SMOLLM2_DRAFTER: WEIGHTS_DIR / SMOLLM2_DRAFTER}  # the project's own drafters, ready to load
 SMOLLM2_EAGLE = "smollm2-135m-instruct-eagle"
 SMOLLM2_EAGLE3 = "smollm2-135m-instruct-eagle3"
-SHIPPED_HEADS = {name: WEIGHTS_DIR / name for name in (SMOLLM2_EAGLE, SMOLLM2_EAGLE3)}  # specdraft.heads folders
+SMOLLM2_DFLASH = "smollm2-135m-instruct-dflash"
+SHIPPED_HEADS = {name: WEIGHTS_DIR / name  # specdraft.heads folders
+                 for name in (SMOLLM2_EAGLE, SMOLLM2_EAGLE3, SMOLLM2_DFLASH)}
 DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generate` use with a target by default
-DEFAULT_HEADS = {("eagle3", SMOLLM2): SMOLLM2_EAGLE3}  # (heads kind, target) -> heads used when none are given
+DEFAULT_HEADS = {("eagle3", SMOLLM2): SMOLLM2_EAGLE3,  # (heads kind, target) -> heads used when none are given
+                 ("dflash", SMOLLM2): SMOLLM2_DFLASH}
 
 
 def package_dir(package: str) -> Path:

@@ -1,5 +1,5 @@
 """``specdraft train-heads``: train self-drafting heads (Medusa-1, Cai et al. 2024, arXiv 2401.10774; EAGLE, Li et
-al. 2024, arXiv 2401.15077) on a frozen target's features.
+al. 2024, arXiv 2401.15077; EAGLE-3; DFlash, arXiv 2602.06036) on a frozen target's features.
 
 The data is a distill-data folder (the target's own responses to prompts, :mod:`specdraft.training.data.distill_data`),
 so the heads learn the target's continuations. Teacher features (the target's final-normed hidden states, the LM
@@ -31,6 +31,7 @@ from specdraft.heads import load_heads, save_heads
 from specdraft.models.registry import eos_token_ids
 from specdraft.training.data.batches import DistillDataset, collate_distill
 from specdraft.training.data.records import check_token_ids, load_distill_records, split_by_prompt
+from specdraft.training.heads.dflash import DFLASH
 from specdraft.training.heads.eagle3 import EAGLE3
 from specdraft.training.heads.glide import GLIDE
 from specdraft.training.heads.kinds import EAGLE, MEDUSA, HeadKind
@@ -52,6 +53,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "eagle": EAGLE,
     "eagle3": EAGLE3,
     "glide": GLIDE,
+    "dflash": DFLASH,
 }
 
 HEADS_FOLDER = "heads"
@@ -68,7 +70,7 @@ def get_kind(name: str) -> HeadKind:
 class HeadsConfig(TrainerConfig):
     """Settings of ``specdraft train-heads``."""
 
-    kind: str = field(metadata={"help": "heads kind: medusa, eagle, eagle3 or glide"})
+    kind: str = field(metadata={"help": "heads kind: medusa, eagle, eagle3, glide or dflash"})
     target: str = field(metadata={"help": "target model (built-in name, folder or cached hub id), kept frozen"})
     data: str = field(metadata={"help": "distill-data output folder (the target's responses)"})
     num_heads: int = field(default=4, metadata={"help": "number of heads (medusa: draft depth)"})
@@ -81,7 +83,9 @@ class HeadsConfig(TrainerConfig):
                                                           "draft_vocab=8192, aux_layers=2,15,27, align_weight=1; "
                                                           "eagle and eagle3, FSPAD: fspad_sampling=0, "
                                                           "partial_alignment=0; glide: layers=1, glimpse_layer=-1, "
-                                                          "ttt_steps=3, decay=0.8)"})
+                                                          "ttt_steps=3, decay=0.8; dflash: loss, block_size=8, "
+                                                          "blocks=16, gamma=4, draft_vocab=8192, "
+                                                          "target_layers=1,8,14,20,27, layers=1, mask_token_id)"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     allow_incomplete: bool = field(default=False, metadata={"help": "train on an unfinished distill-data folder"})
     max_seq_len: int = field(default=512, metadata={"help": "prompt + response tokens kept per example"})
