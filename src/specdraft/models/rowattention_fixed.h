@@ -48,7 +48,8 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
         return vsum(dot) * scale;
       };
       // pass 1: scores of every row, a block of keys at a time: each one FMA chain over the head dimension, then
-      // its vsum (formed 8 at a time by vsum8) times the scale, two rows or 8 slots of one row at a time
+      // its vsum (formed 8 at a time by vsum8) times the scale; three rows by 4 slots, two rows by 4 slots or one
+      // row by 8 slots at a time, each key vector loaded once for the rows of its tile
       for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
         const int64_t n = std::min(kBlock, S - s0);
         const float* kp = block_rows<HD8>(kb, ks[2], s0, n, S, kBlock, kbuf.data());
@@ -56,6 +57,38 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
           const float* qa = query(r);
           float* sa = &score[(r - r0) * (S + 8) + s0];
           int64_t j = 0;
+          if (r + 2 < r1) {  // three rows at once, 4 slots each: 12 chains, a key vector read once for all three
+            const float* qb = query(r + 1);
+            const float* qc = query(r + 2);
+            float* sb = sa + (S + 8);
+            float* sc3 = sb + (S + 8);
+            for (; j + 4 <= n; j += 4) {
+              V dot[12];
+              for (int u = 0; u < 12; ++u) dot[u] = vzero();
+              for (int i = 0; i < NV; ++i) {
+                const V x = vload(qa + i * kLanes), y = vload(qb + i * kLanes), z = vload(qc + i * kLanes);
+                for (int u = 0; u < 4; ++u) {
+                  const V k = vload(kp + (j + u) * hd + i * kLanes);
+                  dot[u] = vfma(x, k, dot[u]);
+                  dot[4 + u] = vfma(y, k, dot[4 + u]);
+                  dot[8 + u] = vfma(z, k, dot[8 + u]);
+                }
+              }
+              const __m256 both = _mm256_mul_ps(vsum8(dot), _mm256_set1_ps(scale));  // row r | row r + 1
+              const V third[8] = {dot[8], dot[9], dot[10], dot[11], dot[8], dot[9], dot[10], dot[11]};
+              const __m256 last = _mm256_mul_ps(vsum8(third), _mm256_set1_ps(scale));  // row r + 2, twice
+              _mm_storeu_ps(sa + j, _mm256_castps256_ps128(both));
+              _mm_storeu_ps(sb + j, _mm256_extractf128_ps(both, 1));
+              _mm_storeu_ps(sc3 + j, _mm256_castps256_ps128(last));
+            }
+            for (int64_t jj = j; jj < n; ++jj) {
+              sa[jj] = slot_score(qa, kp + jj * hd);
+              sb[jj] = slot_score(qb, kp + jj * hd);
+              sc3[jj] = slot_score(qc, kp + jj * hd);
+            }
+            r += 3;
+            continue;
+          }
           if (r + 1 < r1) {  // two rows at once, 4 slots each: every key vector loaded once for both
             const float* qb = query(r + 1);
             float* sb = sa + (S + 8);
