@@ -134,3 +134,56 @@ def test_attention_is_the_same_on_one_thread_and_two(cache: torch.dtype) -> None
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def _tree_mask(parents: list[int], start: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """(T, start + T) bool: each node sees the context and its ancestors; and each node's path from the root."""
+    nodes = len(parents)
+    mask = torch.zeros(nodes, start + nodes, dtype=torch.bool)
+    mask[:, :start] = True
+    paths = []
+    for node in range(nodes):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, at)
+            at = parents[at]
+        paths.append(path)
+        mask[node, [start + i for i in path]] = True
+    return mask, paths
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("start", [5, 64, 101])  # the block of 64 slots: less than one, exactly one, not a multiple
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_tiles_of_every_row_count_equal_each_query_alone(cache: torch.dtype, start: int,
+                                                                   threads: int) -> None:
+    """SmolLM2's grouping (9 heads on 3 KV heads, hd 64): 1..13 new queries, as a chain (causal) and as a tree, are
+    split into tiles of 3, 2 and 1 rows by score and of one query's heads by value; each equals the query alone."""
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim = 9, 3, 64
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for steps in range(1, 14):
+            slots = start + steps
+            keys = torch.randn(1, kv_heads, slots, head_dim, generator=generator).to(cache)
+            values = torch.randn(1, kv_heads, slots, head_dim, generator=generator).to(cache)
+            queries = torch.randn(1, steps, heads, head_dim, generator=generator)
+            causal = torch.ones(steps, slots, dtype=torch.bool).tril(start)
+            out = rowgemm.attention(queries, keys, values, causal)
+            expected = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.float(), values.float(),
+                                                      attn_mask=causal, enable_gqa=True).transpose(1, 2)
+            torch.testing.assert_close(out, expected.reshape(out.shape), atol=1e-5, rtol=1e-5)
+            for t in range(steps):
+                alone = rowgemm.attention(queries[:, t : t + 1], keys[:, :, : start + t + 1],
+                                          values[:, :, : start + t + 1], None)
+                assert torch.equal(out[:, t : t + 1], alone), (steps, t)
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, steps)]
+            mask, paths = _tree_mask(parents, start)
+            out = rowgemm.attention(queries, keys, values, mask)
+            for node, path in enumerate(paths):
+                seen = list(range(start)) + [start + i for i in path]
+                alone = rowgemm.attention(queries[:, node : node + 1], keys[:, :, seen], values[:, :, seen], None)
+                assert torch.equal(out[:, node : node + 1], alone), (steps, node)
+    finally:
+        torch.set_num_threads(saved)
