@@ -51,7 +51,8 @@ def test_the_ledger_counts_the_static_engines_parts(tmp_path, monkeypatch):
         assert ledger["prefill_prompts"] == 6 and ledger["graphs_captured"] == 0 and ledger["steps"] >= 8
         decoded = (row["answer_tokens"] - row["prompts"]) / row["row_step_use"]
         assert abs(ledger["rows_decoded"] - decoded) <= decoded * 0.01 + 1
-        assert ledger["slots_attended"] >= ledger["rows_decoded"] and 0 < ledger["other_s"] <= row["seconds"]
+        # seconds is rounded to 0.01 and other_s to 0.001: a part of the run's time, within the rounding
+        assert ledger["slots_attended"] >= ledger["rows_decoded"] and 0 < ledger["other_s"] <= row["seconds"] + 0.005
     from specdraft.models.static_batch import StaticBatch
 
     assert StaticBatch.decode.__name__ == "decode" and StaticBatch.prefill.__qualname__ == "StaticBatch.prefill"
