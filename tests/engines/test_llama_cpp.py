@@ -108,7 +108,7 @@ def test_llama_cpp_accepts_the_gguf_exports_within_5_points_of_specdraft(llama_s
     llama = [f"llama.cpp-draft:{exports[kind]}" for kind in ("bf16", "q8_0")]
     config = BenchConfig(out=str(tmp_path / "run"), target=SMOLLM2, methods=(draft, *llama),
                          questions="sharegpt-heldout", per_category=8, max_new_tokens=128, num_draft_tokens=4,
-                         dtype="float32")
+                         dtype="float32", speculation=("fixed",))  # γ 4 every step, as llama.cpp's n_max 4
     methods = run_bench(config, progress=False, plots=False)["methods"]
     ours = methods[draft]["overall"]
     assert ours["greedy_equal"] is True
