@@ -33,7 +33,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.export.base import CheckedDrafter, ExportConfig, register
-from specdraft.export.gguf import FILE_TYPES, add_tensors, write_checked
+from specdraft.export.gguf import add_layer_header, add_tensors, write_checked
 from specdraft.models.gguf_files import target_gguf_file, tokenizer_fields
 
 ARCH = "dflash"
@@ -185,22 +185,7 @@ def write_dflash_gguf(path: Path, spec: dict, tensors: dict[str, torch.Tensor], 
     import gguf
 
     writer = gguf.GGUFWriter(str(path), ARCH)
-    writer.add_type("model")
-    writer.add_name("dflash")
-    writer.add_context_length(spec["max_position_embeddings"])
-    writer.add_embedding_length(spec["hidden_size"])
-    writer.add_block_count(spec["num_layers"])
-    writer.add_feed_forward_length(spec["intermediate_size"])
-    writer.add_head_count(spec["num_attention_heads"])
-    writer.add_head_count_kv(spec["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(spec["rms_norm_eps"])
-    writer.add_rope_freq_base(float(spec["rope_theta"]))
-    writer.add_rope_dimension_count(spec["head_dim"])
-    writer.add_key_length(spec["head_dim"])
-    writer.add_value_length(spec["head_dim"])
-    writer.add_vocab_size(spec["vocab_size"])
-    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_layer_header(writer, "dflash", spec, spec["num_layers"], gguf_type)
     writer.add_uint32(f"{ARCH}.block_size", spec["block_size"])
     writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in spec["target_layer_ids"]])  # inputs of these layers
     for key, (value, types) in fields.items():

@@ -22,7 +22,7 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.export.base import CheckedDrafter, ExportConfig, register
 from specdraft.export.eagle3 import check_heads, eagle3_tensors
-from specdraft.export.gguf import FILE_TYPES, add_tensors, permute_rows, write_checked
+from specdraft.export.gguf import add_layer_header, add_tensors, permute_rows, write_checked
 from specdraft.models.gguf_files import target_gguf_file, tokenizer_fields
 
 ARCH = "eagle3"
@@ -66,22 +66,7 @@ def write_eagle3_gguf(path: Path, head, fields: dict[str, tuple], gguf_type: str
         raise SpecdraftError(f"llama.cpp's eagle3 reads three aux layers; these heads read {len(layers)}: {layers}")
     tensors, d2t = eagle3_gguf_tensors(head)
     writer = gguf.GGUFWriter(str(path), ARCH)
-    writer.add_type("model")
-    writer.add_name("eagle3")
-    writer.add_context_length(sizes["max_position_embeddings"])
-    writer.add_embedding_length(sizes["hidden_size"])
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(sizes["intermediate_size"])
-    writer.add_head_count(sizes["num_attention_heads"])
-    writer.add_head_count_kv(sizes["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
-    writer.add_rope_freq_base(float(sizes["rope_theta"]))
-    writer.add_rope_dimension_count(sizes["head_dim"])
-    writer.add_key_length(sizes["head_dim"])
-    writer.add_value_length(sizes["head_dim"])
-    writer.add_vocab_size(sizes["vocab_size"])
-    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_layer_header(writer, "eagle3", sizes, 1, gguf_type)
     writer.add_array(f"{ARCH}.target_layers", layers)  # inputs of these target layers
     writer.add_uint32(f"{ARCH}.target_hidden_size", sizes["hidden_size"])
     writer.add_bool(f"{ARCH}.norm_before_residual", False)

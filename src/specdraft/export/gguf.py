@@ -130,6 +130,29 @@ def write_gguf(path: Path, name: str, config: dict, tensors: dict[str, torch.Ten
     writer.close()
 
 
+def add_layer_header(writer, name: str, sizes: dict, block_count: int, gguf_type: str) -> None:
+    """The hyperparameters llama.cpp reads for a drafter of Llama-shaped decoder layers (EAGLE-3, DFlash): ``sizes``
+    holds the target's hidden/FFN/head sizes, ``rms_norm_eps``, ``rope_theta`` and ``max_position_embeddings``."""
+    import gguf
+
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_context_length(sizes["max_position_embeddings"])
+    writer.add_embedding_length(sizes["hidden_size"])
+    writer.add_block_count(block_count)
+    writer.add_feed_forward_length(sizes["intermediate_size"])
+    writer.add_head_count(sizes["num_attention_heads"])
+    writer.add_head_count_kv(sizes["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
+    writer.add_rope_freq_base(float(sizes["rope_theta"]))
+    writer.add_rope_dimension_count(sizes["head_dim"])
+    writer.add_key_length(sizes["head_dim"])
+    writer.add_value_length(sizes["head_dim"])
+    writer.add_vocab_size(sizes["vocab_size"])
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
 def add_tensors(writer, tensors: dict[str, torch.Tensor], gguf_type: str, output_type: str | None = None) -> None:
     """Add ``tensors`` (llama.cpp names) to a GGUFWriter: vectors f32, vocabulary-sized matrices
     (:data:`OUTPUT_TENSORS`) in ``output_type`` (default ``gguf_type``), other matrices in ``gguf_type``."""
