@@ -140,7 +140,6 @@ def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope,
     (a prefill, or a model without the row path)."""
     batch, steps, _ = hidden.shape
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    groups = heads // kv_heads
     normed = F.rms_norm(hidden, layer.attn_norm.shape, layer.attn_norm, layer.eps)  # (n, T, D)
     qkv = _project(layer, "qkv", normed).view(batch, steps, -1, head_dim)  # (n, T, H+2K, hd)
     rotated = _rotate(qkv[:, :, : heads + kv_heads], *rope)  # (n, T, H+K, hd)
@@ -149,20 +148,26 @@ def _layer(layer, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rope,
     if rowwise:
         out = torch.cat([rowgemm.attention(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], mask[i, 0, :steps])
                          for i in range(batch)])  # (n, T, H*hd)
-        hidden = hidden + _project(layer, "o", out)  # (n, T, D)
-        normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
-        gate, up = _project(layer, "gate_up", normed).chunk(2, dim=-1)  # (n, T, F) each
-        return hidden + _project(layer, "down", F.silu(gate) * up)  # (n, T, D)
+    else:
+        out = _folded_attention(queries, keys, values, mask, kv_heads)  # (n, T, H*hd)
+    hidden = hidden + _project(layer, "o", out)  # (n, T, D)
+    normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
+    gate, up = _project(layer, "gate_up", normed).chunk(2, dim=-1)  # (n, T, F) each
+    return hidden + _project(layer, "down", F.silu(gate) * up)  # (n, T, D)
+
+
+def _folded_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      kv_heads: int) -> torch.Tensor:
+    """SDPA of the queries (n, T, H, hd) folded by KV head, over keys and values (n, K, S, hd) under the mask
+    (n, 1, G*T, S). Returns (n, T, H*hd)."""
+    batch, steps, heads, head_dim = queries.shape
+    groups = heads // kv_heads
     if keys.dtype != queries.dtype:  # a cache in its own format, widened exactly
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     folded = queries.reshape(batch, steps, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # (n, K, G, T, hd)
     folded = folded.reshape(batch, kv_heads, groups * steps, head_dim)  # (n, K, G*T, hd)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)  # (n, K, G*T, hd)
-    out = out.reshape(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, steps, -1)
-    hidden = hidden + _project(layer, "o", out)  # (n, T, D)
-    normed = F.rms_norm(hidden, layer.mlp_norm.shape, layer.mlp_norm, layer.eps)
-    gate, up = _project(layer, "gate_up", normed).chunk(2, dim=-1)  # (n, T, F) each
-    return hidden + _project(layer, "down", F.silu(gate) * up)  # (n, T, D)
+    return out.reshape(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, steps, -1)
 
 
 def _attends_rowwise(model, steps: int) -> bool:
