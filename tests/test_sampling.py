@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig, check_finite, sample, sample_on_device, warp
+from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, sample_on_device, warp
 
 
 def test_greedy_is_one_hot_argmax():
@@ -102,3 +102,17 @@ def test_check_finite():
     check_finite(torch.zeros(3), "target")
     with pytest.raises(SpecdraftError, match=r"non-finite logits .* target"):
         check_finite(torch.tensor([0.0, math.nan]), "target")
+    with pytest.raises(SpecdraftError, match="non-finite"):
+        check_finite(torch.tensor([[1.0, 2.0], [-math.inf, 0.0]]), "draft")
+    check_finite(torch.full((4,), 3e38), "target")  # huge but finite: the sum overflows, the entries do not
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_is_torchs_first_largest_entry(dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 6, (5, 49), generator=generator).to(dtype)  # many ties in every row
+    for rows in (logits, logits[0], logits[:, ::2], logits.t()):
+        got = argmax(rows)
+        assert got.dtype == torch.long and got.shape == rows.shape[:-1]
+        assert torch.equal(got, rows.argmax(-1))
+    assert int(argmax(torch.tensor([2.0, 7.0, 7.0, 1.0]))) == 1

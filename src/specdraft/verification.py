@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig, sample, warp
+from specdraft.sampling import SamplingConfig, argmax, sample, warp
 from specdraft.trees import children, depths, follow_path
 
 
@@ -108,7 +108,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
         draft_tokens: (γ,) drafted ids.
         target_logits: (γ + 1, V) target logits at the positions predicting each draft token and the one after.
     """
-    target_tokens = target_logits.argmax(-1)  # (γ + 1,)
+    target_tokens = argmax(target_logits)  # (γ + 1,)
     gamma = draft_tokens.shape[0]
     kept = draft_tokens == target_tokens[:gamma]  # (γ,)
     num_accepted = _leading_true(kept if tolerated is None else kept | tolerated)
@@ -195,11 +195,11 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logit
         target_logits: (N + 1, V) logits at the root (row 0) and at every node (row i + 1).
     """
 
-    argmax = target_logits.argmax(-1).tolist()  # (N + 1,)
-    path = follow_path(tokens, parents, lambda row, depth: argmax[row])
+    best = argmax(target_logits).tolist()  # (N + 1,)
+    path = follow_path(tokens, parents, lambda row, depth: best[row])
     row = path[-1] + 1 if path else 0
     depth = int(depths(parents).max()) if parents.numel() else 0
-    return TreeVerifyResult(tokens.shape[0], len(path), argmax[row], accepted_nodes=tuple(path), depth=depth)
+    return TreeVerifyResult(tokens.shape[0], len(path), best[row], accepted_nodes=tuple(path), depth=depth)
 
 
 def verify_tree_sampling(

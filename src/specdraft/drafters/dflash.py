@@ -40,7 +40,7 @@ from specdraft.heads import load_heads
 from specdraft.models import quantized
 from specdraft.models.registry import default_heads
 from specdraft.models.shared_embeddings import target_weights
-from specdraft.sampling import SamplingConfig, check_finite, warp
+from specdraft.sampling import SamplingConfig, argmax, check_finite, warp
 from specdraft.verification import VerifyResult
 
 
@@ -139,8 +139,9 @@ class DFlashDrafter(ReadsTargetFeatures):
         self._sync(context)
         logits = self._block(context, min(num_draft_tokens, self.head.block_size - 1))  # (n, V_d)
         if sampling.greedy:  # the draft vocabulary's argmax and softmax are the full vocabulary's
-            confidence = torch.softmax(logits, -1).max(-1).values  # (n,)
-            return Draft(self._ids[logits.argmax(-1)], None, confidence=confidence)
+            best = argmax(logits)  # (n,)
+            confidence = torch.softmax(logits, -1).gather(-1, best[:, None])[:, 0]  # (n,)
+            return Draft(self._ids[best], None, confidence=confidence)
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # (n, V)
         probs = warp(full.index_copy_(-1, self._ids, logits), sampling)  # (n, V): q_j, 0 outside the draft vocab
         tokens = torch.multinomial(probs, 1, generator=generator).flatten()  # (n,): x_j ~ q_j

@@ -40,7 +40,7 @@ from specdraft.draft_vocab import DraftVocab
 from specdraft.drafters.base import Draft, DrafterFacts, grown_cache
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import SamplingConfig, check_finite, sample, warp
+from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, warp
 from specdraft.trees import add_children, expansion_mask, most_confident
 from specdraft.verification import VerifyResult
 
@@ -172,7 +172,7 @@ class DraftModelDrafter:
         confidences, runners-up) what the token brings."""
         probs, confidence, alternatives = out
         if sampling.greedy:
-            token = logits.argmax(-1)
+            token = argmax(logits)
             soft = torch.softmax(logits.float(), -1)  # (V,)
             confidence.append(soft[token])
             if runners_up:
@@ -234,7 +234,7 @@ class DraftModelDrafter:
     def _greedy(self, logits: torch.Tensor, confidence: list) -> torch.Tensor:
         """The argmax token of the draft vocabulary's ``logits`` (N,) (the lowest id among ties, as over the whole
         vocabulary), appending its softmax probability to ``confidence``."""
-        index = logits.argmax(-1)
+        index = argmax(logits)
         confidence.append(torch.softmax(logits, -1)[index])
         return index if self._vocab.keep is None else self._vocab.keep[index]
 

@@ -45,7 +45,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.native_llama import NativeLlama
 from specdraft.models.registry import cache_dir
 from specdraft.prompts import BUILTIN_PROMPTS, encode_prompt
-from specdraft.sampling import SamplingConfig, check_finite, sample, warp
+from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, warp
 from specdraft.verification import VerifyResult
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class LayerSkipDrafter:
             for i in range(num_draft_tokens):
                 check_finite(logits, "draft")
                 if sampling.greedy:
-                    token = logits.argmax(-1)
+                    token = argmax(logits)
                 else:
                     probs.append(warp(logits, sampling))  # (V,) q, warped as p will be
                     token = sample(probs[-1], generator)
