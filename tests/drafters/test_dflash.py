@@ -3,10 +3,12 @@ equals drafting on the draft KV cache, greedy output equals plain decoding (fp32
 temperature sampling keeps the target's law at the second and third tokens (chi-square), the policy prices a block
 per draft, and the drafter's registration and errors."""
 
+import copy
 from collections import Counter
 
 import pytest
 import torch
+from torch import nn
 
 from specdraft.batching import generate_batch
 from specdraft.decoding import generate
@@ -102,6 +104,42 @@ def test_int8_drafts_track_the_dense_head(toy):
     assert (logits[0] - logits[1]).abs().max() < 0.05 * logits[0].abs().max()
 
 
+def _drafted(target, head, quantize: str, features: torch.Tensor, context: torch.Tensor, split: int | None = None):
+    """The block's logits after observing ``features`` (1, L - 1, kD) of ``context`` (L,), in one piece or two
+    (synced after the first ``split`` rows, so a block is drafted over a shorter context first)."""
+    drafter = DFlashDrafter.from_module(head, quantize=quantize)
+    drafter.begin(target, None)
+    cut = split or features.shape[1]
+    drafter.observe(VerifyResult(0, 0, 0, hidden=features[0, :cut]))
+    if split:
+        drafter._sync(context[: cut + 1])
+        drafter._block(context[: cut + 1])
+        drafter.observe(VerifyResult(0, 0, 0, hidden=features[0, cut:]))
+    drafter._sync(context)
+    return drafter._block(context)
+
+
+def test_fused_int8_block_is_the_heads_forward_on_its_q8_0_weights(toy):
+    """The int8 drafter's fused calls (Qwen3's q/k norms, the non-causal block over scratch slots, key-value-only
+    calls for context rows) give the dense head's logits when that head's linear weights are the same Q8_0 blocks:
+    only the int8 rounding of the activations remains. Context synced in two pieces, with a block drafted in
+    between over slots that later rows take, gives the same logits bit for bit (row-invariant kernels)."""
+    if not quantized.available():
+        pytest.skip("specdraft's int8 kernels cannot run here")
+    model, target, head = toy
+    rounded = copy.deepcopy(head)
+    for module in rounded.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = quantized.dequantize(quantized.quantize(module.weight.data.float(), "q8_0"))
+    context = torch.tensor(PROMPTS[0] + [11, 12, 13])
+    layers = [i + 1 for i in head.target_layer_ids]
+    features, _, _ = teacher(model, context[None], torch.ones_like(context[None]), layers, head.d2t)
+    dense = _drafted(target, rounded, "none", features[:, :-1], context)  # (B - 1, V_d)
+    fused = _drafted(target, head, "int8", features[:, :-1], context)
+    assert (fused - dense).abs().max() < 0.01 * dense.abs().max()
+    assert torch.equal(_drafted(target, head, "int8", features[:, :-1], context, split=4), fused)
+
+
 def test_batched_rows_draft_as_batch_one(toy):
     """Batched decoding hands each row's drafter the features of its own committed tokens: every row's output and
     accepted lengths equal batch-1 decoding's."""
@@ -124,9 +162,29 @@ def _third_token_marginal(model, prompt: list[int], sampling) -> torch.Tensor:
     return torch.einsum("a,ab,abc->c", p1, p2, p3)
 
 
-def test_sampled_tokens_follow_the_target(toy):
-    """Temperature sampling: the second and third generated tokens (drafted as positions 1 and 2 of one block at
-    the second step) follow the target's exact marginals (chi-square), and drafts are accepted."""
+def test_greedy_trees_equal_plain_decoding(toy):
+    """fp32: trees grown from the block's per-position distributions keep plain greedy output at every depth, and
+    they are trees (some node with siblings)."""
+    _, target, head = toy
+    for prompt in PROMPTS:
+        plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+        for gamma in (1, 3, 4):
+            drafter = DFlashDrafter.from_module(head, tree_branching=2, tree_nodes=6)
+            result = generate(target, prompt, drafter, GenerationConfig(24, gamma, speculation="fixed"))
+            assert result.token_ids == plain
+    drafter = DFlashDrafter.from_module(head, tree_branching=2, tree_nodes=6)
+    drafter.begin(target, None)
+    width = len(head.target_layer_ids) * head.spec["hidden_size"]
+    drafter.observe(VerifyResult(0, 0, 0, hidden=torch.randn(4, width)))
+    draft = drafter.propose(torch.tensor(PROMPTS[1] + [3]), 3, SamplingConfig(), None)
+    assert draft.is_tree and draft.tokens.shape[0] == 6 and draft.q is None
+    assert len(set(draft.parents.tolist())) < 6  # a parent with two children
+
+
+@pytest.mark.parametrize("tree_branching", [0, 2])
+def test_sampled_tokens_follow_the_target(toy, tree_branching):
+    """Temperature sampling, chains and trees: the second and third generated tokens (drafted as positions 1 and 2
+    of one block at the second step) follow the target's exact marginals (chi-square), and drafts are accepted."""
     model, target, _ = toy
     head = make_head(model, seed=1, block_size=4, draft_vocab=64)
     with torch.no_grad():  # a peaked draft close to the target's first guess, so that some drafts pass
@@ -136,7 +194,8 @@ def test_sampled_tokens_follow_the_target(toy):
     for seed in range(trials):
         generator = torch.Generator().manual_seed(seed)
         config = GenerationConfig(4, 3, sampling, speculation="fixed")
-        result = generate(target, prompt, DFlashDrafter.from_module(head), config, generator)
+        drafter = DFlashDrafter.from_module(head, tree_branching=tree_branching, tree_nodes=5)
+        result = generate(target, prompt, drafter, config, generator)
         counts2[result.token_ids[1]] += 1
         counts3[result.token_ids[2]] += 1
         accepted += sum(result.stats.accept_lengths[1:2])

@@ -40,7 +40,7 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache, ReadableKVCache
 from specdraft.sampling import SamplingConfig
-from specdraft.trees import AuxBranch, check_tree
+from specdraft.trees import AuxBranch, check_tree, most_confident
 from specdraft.verification import VerifyResult
 
 
@@ -182,6 +182,18 @@ class DrafterFacts:
     reads_target_features: bool = False  # implements ReadsTargetFeatures
     reads_target_cache: bool = False  # implements ReadsTargetCache, or drafts through the target's cache
     one_forward_draft: bool = False  # one forward drafts any length (DFlash): priced per draft, not per token
+
+
+def confident_tree(tokens: list[int], parents: list[int], scores: list[float], limit: int,
+                   q: torch.Tensor | None) -> Draft:
+    """A grown tree cut to its ``limit`` most confident nodes, closed under ancestors, in node order (EAGLE-2's
+    re-ranking): ``scores`` are cumulative draft log-probabilities, ``q`` (N, V) the row each node was drawn from, or
+    None (a deterministic tree). Each kept node's confidence is q(node | parent)."""
+    kept, kept_parents = most_confident(parents, scores, limit)  # (M,) each
+    score, parent = torch.tensor(scores, dtype=torch.float32), torch.tensor(parents, dtype=torch.long)  # (N,) each
+    confidence = (score - torch.where(parent >= 0, score[parent.clamp_min(0)], 0.0)).exp()  # (N,)
+    return Draft(torch.tensor(tokens, dtype=torch.long)[kept], None if q is None else q[kept], kept_parents, None,
+                 confidence[kept])
 
 
 def facts_of(drafter) -> DrafterFacts:

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import Draft, DrafterFacts, grown_cache
+from specdraft.drafters.base import Draft, DrafterFacts, confident_tree, grown_cache
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, warp
-from specdraft.trees import add_children, expansion_mask, most_confident
+from specdraft.trees import add_children, expansion_mask
 from specdraft.verification import VerifyResult
 
 MODEL, SIBLING, COPY = 0, 1, 10  # Draft.source of the model's chain, its siblings, and a copy (+ n-gram size)
@@ -271,12 +271,7 @@ class DraftModelDrafter:
 
     def _best_nodes(self, tokens, parents, q_rows, scores, greedy: bool) -> Draft:
         """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order."""
-        kept, new_parents = most_confident(parents, scores, self.tree_nodes)
-        q = None if greedy else torch.stack(q_rows)[kept]  # (N, V)
-        score = torch.tensor(scores, dtype=torch.float32)  # (N,) cumulative draft log-probabilities
-        parent = torch.tensor(parents, dtype=torch.long)  # (N,)
-        confidence = (score - torch.where(parent >= 0, score[parent.clamp_min(0)], 0.0)).exp()  # q(node | parent)
-        return Draft(torch.tensor(tokens, dtype=torch.long)[kept], q, new_parents, None, confidence[kept])
+        return confident_tree(tokens, parents, scores, self.tree_nodes, None if greedy else torch.stack(q_rows))
 
     def begin(self, target, cache) -> None:
         pass

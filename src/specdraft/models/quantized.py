@@ -152,6 +152,8 @@ class FusedLayer:
     eps: float
     heads: int
     kv_heads: int
+    q_norm: torch.Tensor | None = None  # (hd,) Qwen3's per-head norms of queries and keys; None in a Llama layer
+    k_norm: torch.Tensor | None = None
 
     @classmethod
     def of(cls, layer) -> FusedLayer:
@@ -163,9 +165,11 @@ class FusedLayer:
 
 
 def fused_layer(hidden: torch.Tensor, layer: FusedLayer, keys: torch.Tensor, values: torch.Tensor, start: int,
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """One pre-norm Llama layer for (1, T, D) float32 new tokens in one call, writing their keys and values into
-    slots ``start ..`` of ``keys`` / ``values`` (1, KV, S, hd); cos, sin: (T, ..., hd/2); mask (T, start + T) bool or
-    None. Row-invariant: a k-token call reproduces k 1-token calls bit for bit."""
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv_only: bool = False) -> torch.Tensor:
+    """One pre-norm Llama layer (Qwen3's where ``layer`` has q_norm and k_norm) for (1, T, D) float32 new tokens in
+    one call, writing their keys and values into slots ``start ..`` of ``keys`` / ``values`` (1, KV, S, hd); cos,
+    sin: (T, ..., hd/2); mask (T, start + T) bool or None (every slot visible). ``kv_only``: only write the keys and
+    values, return ``hidden``. Row-invariant: a k-token call reproduces k 1-token calls bit for bit."""
     return _ops().qlayer(hidden, layer.weights, layer.kinds, layer.attn_norm, layer.mlp_norm, layer.eps, keys, values,
-                         start, cos, sin, mask, layer.heads, layer.kv_heads, mode(), rowgemm.mode())
+                         start, cos, sin, mask, layer.heads, layer.kv_heads, mode(), rowgemm.mode(), layer.q_norm,
+                         layer.k_norm, kv_only)

@@ -47,6 +47,16 @@ void rms_norm(const float* x, int64_t T, int64_t D, const float* w, float eps, f
   }
 }
 
+// Qwen3's per-head RMSNorm of the queries or keys (q_norm, k_norm, weight (hd,)), in place on `count` heads of hd
+// starting at head `first` of each token's qkv row, before the rotary embedding; each head one rms_norm row.
+void head_norm(float* qkv, int64_t T, int64_t width, int64_t first, int64_t count, int64_t hd, const float* w,
+               float eps) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* heads = qkv + t * width + first * hd;
+    rms_norm(heads, count, hd, w, eps, heads);  // each head reads its sum before any of its values is written
+  }
+}
+
 // transformers' half-split rotary embedding, in place on `heads` heads of hd starting at row offset `first` (in
 // units of hd) of each token's qkv row: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
 void rotate(float* qkv, int64_t T, int64_t width, int64_t first, int64_t heads, int64_t hd, const float* cos,
@@ -103,11 +113,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // hidden (1, T, D) fp32 -> (1, T, D); writes this layer's keys and values of the T new positions into slots
 // start .. start + T - 1 of keys / values (1, KV, S, hd), fp32, fp16 or bf16 (the model's cache format). weights:
 // the packed qkv, o, gate_up, down blocks, kinds their ggml types; cos, sin (T, hd/2); mask (T, start + T) bool or
-// None (then every slot is visible).
+// None (then every slot is visible). q_norm, k_norm (hd,): Qwen3's per-head norms of the queries and keys (None: a
+// Llama layer). kv_only: write the keys and values of the T rows and return `hidden` as it is (the context of a
+// drafter whose layers attend features they do not process, as DFlash's).
 at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& attn_norm,
                  const at::Tensor& mlp_norm, double eps, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                  const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask, int64_t heads,
-                 int64_t kv_heads, int64_t qmode, int64_t amode) {
+                 int64_t kv_heads, int64_t qmode, int64_t amode, const c10::optional<at::Tensor>& q_norm,
+                 const c10::optional<at::Tensor>& k_norm, bool kv_only) {
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.scalar_type() == at::kFloat,
               "quantlayer: hidden must be (1, T, D) float32");
   TORCH_CHECK(weights.size() == 4 && kinds.size() == 4, "quantlayer: four weights (qkv, o, gate_up, down)");
@@ -129,6 +142,12 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
 
   rms_norm(xp, T, D, an.data_ptr<float>(), static_cast<float>(eps), normed.data());
   specdraft_quant::multiply(normed.data(), T, D, weights[0], kinds[0], width, qkv.data(), vnni);
+  for (const auto& [norm, first, count] : {std::tuple{&q_norm, int64_t{0}, heads}, std::tuple{&k_norm, heads, kv_heads}})
+    if (norm->has_value()) {
+      TORCH_CHECK((*norm)->numel() == hd, "quantlayer: q_norm and k_norm hold head_dim weights");
+      const at::Tensor w = (*norm)->to(at::kFloat).contiguous();
+      head_norm(qkv.data(), T, width, first, count, hd, w.data_ptr<float>(), static_cast<float>(eps));
+    }
   rotate(qkv.data(), T, width, 0, heads + kv_heads, hd, c.data_ptr<float>(), s.data_ptr<float>());
   if (kv_type == at::kHalf)
     write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<c10::Half>(),
@@ -138,6 +157,7 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
                 values.data_ptr<c10::BFloat16>());
   else
     write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<float>(), values.data_ptr<float>());
+  if (kv_only) return hidden;
   const at::Tensor queries = at::from_blob(qkv.data(), {1, T, heads, hd}, {T * width, width, hd, 1},
                                            at::TensorOptions().dtype(at::kFloat));  // a strided view of the q rows
   const at::Tensor seen = keys.narrow(2, 0, start + T), vals = values.narrow(2, 0, start + T);
@@ -158,7 +178,7 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
 TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
   m.def("qlayer(Tensor hidden, Tensor[] weights, int[] kinds, Tensor attn_norm, Tensor mlp_norm, float eps, "
         "Tensor keys, Tensor values, int start, Tensor cos, Tensor sin, Tensor? mask, int heads, int kv_heads, "
-        "int qmode, int amode) -> Tensor");
+        "int qmode, int amode, Tensor? q_norm=None, Tensor? k_norm=None, bool kv_only=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) { m.impl("qlayer", &layer); }
