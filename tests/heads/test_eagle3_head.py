@@ -9,12 +9,13 @@ import torch
 from specdraft.batching import generate_batch
 from specdraft.decoding import generate
 from specdraft.drafters import NAMED_DRAFTERS
-from specdraft.drafters.eagle3 import Eagle3Drafter
+from specdraft.drafters.eagle3 import Eagle3Drafter, int8_head
 from specdraft.drafters.registry import make_named
 from specdraft.errors import SpecdraftError
 from specdraft.heads import load_heads, save_heads
 from specdraft.heads.eagle import head_config
 from specdraft.heads.eagle3 import build_eagle3, default_aux_layers
+from specdraft.models import quantized
 from specdraft.models.hf import HFCausalLM
 from specdraft.models.native_llama import NativeLlama
 from specdraft.sampling import SamplingConfig
@@ -185,6 +186,27 @@ def test_greedy_equals_plain_decoding(trained, kind):
             for gamma, top_k, nodes in ((1, 1, 1), (3, 1, 3), (4, 4, 16), (5, 2, 6)):
                 drafter = Eagle3Drafter.from_module(module, top_k=top_k, tree_nodes=nodes)
                 assert generate(target, prompt, drafter, GenerationConfig(20, gamma)).token_ids == plain
+
+
+def test_int8_heads_draft_losslessly_and_track_the_dense_head(trained):
+    """The int8 copy (Q8_0 fc, midlayer and LM head) keeps plain greedy output, chain and tree, and its first draft
+    step's logits stay close to the dense head's (Q8_0 rounding only); the dense head is left as it was."""
+    if not quantized.available():
+        pytest.skip("specdraft's int8 kernels cannot run here")
+    model, head = trained
+    target = NativeLlama.from_hf(model)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    for prompt in PROMPTS:
+        plain = generate(target, prompt, None, GenerationConfig(20)).token_ids
+        for gamma, top_k, nodes in ((1, 1, 1), (3, 1, 3), (4, 4, 16)):
+            drafter = Eagle3Drafter.from_module(head, top_k=top_k, tree_nodes=nodes, quantize="int8")
+            assert generate(target, prompt, drafter, GenerationConfig(20, gamma)).token_ids == plain
+            assert drafter.head is not head and isinstance(drafter.head.lm_head, quantized.Int8Linear)
+    assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())
+    features = torch.randn(3, head.fc.weight.shape[1])
+    dense = head.logits(head.fuse(features))  # (3, N)
+    int8 = int8_head(head).logits(int8_head(head).fuse(features))
+    assert (dense - int8).abs().max() < 0.02 * dense.abs().max()
 
 
 def test_sampled_second_token_follows_the_target(trained):

@@ -130,6 +130,21 @@ def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return _ops().qlinear(x, weight.packed, weight.kind, weight.out_features, mode())
 
 
+class Int8Linear(torch.nn.Module):
+    """An ``nn.Linear`` (no bias) whose product runs on Q8_0 blocks of its weight (:func:`linear`): (..., K) ->
+    (..., N) in x's dtype. ``weight`` stays the dense weight, for callers that read its shape or dtype."""
+
+    def __init__(self, dense: torch.nn.Linear) -> None:
+        super().__init__()
+        if dense.bias is not None:
+            raise SpecdraftError("Int8Linear takes a linear layer without a bias")
+        self.weight = dense.weight
+        self.blocks = quantize(dense.weight.detach().float(), "q8_0")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x.contiguous(), self.blocks).to(x.dtype)
+
+
 def rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (any shape) of the weight dequantized exactly to fp32: (*ids.shape, K). An embedding lookup."""
     out = _ops().qrows(weight.packed, weight.kind, weight.in_features, weight.out_features, ids)
