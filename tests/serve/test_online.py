@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -91,6 +92,18 @@ def test_recorded_p_lines_up_with_the_served_tokens(models):
         assert len(record["top_logprobs"]) == len(greedy) == len(record["missed"])
         assert all(row == sorted(row, reverse=True) and row[0] <= 0 for row in record["top_logprobs"])
     assert any(any(record["missed"]) for record in records)
+
+
+def test_a_stop_token_committed_without_a_forward_ends_the_record_before_it():
+    """The grammar's certain stop token joins ``generated`` without a verify forward: the record keeps the verified
+    positions (instead of being dropped whole) and ends before that token."""
+    recorder = VerifiedRecorder(top_k=2)
+    seq = SimpleNamespace(prompt=torch.tensor([1, 5]), generated=[])
+    recorder.on_verify(seq, torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]]), missed=False)  # tokens 1, then 0
+    seq.generated = [1, 0, 2]  # 2: the stop token, committed without a forward
+    record = recorder.finish(seq)
+    assert record["response_token_ids"] == [1, 0] and [row[0] for row in record["top_ids"]] == [1, 0]
+    assert len(record["top_logprobs"]) == len(record["missed"]) == 2
 
 
 def _distiller(folder, drafter, base: str, **options) -> OnlineDistiller:

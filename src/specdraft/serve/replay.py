@@ -108,15 +108,15 @@ class VerifiedRecorder:
 
     def finish(self, seq, extra: dict | None = None) -> dict | None:
         """The record of a finished sequence (None if it generated nothing): positions beyond its committed tokens
-        (a stop string cut the last step) are dropped."""
+        (a stop string cut the last step) are dropped, and so are committed tokens no forward verified (the stop
+        token a grammar leaves as the only continuation, committed without a forward: its p, a point mass, was
+        never seen), so the record ends before them."""
         ids, logprobs, misses = self._open.pop(id(seq), ([], [], []))
-        length = len(seq.generated)
-        if not length or not ids:
+        if not seq.generated or not ids:
             return None
-        top_ids, top_logprobs = torch.cat(ids)[:length], torch.cat(logprobs)[:length]  # (R, k)
-        if top_ids.shape[0] < length:
-            return None
-        return {"prompt_token_ids": seq.prompt.tolist(), "response_token_ids": list(seq.generated),
+        top_ids, top_logprobs = torch.cat(ids)[: len(seq.generated)], torch.cat(logprobs)[: len(seq.generated)]
+        length = top_ids.shape[0]  # (R, k) each: R positions verified and committed
+        return {"prompt_token_ids": seq.prompt.tolist(), "response_token_ids": list(seq.generated[:length]),
                 "top_ids": top_ids.tolist(), "top_logprobs": [[round(v, 4) for v in row] for row in
                                                                top_logprobs.tolist()],
                 "missed": misses[:length]} | (extra or {})
