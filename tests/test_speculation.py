@@ -56,22 +56,6 @@ def test_long_contexts_are_priced_by_their_own_row() -> None:
     assert short >= 3 and long < short
 
 
-def test_a_drafter_whose_drafts_trim_always_cuts_stops_being_asked() -> None:
-    """Drafts of low confidence that ``trim`` cuts to nothing bring no token: the per-depth acceptance ``budget``
-    prices learns that, so the policy stops paying for such drafts (one cheap exploration in a while)."""
-    policy = AdaptivePolicy(_curve(0.1), 7, one_forward_draft=True)
-    asked = []
-    for _ in range(80):
-        depth = policy.budget(100, 7)
-        asked.append(depth)
-        draft = _chain([0.01] * depth) if depth else Draft(torch.empty(0, dtype=torch.long))
-        verified = policy.trim(draft, 100, 1, 0.002, greedy=True)
-        assert len(verified) == 0  # a confidence of 0.01 never pays for a verify
-        policy.observe(verified, VerifyResult(0, 0, 7), 0.002 if depth else 0.0, 0.01)
-    assert sum(d > 0 for d in asked[:5]) >= 3  # the prior asks at first
-    assert sum(d > 0 for d in asked[-40:]) <= 40 // 8 + 1  # then only the exploration steps
-
-
 def test_draft_kinds_are_priced_apart() -> None:
     """Copy steps that cost nothing to draft and are right, and model steps that cost a forward a token and are
     wrong: pooled, the copies would pay for the chains; per kind, only the copies are drafted."""

@@ -268,14 +268,12 @@ class AdaptivePolicy:
             self.verify_scale += _EMA * (ratio - self.verify_scale)
 
     def _learn_depths(self, draft: Draft, parents: torch.Tensor, accepted: set[int]) -> None:
-        """Per-depth acceptance of the deepest accepted level among the depths the step asked for (what ``budget``
-        prices before drafting: the tokens that asking for a depth brings). A depth asked for but not verified (the
-        drafter stopped early, or ``trim`` cut it) counts as not accepted: asking for it brought nothing, and a
-        drafter whose drafts ``trim`` always cuts would otherwise keep its prior and be asked, and paid, forever."""
-        node_depths = depths(parents).tolist() if len(draft) else []
-        asked = max(self._asked, max(node_depths, default=0))
+        """Per-depth acceptance of the deepest reached level (what ``budget`` prices before drafting)."""
+        if len(draft) == 0:
+            return
+        node_depths = depths(parents).tolist()
         deepest = max((node_depths[n] for n in accepted), default=0)
-        for depth in range(1, min(asked, deepest + 1) + 1):
+        for depth in range(1, min(max(node_depths), deepest + 1) + 1):
             self.acceptance.update(depth_key(depth, self._kind), depth <= deepest)
 
 
