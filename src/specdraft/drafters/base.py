@@ -31,13 +31,14 @@ What the tools must know of a method before or without running it, each drafter 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.models import quantized
 from specdraft.models.base import CausalLM, KVCache, ReadableKVCache
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import AuxBranch, check_tree, most_confident
@@ -182,6 +183,31 @@ class DrafterFacts:
     reads_target_features: bool = False  # implements ReadsTargetFeatures
     reads_target_cache: bool = False  # implements ReadsTargetCache, or drafts through the target's cache
     one_forward_draft: bool = False  # one forward drafts any length (DFlash): priced per draft, not per token
+
+
+def int8_drafting(method: str, quantize: str) -> bool:
+    """A head drafter's ``quantize`` option -> whether it drafts on specdraft's int8 kernels: ``auto`` where they
+    run, ``int8`` (refused where they cannot run), ``none`` never."""
+    if quantize not in ("auto", "int8", "none"):
+        raise SpecdraftError(f"{method} option quantize must be auto, int8 or none, got {quantize!r}")
+    if quantize == "int8" and not quantized.available():
+        raise SpecdraftError(f"{method} quantize=int8 needs specdraft's int8 kernels, which cannot run here (an x86 "
+                             "CPU with AVX2, FMA and F16C and a C++ compiler)")
+    return quantize != "none" and quantized.available()
+
+
+def check_feature_target(what: str, target, embed: torch.Tensor, vocab_size: int, hidden: int,
+                         read_layers: Sequence[int], named_layers: Sequence[int]) -> None:
+    """A clear error where a head that embeds with the target's table and reads its residual stream entering
+    ``read_layers`` does not fit ``target`` (its embeddings ``embed``); ``named_layers``: the layers as the head's
+    settings name them, for the message."""
+    name = getattr(target, "name", "?")
+    if tuple(embed.shape) != (vocab_size, hidden):
+        raise SpecdraftError(f"{what} head mismatch: trained for vocabulary {vocab_size} and hidden size {hidden}, "
+                             f"target {name!r} has embeddings {tuple(embed.shape)}")
+    layers = getattr(getattr(target, "config", None), "num_hidden_layers", None)
+    if layers is not None and max(read_layers) >= layers:
+        raise SpecdraftError(f"{what} head reads target layers {list(named_layers)}, target {name!r} has {layers}")
 
 
 def confident_tree(tokens: list[int], parents: list[int], scores: list[float], limit: int,

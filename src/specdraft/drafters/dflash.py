@@ -49,7 +49,9 @@ from specdraft.drafters.base import (
     DrafterFacts,
     ReadsTargetFeatures,
     TargetFeatures,
+    check_feature_target,
     confident_tree,
+    int8_drafting,
 )
 from specdraft.drafters.loading import with_heads_defaults
 from specdraft.drafters.options import build
@@ -101,16 +103,11 @@ class DFlashDrafter(ReadsTargetFeatures):
         return drafter
 
     def _setup(self, head, quantize: str, tree_branching: int, tree_nodes: int) -> None:
-        if quantize not in ("auto", "int8", "none"):
-            raise SpecdraftError(f"dflash option quantize must be auto, int8 or none, got {quantize!r}")
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"dflash needs tree_branching >= 0 and tree_nodes >= 1, got {tree_branching}, "
                                  f"{tree_nodes}")
         self.tree_branching, self.tree_nodes = tree_branching, tree_nodes
-        if quantize == "int8" and not quantized.available():
-            raise SpecdraftError("dflash quantize=int8 needs specdraft's int8 kernels, which cannot run here (an x86 "
-                                 "CPU with AVX2, FMA and F16C and a C++ compiler)")
-        self.quantize = quantize == "int8" or (quantize == "auto" and quantized.available())
+        self.quantize = int8_drafting("dflash", quantize)
         self.head = head.eval()
         self._run: DenseBlock | FusedBlock | None = None  # what drafts: the head in the target's dtype, or int8 calls
         self.vocab_size = int(head.spec["vocab_size"])
@@ -132,15 +129,8 @@ class DFlashDrafter(ReadsTargetFeatures):
     def begin(self, target, cache) -> None:
         """A new generation: forget the feature stream and the draft KV cache; take the target's embeddings."""
         embed, _ = target_weights(target)
-        hidden = int(self.head.spec["hidden_size"])
-        if tuple(embed.shape) != (self.vocab_size, hidden):
-            raise SpecdraftError(f"DFlash head mismatch: trained for vocabulary {self.vocab_size} and hidden size "
-                                 f"{hidden}, target {getattr(target, 'name', '?')!r} has embeddings "
-                                 f"{tuple(embed.shape)}")
-        layers = getattr(getattr(target, "config", None), "num_hidden_layers", None)
-        if layers is not None and max(self.hidden_layers) >= layers:
-            raise SpecdraftError(f"DFlash head reads target layers {self.head.target_layer_ids}, target "
-                                 f"{getattr(target, 'name', '?')!r} has {layers}")
+        check_feature_target("DFlash", target, embed, self.vocab_size, int(self.head.spec["hidden_size"]),
+                             self.hidden_layers, self.head.target_layer_ids)
         if self.quantize:
             self._run = self._run or FusedBlock(self.head)
         else:

@@ -20,7 +20,7 @@ import copy
 
 import torch
 
-from specdraft.drafters.base import TargetFeatures
+from specdraft.drafters.base import TargetFeatures, check_feature_target, int8_drafting
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.loading import with_heads_defaults
 from specdraft.drafters.options import build
@@ -73,14 +73,9 @@ class Eagle3Drafter(EagleDrafter):
 
     def _setup(self, head, top_k: int, tree_nodes: int, keep: torch.Tensor | None = None,
                quantize: str = "none") -> None:
-        if quantize not in ("auto", "int8", "none"):
-            raise SpecdraftError(f"eagle3 option quantize must be auto, int8 or none, got {quantize!r}")
-        if quantize == "int8" and not quantized.available():
-            raise SpecdraftError("eagle3 quantize=int8 needs specdraft's int8 kernels, which cannot run here (an x86 "
-                                 "CPU with AVX2, FMA and F16C and a C++ compiler)")
+        self.quantize = int8_drafting("eagle3", quantize)
         super()._setup(head, top_k, tree_nodes)
         self.hidden_layers = tuple(head.aux_layers)
-        self.quantize = quantize != "none" and quantized.available()
         self._dense, self._int8 = self.head, None  # the head as given; its int8 copy, made on first use
 
     def target_features(self) -> TargetFeatures:
@@ -89,16 +84,9 @@ class Eagle3Drafter(EagleDrafter):
 
     def begin(self, target, cache) -> None:
         """A new generation: forget the feature stream; take the target's frozen embeddings."""
-
         embed, _ = target_weights(target)
-        hidden = int(self.head.sizes["hidden_size"])
-        if tuple(embed.shape) != (self.vocab_size, hidden):
-            raise SpecdraftError(f"EAGLE-3 head mismatch: trained for vocabulary {self.vocab_size} and hidden size "
-                                 f"{hidden}, target {target.name!r} has embeddings {tuple(embed.shape)}")
-        layers = getattr(getattr(target, "config", None), "num_hidden_layers", None)
-        if layers is not None and max(self.hidden_layers) >= layers:
-            raise SpecdraftError(f"EAGLE-3 head reads target layers {list(self.hidden_layers)}, target "
-                                 f"{target.name!r} has {layers}")
+        check_feature_target("EAGLE-3", target, embed, self.vocab_size, int(self.head.sizes["hidden_size"]),
+                             self.hidden_layers, self.hidden_layers)
         if self.quantize and embed.dtype == torch.float32:
             self._int8 = self._int8 or int8_head(self._dense)
             self.head = self._int8
