@@ -2,8 +2,9 @@
 tokenizer and chat template (which has no tools section: tools go into the system prompt in Hermes' format):
 required and named ``tool_choice`` always give ``tool_calls`` whose arguments validate, non-streamed and streamed
 (assembled by the OpenAI SDK), greedy calls equal plain constrained decoding, a follow-up with the tool's result is
-accepted, bad tools answer an OpenAI-style 400; the parsing of ``auto`` answers and the rendering of a template
-that takes ``tools=`` are checked without a model."""
+accepted, bad tools answer an OpenAI-style 400; the parsing and streaming of ``auto`` answers (each call sent as its
+block closes, the same calls and content as the whole answer) and the rendering of a template that takes ``tools=``
+are checked without a model."""
 
 import json
 from pathlib import Path
@@ -315,12 +316,130 @@ def test_parallel_calls_are_a_grammar_of_one_or_more_calls():
 def test_streamed_auto_content_stops_where_a_call_may_begin():
     stream = ToolStream(AUTO)
     sent = [stream.push(piece, False) for piece in ("Sure", ". <tool", "_call>\n{\"name\": ", '"book_flight"')]
-    assert sent == ["Sure", ". ", "", ""]
-    assert stream.push(', "arguments": {"to": "Oslo"}}\n</tool_call> done', True, "stop") == " done"
+    assert sent == ["Sure", ".", "", ""]  # the space waits: it precedes a call, which the whole answer strips
+    assert stream.push(', "arguments": {"to": "Oslo"}}\n</tool_call> done', True, "stop") == "  done"
     assert [c["function"]["name"] for c in stream.calls] == ["book_flight"]
+    assert parse_calls(stream.text, AUTO, "stop")[0] == "Sure.  done"
     plain = ToolStream(AUTO)
-    assert plain.push("a <tool", False) == "a " and plain.push("box", True, "stop") == "<toolbox"
+    assert plain.push("a <tool", False) == "a" and plain.push("box", True, "stop") == " <toolbox"
     assert plain.calls == []
+
+
+SINGLE = check_tools({"tools": TOOLS, "parallel_tool_calls": False})
+WEATHER = '{"name": "get_weather", "arguments": {"place": {"city": "Rome", "country": "IT"}, "days": 2}}'
+FLIGHT = '{"name": "book_flight", "arguments": "{\\"to\\": \\"Rome\\", \\"seats\\": 1}"}'
+
+
+def _block(body: str) -> str:
+    return f"{OPEN}\n{body}\n</tool_call>"
+
+
+def _streamed(tools, text: str, size: int, reason: str = "stop") -> tuple[list[str], list[list[dict]]]:
+    """The content and the ``delta.tool_calls`` entries of each push, ``text`` fed ``size`` characters at a time."""
+    stream, contents, deltas = ToolStream(tools), [], []
+    starts = range(0, len(text), size)
+    for k, start in enumerate(starts):
+        finished = k == len(starts) - 1
+        contents.append(stream.push(text[start:start + size], finished, reason if finished else None))
+        deltas.append(stream.deltas)
+    return contents, deltas
+
+
+def _assembled(deltas: list[list[dict]]) -> list[tuple[str, str]]:
+    """(name, arguments) per call index, as the SDK puts the entries together; each id is sent once."""
+    calls: dict[int, list[str]] = {}
+    ids = [d["id"] for pushed in deltas for d in pushed if "id" in d]
+    assert len(ids) == len(set(ids)) == len({d["index"] for pushed in deltas for d in pushed})
+    for delta in (d for pushed in deltas for d in pushed):
+        entry = calls.setdefault(delta["index"], ["", ""])
+        entry[0] += delta["function"].get("name", "") if "id" in delta else ""
+        entry[1] += delta["function"]["arguments"]
+    return [tuple(calls[i]) for i in range(len(calls))]
+
+
+def _closing_push(text: str, size: int, occurrence: int = 1) -> int:
+    """The push (``size`` characters each) in which the ``occurrence``-th ``</tool_call>`` is complete."""
+    end = -1
+    for _ in range(occurrence):
+        end = text.index("</tool_call>", end + 1)
+    return (end + len("</tool_call>") - 1) // size
+
+
+def test_an_auto_call_streams_as_soon_as_its_block_closes():
+    text = f"Let me check.\n{_block(WEATHER)}\nIt is sunny in Rome today."
+    for size in (1, 3, 5):  # pieces that split the tags and the JSON
+        contents, deltas = _streamed(AUTO, text, size)
+        closing = _closing_push(text, size)
+        assert [k for k, pushed in enumerate(deltas) if pushed] == [closing] and closing < len(deltas) - 1
+        assert [d["index"] for d in deltas[closing]] == [0, 0] and deltas[closing][0]["function"]["name"] == \
+            "get_weather"
+        assert json.loads(deltas[closing][1]["function"]["arguments"]) == json.loads(WEATHER)["arguments"]
+        assert "".join(contents[:closing + 1]) == "Let me check."
+        assert any(contents[closing + 1:-1]), "the content after the block streams before the end"
+        assert "".join(contents) == "Let me check.\n\nIt is sunny in Rome today." == parse_calls(text, AUTO, "stop")[0]
+
+
+def test_parallel_auto_calls_are_indexed_and_each_sent_when_closed():
+    text = f"{_block(WEATHER)}\n{_block(FLIGHT)}\nBoth done."
+    for size in (2, 7):
+        contents, deltas = _streamed(AUTO, text, size)
+        first, second = _closing_push(text, size), _closing_push(text, size, 2)
+        assert [k for k, pushed in enumerate(deltas) if pushed] == [first, second] and second < len(deltas) - 1
+        assert [d["index"] for d in deltas[first]] == [0, 0] and [d["index"] for d in deltas[second]] == [1, 1]
+        assert _assembled(deltas) == [("get_weather", json.dumps(json.loads(WEATHER)["arguments"])),
+                                      ("book_flight", '{"to": "Rome", "seats": 1}')]
+        assert "".join(contents) == "Both done."
+
+
+@pytest.mark.parametrize("body", ['{"name": "get_weather", "arguments": {"place": ', "{broken",
+                                  '{"name": "unknown", "arguments": {}}', '{"name": "book_flight", "arguments": 3}'])
+def test_an_invalid_auto_block_streams_as_content_once_closed(body):
+    text = f"Trying.\n{_block(body)}\nThat failed, {_block(FLIGHT)} so booked."
+    contents, deltas = _streamed(AUTO, text, 4)
+    assert "".join(contents[:_closing_push(text, 4) + 1]).startswith(f"Trying.\n{_block(body)}")
+    assert _assembled(deltas) == [("book_flight", '{"to": "Rome", "seats": 1}')]
+    assert [k for k, pushed in enumerate(deltas) if pushed] == [_closing_push(text, 4, 2)]
+    assert "".join(contents) == parse_calls(text, AUTO, "stop")[0] == \
+        f"Trying.\n{_block(body)}\nThat failed,  so booked."
+
+
+def test_without_parallel_calls_only_the_first_call_streams_and_the_rest_is_content():
+    text = f"On it.\n{_block(FLIGHT)}\n{_block(WEATHER)}\nDone."
+    contents, deltas = _streamed(SINGLE, text, 3)
+    assert [k for k, pushed in enumerate(deltas) if pushed] == [_closing_push(text, 3)]
+    assert _assembled(deltas) == [("book_flight", '{"to": "Rome", "seats": 1}')]
+    assert _block(WEATHER) in "".join(contents[:_closing_push(text, 3, 2) + 1]), "streamed as it comes"
+    assert "".join(contents) == parse_calls(text, SINGLE, "stop")[0] == f"On it.\n\n{_block(WEATHER)}\nDone."
+
+
+STREAMED_TEXTS = [
+    "Just text, no call.  ",
+    "   Leading space, then text <toolbox> and <tool",
+    _block(WEATHER),
+    f"\n\n{_block(WEATHER)}\n\n",
+    f"Let me look.\n{_block(WEATHER)}\n{_block(FLIGHT)}",
+    f"{_block(WEATHER)} between {_block('{broken')} and {_block(FLIGHT)} after \n",
+    f"{_block(WEATHER)}\n{OPEN}\n{FLIGHT}\n",  # the last block cut before its end tag (a stop, the budget)
+    f"Cut: {_block(WEATHER)}\n{OPEN}\n{FLIGHT[:30]}",
+    f"{OPEN} nested {OPEN}\n{WEATHER}\n</tool_call> tail {_block(FLIGHT)}",
+    f"  Opening space. {_block(FLIGHT)}\n\nAfter.",
+]
+
+
+@pytest.mark.parametrize("text", STREAMED_TEXTS)
+@pytest.mark.parametrize("tools", [AUTO, SINGLE], ids=["parallel", "single"])
+def test_streamed_auto_answers_equal_the_whole_answer(text, tools):
+    """For any piece size: the same calls as :func:`parse_calls` of the whole text, and the same content save
+    leading whitespace sent before the first call (and exactly the same without calls)."""
+    content, calls = parse_calls(text, tools, "length")
+    for size in (1, 2, 3, 5, 8, 13, len(text)):
+        contents, deltas = _streamed(tools, text, size, "length")
+        streamed = "".join(contents)
+        assert _assembled(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        if calls:
+            assert streamed.lstrip() == (content or "") and streamed.strip() == (content or "")
+        else:
+            assert streamed == content
 
 
 HERMES_TEMPLATE = (

@@ -15,7 +15,9 @@ a user turn of ``<tool_response>`` blocks.
 function for ``required``), so the call always parses; with ``parallel_tool_calls`` (the default) one or more of
 them, separated by :data:`SEPARATOR` (the end of one block and the start of the next). Exact under speculation as
 every grammar is. The calls of a constrained answer are read as they are written (:class:`CallScanner`), so a
-streamed answer sends each call's name as soon as it is complete and its arguments token by token.
+streamed answer sends each call's name as soon as it is complete and its arguments token by token; a streamed
+``auto`` answer sends each call whole as soon as its ``</tool_call>`` arrives, and its content around the blocks as
+it comes (:class:`ToolStream`).
 """
 
 from __future__ import annotations
@@ -365,47 +367,89 @@ def parse_calls(text: str, tools: ToolRequest, finish_reason: str | None) -> tup
 
 class ToolStream:
     """Streamed content and calls of one choice with tools. Constrained: the calls go out as they are written
-    (:class:`CallScanner`). Auto: text goes out as content until a ``<tool_call>`` may begin (a tail that could be
-    the start of the tag is held back); from there the text is held, and at the end the calls are parsed
-    (:func:`parse_calls`) and sent whole, and the content not yet sent is released."""
+    (:class:`CallScanner`). Auto: text goes out as content up to where a ``<tool_call>`` block may begin (a tail
+    that could be the start of the tag is held back); a block is held until its ``</tool_call>`` arrives, then it
+    goes out whole as a call if it holds a call of a listed function (only the first call without ``parallel``;
+    after it all text is content) and as content otherwise; at the end a block left open (cut by the token budget
+    or a stop) is read the same way. The blocks are read as :func:`parse_calls` reads the whole answer, so the
+    streamed calls are its calls (with their own ids) and the streamed content its content, save for the
+    stripping, as content sent cannot be taken back: whitespace at the end of the content so far is held (it may
+    precede a call) and dropped at the end if there are calls, and the content's leading whitespace is dropped
+    once a call is known, but content that opens with whitespace and goes out before the first call's block
+    closes keeps that whitespace. Content that follows a call in the same piece waits for the next piece (or the
+    end), so that it goes out after the call."""
 
     def __init__(self, tools: ToolRequest) -> None:
-        self.tools, self.text, self.sent = tools, "", 0
+        self.tools, self.text = tools, ""
         self.calls: list[dict] = []
         self.scanner = CallScanner() if tools.constrained else None
         self.deltas: list[dict] = []  # the ``delta.tool_calls`` entries to send now, set by :meth:`push`
+        self._names = {f["name"] for f in tools.functions}
+        self._at = 0  # the text before it is read: content sent or held, or a call's block
+        self._held = ""  # content read but not sent
+        self._sent = False  # whether any content has gone out
 
     def push(self, piece: str, finished: bool, finish_reason: str | None = None) -> str:
-        """Add released text; return the content to send now, with :attr:`deltas` the calls' pieces to send (at
-        the end, :attr:`calls` holds the calls)."""
+        """Add released text; return the content to send now, with :attr:`deltas` the calls' pieces to send after
+        it (:attr:`calls` holds the calls so far, all of them at the end)."""
         self.text += piece
         if self.scanner is not None:
             self.deltas, self.calls = self.scanner.push(piece), self.scanner.calls
             return self.scanner.rest if finished else ""
         self.deltas = []
+        before = self._read(finished)
         if finished:
-            content, self.calls = _split(self.text, self.tools, finish_reason)
-            rest = content[self.sent:].rstrip() if self.calls else content[self.sent:]
-            self.sent += len(rest)
-            self.deltas = call_deltas(self.calls)
-            return rest
-        found = self.text.find(OPEN)
-        ready = len(self.text) if found < 0 else found
-        if found < 0:
-            for size in range(min(len(OPEN) - 1, len(self.text)), 0, -1):
-                if OPEN.startswith(self.text[-size:]):
-                    ready -= size
-                    break
-        out = self.text[self.sent:ready] if ready > self.sent else ""
-        self.sent = max(self.sent, ready)
+            return before + self._release(final=True)
+        return before if self.deltas else before + self._release(final=False)
+
+    def _read(self, finished: bool) -> str:
+        """Read the text into held content and calls; return the content released before this piece's calls."""
+        before = ""
+        while self._at < len(self.text):
+            calling = self.tools.parallel or not self.calls
+            start = self.text.find(OPEN, self._at) if calling else -1
+            if start < 0:
+                end = len(self.text) if finished or not calling else len(self.text) - _tag_start(self.text, self._at)
+                self._held, self._at = self._held + self.text[self._at:end], end
+                break
+            close = self.text.find(CLOSE, start + len(OPEN))
+            self._held, self._at = self._held + self.text[self._at:start], start
+            if close < 0 and not finished:
+                break
+            end = len(self.text) if close < 0 else close + len(CLOSE)
+            call = _call(_loads(_BLOCK.match(self.text, start, end).group(1)), self._names)
+            self._at = end
+            if call is None:
+                self._held += self.text[start:end]
+                continue
+            self.calls.append(call)
+            self.deltas += call_deltas([call], first=len(self.calls) - 1)
+            before += self._release(final=False)
+        return before
+
+    def _release(self, final: bool) -> str:
+        """The held content to send now: without its trailing whitespace (kept held, or dropped at the end when
+        there are calls), and without its leading whitespace when there are calls and no content went out yet."""
+        text = self._held.lstrip() if self.calls and not self._sent else self._held
+        out = text if final and not self.calls else text.rstrip()
+        self._held, self._sent = text[len(out):], self._sent or bool(out)
         return out
 
 
-def call_deltas(calls: list[dict]) -> list[dict]:
-    """The streamed ``delta.tool_calls`` entries of finished calls: per call, its id and name, then its
-    arguments (as OpenAI streams them; the SDK concatenates the pieces)."""
+def _tag_start(text: str, at: int) -> int:
+    """The length of the longest end of ``text[at:]`` that could begin a ``<tool_call>`` tag."""
+    for size in range(min(len(OPEN) - 1, len(text) - at), 0, -1):
+        if text.endswith(OPEN[:size]):
+            return size
+    return 0
+
+
+def call_deltas(calls: list[dict], first: int = 0) -> list[dict]:
+    """The streamed ``delta.tool_calls`` entries of finished calls, indexed from ``first`` (the number of calls
+    sent before them): per call, its id and name, then its arguments (as OpenAI streams them; the SDK concatenates
+    the pieces)."""
     deltas = []
-    for index, call in enumerate(calls):
+    for index, call in enumerate(calls, start=first):
         deltas.append({"index": index, "id": call["id"], "type": "function",
                        "function": {"name": call["function"]["name"], "arguments": ""}})
         deltas.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
