@@ -215,7 +215,7 @@ def test_a_drafter_trained_on_a_draft_vocabulary_ships_it_as_its_default_option(
     from specdraft.models.registry import load_tokenizer
 
     out = _finetune(run, tmp_path / "fine", draft_vocab=16, loss="fkl")
-    assert json.loads((out / "drafter_options.json").read_text()) == {"draft_vocab": 16}
+    assert json.loads((out / "drafter_options.json").read_text()) == {"draft_vocab": 16, "quantize": "int8"}
     card = (out / "README.md").read_text()
     assert "heldout_coverage" in card and '"draft_vocab": 16' in card
     target, tokenizer = load_model(str(run / "target")), load_tokenizer(str(run / "target"))

@@ -129,14 +129,14 @@ def test_the_recipe_exports_a_drafter_and_heads_with_a_learning_curve_of_exact_t
 
 def test_exact_tau_equals_the_tau_of_decoding_the_held_out_questions(recipe):
     """The learning curve's τ is exact: greedy speculative decoding of the held-out questions with the exported
-    drafter (fp32, its draft vocabulary, fixed γ) makes the same tokens per target forward."""
+    drafter (fp32 weights, its draft vocabulary, fixed γ) makes the same tokens per target forward."""
     from specdraft.decoding import GenerationConfig, generate
     from specdraft.drafters import load_drafter
     from specdraft.models.registry import load_target
     from specdraft.training.data.records import load_distill_records
 
     target, tokenizer = load_target(str(recipe / "target"))
-    drafter = load_drafter(target, tokenizer, draft=str(recipe / "tvdpp" / "model"))
+    drafter = load_drafter(target, tokenizer, draft=str(recipe / "tvdpp" / "model"), options={"quantize": "none"})
     tokens = forwards = 0
     for record in load_distill_records(recipe / "heldout"):
         config = GenerationConfig(16, 3, speculation="fixed", eos_token_ids=(tokenizer.eos_token_id,))
@@ -144,6 +144,33 @@ def test_exact_tau_equals_the_tau_of_decoding_the_held_out_questions(recipe):
         tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forward_calls
     logged = float(_rows(recipe / "tvdpp" / "eval_log.csv")[-1]["greedy_tau@3"])
     assert tokens / forwards == pytest.approx(logged, abs=1e-3)
+
+
+def test_the_exported_drafter_drafts_on_int8_blocks_by_default_and_stays_lossless(recipe):
+    """The folder ships ``quantize: int8`` (its shapes fit Q8_0 blocks): loaded by default the draft model is a
+    :class:`QuantizedLlama` (``quantize=none`` keeps the dense one), and greedy speculative decoding with it gives
+    plain decoding's tokens."""
+    from specdraft.decoding import GenerationConfig, generate
+    from specdraft.drafters import load_drafter
+    from specdraft.models.quantized import available
+    from specdraft.models.quantized_llama import QuantizedLlama
+    from specdraft.models.registry import load_target
+    from specdraft.training.data.records import load_distill_records
+
+    options = json.loads((recipe / "tvdpp" / "model" / "drafter_options.json").read_text())
+    assert options == {"draft_vocab": 48, "quantize": "int8"}
+    if not available():
+        pytest.skip("the int8 kernels cannot run here")
+    target, tokenizer = load_target(str(recipe / "target"))
+    folder = str(recipe / "tvdpp" / "model")
+    drafter = load_drafter(target, tokenizer, draft=folder)
+    assert isinstance(drafter.model, QuantizedLlama)
+    dense = load_drafter(target, tokenizer, draft=folder, options={"quantize": "none"})
+    assert not isinstance(dense.model, QuantizedLlama)
+    for record in load_distill_records(recipe / "heldout")[:4]:
+        config = GenerationConfig(16, 3, speculation="fixed", eos_token_ids=(tokenizer.eos_token_id,))
+        plain = generate(target, record["prompt_token_ids"], None, config).token_ids
+        assert generate(target, record["prompt_token_ids"], drafter, config).token_ids == plain
 
 
 def test_a_rerun_reuses_every_stage_and_stages_reruns_only_those_named(recipe, capsys):

@@ -29,11 +29,15 @@ def draft_model_parts(target: CausalLM, target_tokenizer, draft: str, dtype: tor
                       options: dict[str, str], given: dict[str, str] | None = None,
                       ) -> tuple[CausalLM, torch.Tensor | None, dict[str, str]]:
     """The draft model ``draft`` (checked against the target) with the ``quantize`` and ``draft_vocab`` of
-    ``options`` applied: (model, the draft vocabulary's token ids or None, the other options). A ``quantize`` not in
-    ``given`` (a folder's default) is dropped where the int8 kernels cannot run."""
+    ``options`` applied: (model, the draft vocabulary's token ids or None, the other options). ``quantize=none``
+    keeps the dense drafter (over a folder's default); a ``quantize`` not in ``given`` (a folder's default) is
+    dropped where the int8 kernels cannot run: off an x86 CPU with them, or for a target on another device."""
     options = dict(options)
     quantize = options.pop("quantize", None)
-    if quantize and "quantize" not in (given or {}) and not _can_quantize():
+    if quantize == "none":
+        quantize = None
+    on_cpu = str(getattr(target, "device", None) or "cpu") == "cpu"
+    if quantize and "quantize" not in (given or {}) and not (_can_quantize() and on_cpu):
         quantize = None  # the folder's default where the int8 kernels cannot run: the dense drafter
     model = load_draft_model(target, target_tokenizer, draft, dtype, backend, quantize)
     keep = None
@@ -62,7 +66,7 @@ def _can_quantize() -> bool:
 def quantize_draft(model: CausalLM, scheme: str) -> CausalLM:
     """A native Llama draft model on block-quantized weights (``int8``: Q8_0, ``int4``: Q4_1 layers)."""
     if scheme not in SCHEMES:
-        raise SpecdraftError(f"drafter option quantize must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+        raise SpecdraftError(f"drafter option quantize must be one of none, {', '.join(SCHEMES)}, got {scheme!r}")
     if not isinstance(model, NativeLlama) or isinstance(model, QuantizedLlama):
         raise SpecdraftError(f"quantize={scheme} needs a dense Llama-family draft model; {model.name} is not one")
     if not _can_quantize():

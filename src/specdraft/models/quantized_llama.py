@@ -32,7 +32,7 @@ from torch import nn
 import specdraft.models.packed as packing
 import specdraft.models.quantized as quantization
 from specdraft.errors import SpecdraftError
-from specdraft.models.native_llama import DecoderLayer, NativeLlama, check_supported, rope_table
+from specdraft.models.native_llama import DecoderLayer, NativeLlama, check_supported, rope_table, supports
 
 _LAYOUT_VERSION = 1  # bump when pack_blocks' layout changes: cached packs of another version are rebuilt
 _PROJECTIONS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
@@ -50,6 +50,16 @@ def kv_cache_dtype() -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
         raise SpecdraftError(f"{KV_CACHE_ENV} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
     return KV_CACHE_DTYPES[name]
+
+
+def fits_blocks(config) -> bool:
+    """Whether a transformers config can be built on blocks (:meth:`QuantizedLlama.from_dense`): a Llama the native
+    path runs, every projection's input a whole number of 32-value blocks."""
+    if not supports(config):
+        return False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
+    return all(width % quantization.BLOCK == 0 for width in widths)
 
 
 class QuantizedLlama(NativeLlama):

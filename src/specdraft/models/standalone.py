@@ -93,6 +93,7 @@ def standalone_card(card: str, target: str, options: dict | None) -> str:
                   "`draft_vocab` drafts from the most frequent tokens of the training responses only "
                   "(their ranking is `token_ranking.safetensors`),",
                   "`confidence_threshold` stops a draft when the draft model's top probability falls below it,",
+                  "`quantize` drafts from weights rounded to int8 blocks where specdraft's int8 kernels run,",
                   "`prompt_lookup` / `prompt_lookup_alone` combine the draft with prompt lookup. Other engines "
                   "ignore the file: there the", "drafter drafts from the full vocabulary, a fixed number of tokens.",
                   ""]
