@@ -134,7 +134,7 @@ def test_a_kv_cache_format_is_the_models_own_arithmetic(kv, monkeypatch):
     ids = torch.tensor([PROMPT])
     cache = model.new_cache(64)
     assert cache.keys[0].dtype == getattr(torch, kv)
-    prefill = model(ids, cache)  # the layer-by-layer path (a prompt into an empty cache: SDPA over the rounded cache)
+    prefill = model(ids, cache)  # fused calls (a short prompt into an empty cache is a row-wise step)
     reference = QuantizedLlama.from_dense(_dense(), "int4")
     assert (prefill - reference(ids, reference.new_cache(64))).abs().max() < 0.05 * prefill.abs().max()
     step = torch.tensor([[5, 9, 11, 4, 7]])
@@ -156,6 +156,37 @@ def test_a_kv_cache_format_is_the_models_own_arithmetic(kv, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_KV_CACHE", "int3")
     with pytest.raises(SpecdraftError, match="SPECDRAFT_KV_CACHE"):
         QuantizedLlama.from_dense(_dense(), "int4")
+
+
+@pytest.mark.parametrize("before", [0, 10])
+def test_a_prefill_longer_than_a_step_writes_what_token_by_token_steps_would(before):
+    """A forward of more than ROWS_MAX tokens (a long prompt, into an empty cache or after others) runs as fused
+    calls over chunks of ROWS_MAX, so its logits and the keys and values it writes are those of 1-token steps, bit for
+    bit; the layer-by-layer path (SDPA) is close to it."""
+    model = QuantizedLlama.from_dense(_dense(), "int4")
+    ids = torch.tensor([[(7 * i + 3) % 60 + 3 for i in range(before + 150)]])
+    cache = model.new_cache(200)
+    if before:
+        model(ids[:, :before], cache)
+    long = model(ids[:, before:], cache)  # (1, 150, V)
+    stepped_cache = model.new_cache(200)
+    if before:
+        model(ids[:, :before], stepped_cache)
+    stepped = torch.cat([model(ids[:, i : i + 1], stepped_cache) for i in range(before, before + 150)], dim=1)
+    assert torch.equal(long, stepped)
+    for index in range(len(model.layers)):
+        assert torch.equal(cache.keys[index][:, :, : before + 150], stepped_cache.keys[index][:, :, : before + 150])
+        assert torch.equal(cache.values[index][:, :, : before + 150],
+                           stepped_cache.values[index][:, :, : before + 150])
+    layered_cache = model.new_cache(200)
+    kept, model._fused = model._fused, [None] * len(model.layers)
+    try:
+        if before:
+            model(ids[:, :before], layered_cache)
+        layered = model(ids[:, before:], layered_cache)
+    finally:
+        model._fused = kept
+    torch.testing.assert_close(long, layered, rtol=1e-3, atol=1e-3)
 
 
 def test_the_fused_layer_call_equals_the_layer_by_layer_path_closely():

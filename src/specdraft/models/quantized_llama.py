@@ -13,8 +13,10 @@ model's arithmetic, for plain and speculative decoding alike (a k-token verify s
 for bit), so it changes outputs only against another format. At long contexts the cache is what a step reads
 besides the weights (fp32: 46 KB a token for SmolLM2, 94 MB at 2,048 tokens); half of it halves that traffic.
 
-Batch-1 forwards of up to ``packed.ROWS_MAX`` tokens after a prefill run each decoder layer as one fused C++ call
-(``quantlayer.cpp``) with row-invariant kernels, so a k-token verify reproduces k 1-token steps bit for bit.
+Batch-1 forwards of up to ``packed.ROWS_MAX`` tokens run each decoder layer as one fused C++ call
+(``quantlayer.cpp``) with row-invariant kernels, so a k-token verify reproduces k 1-token steps bit for bit; a longer
+one (a prompt's prefill) runs each layer as such calls over chunks of ``ROWS_MAX`` tokens, so it writes the cache
+that token-by-token steps would.
 """
 
 from __future__ import annotations
@@ -204,11 +206,34 @@ class QuantizedLlama(NativeLlama):
         layer's own ops (a prefill, a batch, biases)."""
         layer = self.layers[index]
         fused = self._fused[index]
-        if fused is None or not step.rowwise or hidden.shape[0] != 1:
+        if fused is None or hidden.shape[0] != 1 or not (step.rowwise or self._chunks_rowwise(step)):
             return layer(hidden, cache, index, step)
+        if not step.rowwise:
+            return self._chunked_layer(fused, hidden, cache, index, step)
         mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
         return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start, step.cos,
                                         step.sin, mask)
+
+    def _chunks_rowwise(self, step) -> bool:
+        """Whether a causal forward longer than ROWS_MAX tokens (a prompt's prefill) runs as fused calls over
+        chunks of ROWS_MAX tokens: each chunk a row-invariant step after the ones before it."""
+        return not step.explicit and self.config.head_dim % 8 == 0 and step.cos.device.type == "cpu"
+
+    def _chunked_layer(self, fused, hidden: torch.Tensor, cache, index: int, step) -> torch.Tensor:
+        """Decoder layer ``index`` over (1, T, D) new tokens in chunks of ROWS_MAX, in order, each one fused call with
+        its causal mask over the slots before it and its own: the layer's weights stay in cache across the chunks,
+        and every row's arithmetic is that of a 1-token step (the attention as :func:`rowgemm.attention`'s), so a
+        prefill writes the keys and values that token-by-token steps would, bit for bit."""
+        steps, out = hidden.shape[1], []
+        for begin in range(0, steps, packing.ROWS_MAX):
+            end = min(steps, begin + packing.ROWS_MAX)
+            start = step.start + begin
+            seen = torch.arange(start + end - begin, device=hidden.device)  # (S,)
+            mask = seen[None, :] <= (start + torch.arange(end - begin, device=hidden.device))[:, None]  # (Tc, S)
+            out.append(quantization.fused_layer(hidden[:, begin:end].contiguous(), fused, cache.keys[index],
+                                                cache.values[index], start, step.cos[begin:end],
+                                                step.sin[begin:end], mask))
+        return torch.cat(out, dim=1)  # (1, T, D)
 
     def _step(self, start: int, steps: int):
         """As the dense model's, but a forward of up to ROWS_MAX tokens into an empty cache is row-wise too (with an
