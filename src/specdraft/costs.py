@@ -72,9 +72,16 @@ class CostCurve:
     measured_seconds: float = 0.0  # how long the calibration took
     clock: str = "wall"  # "cpu": this process's CPU time (one thread), "wall": elapsed time
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_at_size", {})  # new_tokens -> each context's seconds (not a field)
+
     def seconds(self, new_tokens: int, context: int = 0) -> float:
-        """Predicted seconds of a forward over ``new_tokens`` after ``context`` cached tokens."""
-        rows = [_interpolate(self.sizes, row, new_tokens) for row in self.table]
+        """Predicted seconds of a forward over ``new_tokens`` after ``context`` cached tokens: each context's row
+        interpolated at ``new_tokens`` (kept: the policy asks for the same few sizes every step), then across the
+        contexts."""
+        rows = self._at_size.get(new_tokens)
+        if rows is None:
+            rows = self._at_size[new_tokens] = [_interpolate(self.sizes, row, new_tokens) for row in self.table]
         return max(1e-9, _interpolate(self.contexts, rows, context))
 
     def ratios(self, context: int | None = None) -> list[float]:

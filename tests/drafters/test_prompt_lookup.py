@@ -81,3 +81,14 @@ def test_the_incremental_index_matches_a_scan_as_contexts_grow_roll_back_and_cha
             k = rng.randint(1, 5)
             size, draft = drafter.match(torch.tensor(context), k)
             assert (size, draft.tokens.tolist()) == _scan(torch.tensor(context), n_max, n_min, k)
+
+
+def test_a_context_changed_in_place_is_indexed_again():
+    """A step asks twice about one context (its kind, then its draft) and the second ask reuses the index; the same
+    tensor changed in place since (same length) is a new context and matches as a fresh drafter's would."""
+    drafter = PromptLookupDrafter(3, 1)
+    context = torch.tensor([1, 2, 3, 4, 9, 9, 1, 2, 3])
+    assert drafter.match(context, 2)[1].tokens.tolist() == [4, 9]
+    assert drafter.match(context, 3)[1].tokens.tolist() == [4, 9, 9]
+    context[3] = 7  # the buffer reused for another context of the same length
+    assert drafter.match(context, 2)[1].tokens.tolist() == _scan(context, 3, 1, 2)[1] == [7, 9]

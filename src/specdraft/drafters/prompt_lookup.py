@@ -46,7 +46,8 @@ class PromptLookupDrafter:
 
     def match(self, context: torch.Tensor, num_draft_tokens: int) -> tuple[int, Draft]:
         """(n, draft): the size of the longest matched n-gram (0 for none) and the copied continuation."""
-        self._sync(context)
+        if context.shape[0] != self._seen.shape[0] or not torch.equal(context, self._seen):  # a step asks twice
+            self._sync(context)  # (its kind, then its draft) about one context: the second time, nothing to index
         length, tokens = len(self._tokens), self._tokens
         for n in range(min(self.max_ngram_size, length - 1), self.min_ngram_size - 1, -1):
             starts = self._starts.get(n, {}).get(tuple(tokens[length - n :]))
