@@ -190,7 +190,7 @@ class QuantizedLlama(NativeLlama):
 
     def _run_layers(self, hidden: torch.Tensor, cache, step, taps=(), aux: list[torch.Tensor] | None = None
                     ) -> torch.Tensor:
-        for index in range(len(self.layers)):
+        for index in range(len(self._fused)):
             if index in taps:
                 aux.append(hidden)  # (B, T, D)
             hidden = self._layer(index, hidden, cache, step)  # (B, T, D)
@@ -204,15 +204,14 @@ class QuantizedLlama(NativeLlama):
     def _layer(self, index: int, hidden: torch.Tensor, cache, step) -> torch.Tensor:
         """Decoder layer ``index``: one fused call (``quantlayer.cpp``) for a row-wise batch-1 step, else the
         layer's own ops (a prefill, a batch, biases)."""
-        layer = self.layers[index]
         fused = self._fused[index]
-        if fused is None or hidden.shape[0] != 1 or not (step.rowwise or self._chunks_rowwise(step)):
-            return layer(hidden, cache, index, step)
-        if not step.rowwise:
-            return self._chunked_layer(fused, hidden, cache, index, step)
-        mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
-        return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start, step.cos,
-                                        step.sin, mask)
+        if step.rowwise and fused is not None and hidden.shape[0] == 1:  # a decode step, verify or tree
+            mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
+            return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start,
+                                            step.cos, step.sin, mask)
+        if fused is None or hidden.shape[0] != 1 or not self._chunks_rowwise(step):
+            return self.layers[index](hidden, cache, index, step)
+        return self._chunked_layer(fused, hidden, cache, index, step)
 
     def _chunks_rowwise(self, step) -> bool:
         """Whether a causal forward longer than ROWS_MAX tokens (a prompt's prefill) runs as fused calls over
