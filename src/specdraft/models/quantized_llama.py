@@ -202,8 +202,9 @@ class QuantizedLlama(NativeLlama):
         return hidden
 
     def _layer(self, index: int, hidden: torch.Tensor, cache, step) -> torch.Tensor:
-        """Decoder layer ``index``: one fused call (``quantlayer.cpp``) for a row-wise batch-1 step, else the
-        layer's own ops (a prefill, a batch, biases)."""
+        """Decoder layer ``index``: one fused call (``quantlayer.cpp``) for a row-wise batch-1 step, fused calls over
+        chunks for a longer batch-1 forward (a prompt's prefill), else the layer's own ops (a batch, a tree of more
+        than ROWS_MAX nodes, biases)."""
         fused = self._fused[index]
         if step.rowwise and fused is not None and hidden.shape[0] == 1:  # a decode step, verify or tree
             mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
