@@ -74,6 +74,58 @@ def test_draft_kinds_are_priced_apart() -> None:
     assert policy.kinds["model"].draft_seconds_per_token > policy.kinds["copy"].draft_seconds_per_token == 0.0
 
 
+def test_a_draft_models_catch_up_forward_is_priced_per_step_not_per_token() -> None:
+    """A draft model's first forward of a step reads the tokens committed since it last drafted, so a 1-token draft
+    costs about what a 3-token one does: learned as a cost per step (and the fresh read of a new prompt not learned
+    at all), the policy drafts deeper than when the same seconds are priced per token."""
+    from specdraft.drafters.base import CatchUp
+
+    def learn(with_record: bool) -> AdaptivePolicy:
+        policy = AdaptivePolicy(_curve(0.05), 4)
+        for depth in range(1, 5):  # every depth accepted 80% of the time
+            for trial in range(40):
+                policy.acceptance.update(depth_key(depth, "model"), trial % 5 != 0)
+        for _ in range(40):
+            policy.budget(100, 1, "model")  # 1-token drafts only, each 8 ms: a 7 ms catch-up and 1 ms of drafting
+            if with_record:
+                policy.note_catch_up(CatchUp(0.0, 0.007, fresh=False))
+            draft = Draft(torch.arange(1), source=torch.zeros(1, dtype=torch.long))
+            policy.observe(draft, VerifyResult(1, 1, 0), 0.008, 0.0105)
+        return policy
+
+    apart, pooled = learn(True), learn(False)
+    assert apart.kinds["model"].catch_up_seconds == pytest.approx(0.007, rel=0.05)
+    assert apart.kinds["model"].draft_seconds_per_token == pytest.approx(0.001, rel=0.05)
+    assert pooled.kinds["model"].draft_seconds_per_token == pytest.approx(0.008, rel=0.05)
+    assert apart.budget(100, 4, "model") > pooled.budget(100, 4, "model")
+    fresh = AdaptivePolicy(_curve(0.05), 4)
+    fresh.budget(100, 1, "model")
+    fresh.note_catch_up(CatchUp(0.0, 0.077, fresh=True))  # a new sequence's prompt, read by the first forward
+    fresh.observe(Draft(torch.arange(1), source=torch.zeros(1, dtype=torch.long)), VerifyResult(1, 1, 0), 0.078, 0.01)
+    assert fresh.kinds["model"].catch_up_seconds == 0.0
+    assert fresh.kinds["model"].draft_seconds_per_token == pytest.approx(0.0001)
+
+
+def test_a_draft_model_records_its_catch_up_forward() -> None:
+    """The chain's first forward is recorded (and found through a combination), fresh when it read the whole
+    context; a step that drafts nothing from the model records nothing new."""
+    import time
+
+    from specdraft.drafters.base import catch_up
+    from specdraft.drafters.combined import WithPromptLookup
+
+    drafter = WithPromptLookup(DraftModelDrafter(hf_target(seed=1)), PromptLookupDrafter(3, 1))
+    start = time.perf_counter()
+    drafter.propose(torch.tensor(PROMPT), 3, SamplingConfig(), None)
+    first = catch_up(drafter, start)
+    assert first is not None and first.fresh and first.seconds > 0
+    later = time.perf_counter()
+    drafter.propose(torch.tensor(PROMPT + [7, 8]), 3, SamplingConfig(), None)
+    second = catch_up(drafter, later)
+    assert second is not None and not second.fresh
+    assert catch_up(drafter, time.perf_counter()) is None
+
+
 def test_free_verification_and_sure_drafts_verify_everything() -> None:
     policy = AdaptivePolicy(_curve(0.0), 5)
     assert policy.budget(100, 10) == 5 and policy.budget(100, 3) == 3

@@ -45,7 +45,11 @@ decile) or, for nodes without a confidence (prompt lookup, REST, Lookahead, head
 Beta prior at the confidence itself (or 0.5). The drafter's cost per requested token and a scale on the measured
 verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings; a drafter whose one
 forward drafts any length (DFlash's block, ``DrafterFacts.one_forward_draft``) is priced per draft instead, so deeper
-drafts cost it nothing more to draft. The per-depth
+drafts cost it nothing more to draft. A draft model's first forward of a step reads every token committed since it
+last drafted (after a run of copy or plain steps, several), so it is learned apart, as a cost per drafting step
+(:class:`~specdraft.drafters.base.CatchUp`; the read of a new sequence's whole prompt is prefill and not learned):
+priced per token, it made a 1-token draft look as dear per token as the forward itself and priced deeper drafts
+out. The per-depth
 acceptance that ``budget`` prices before drafting, the drafting cost per token and the verified nodes per depth are
 learned per draft kind: a draft model whose context holds a long prompt-lookup match copies at no drafting cost and
 is usually right, while its own chain costs a forward a token and, on a summary of a long article, is mostly wrong;
@@ -63,7 +67,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specdraft.costs import CostCurve
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, Drafter, draft_kind
+from specdraft.drafters.base import EMPTY_DRAFT, CatchUp, Draft, Drafter, catch_up, draft_kind
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import chain_parents, depths, keep_nodes
 from specdraft.verification import VerifyResult
@@ -159,6 +163,7 @@ class _KindState:
     """What :class:`AdaptivePolicy` learns per draft kind besides acceptance."""
 
     draft_seconds_per_token: float = 0.0  # moving average, per requested token (per draft: one_forward_draft)
+    catch_up_seconds: float = 0.0  # moving average of a draft model's first forward per drafting step
     nodes_per_depth: float = 1.0  # moving average of verified nodes per requested depth
     plain_run: int = 0  # plain steps in a row (exploration, _EXPLORE_EVERY)
 
@@ -183,6 +188,7 @@ class AdaptivePolicy:
         self._context = 0
         self._sequences = 1
         self._kind: Hashable = None
+        self._catch_up: CatchUp | None = None  # this step's draft-model catch-up forward (note_catch_up)
 
     def _state(self, kind: Hashable) -> _KindState:
         if kind not in self.kinds:
@@ -205,7 +211,7 @@ class AdaptivePolicy:
             reach *= self.acceptance.rate(depth_key(depth, kind))
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
-            drafting = state.draft_seconds_per_token * (1 if self.one_forward_draft else depth)
+            drafting = state.catch_up_seconds + state.draft_seconds_per_token * (1 if self.one_forward_draft else depth)
             seconds = drafting + self._verify_seconds(1 + nodes, context_length, sequences)
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
@@ -259,6 +265,11 @@ class AdaptivePolicy:
         self._learn_depths(draft, parents, accepted)
         if self._asked > 0:
             state = self._state(self._kind)
+            caught = self._catch_up
+            if caught is not None:  # the first forward apart: a cost per step, the rest per token
+                if not caught.fresh:  # a new sequence's first forward reads its whole prompt: prefill, not drafting
+                    state.catch_up_seconds += _EMA * (caught.seconds - state.catch_up_seconds)
+                draft_seconds = max(draft_seconds - caught.seconds, 0.0)
             per = draft_seconds if self.one_forward_draft else draft_seconds / self._asked
             state.draft_seconds_per_token += _EMA * (per - state.draft_seconds_per_token)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
@@ -266,6 +277,12 @@ class AdaptivePolicy:
         if predicted > 0 and verify_seconds > 0:
             ratio = min(max(verify_seconds / predicted, 0.5), 3.0)
             self.verify_scale += _EMA * (ratio - self.verify_scale)
+        self._catch_up = None
+
+    def note_catch_up(self, record: CatchUp | None) -> None:
+        """This step's draft-model catch-up forward (:func:`~specdraft.drafters.base.catch_up`), read by
+        :meth:`observe`."""
+        self._catch_up = record
 
     def _learn_depths(self, draft: Draft, parents: torch.Tensor, accepted: set[int]) -> None:
         """Per-depth acceptance of the deepest reached level (what ``budget`` prices before drafting)."""
@@ -315,6 +332,9 @@ def propose(policy: SpeculationPolicy, drafter: Drafter, context: torch.Tensor, 
     length = context.shape[0]
     budget = policy.budget(length, bounds.limit, draft_kind(drafter, context, sampling), bounds.sequences)
     draft = drafter.propose(context, budget, sampling, generator) if budget > 0 else EMPTY_DRAFT
+    note = getattr(policy, "note_catch_up", None)
+    if note is not None:
+        note(catch_up(drafter, start) if budget > 0 else None)
     draft = policy.trim(draft, length, length - cached, time.perf_counter() - start, sampling.greedy,
                         bounds.sequences)
     return fit(draft, budget, bounds.room, bounds.max_position)

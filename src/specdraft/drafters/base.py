@@ -222,6 +222,27 @@ def confident_tree(tokens: list[int], parents: list[int], scores: list[float], l
                  confidence[kept])
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """A draft model's first forward of a draft: it reads the context the drafter has not seen (the prompt, or the
+    tokens committed since it last drafted) and gives the first draft token. ``fresh``: it read the whole context
+    (a new sequence). Adaptive speculation prices it as a cost per drafting step, apart from the tokens after it."""
+
+    started: float  # time.perf_counter() when the forward began
+    seconds: float
+    fresh: bool
+
+
+def catch_up(drafter, since: float) -> CatchUp | None:
+    """The catch-up forward ``drafter`` (or the drafter a combination wraps) ran at ``since`` or later, or None."""
+    while drafter is not None:
+        record = getattr(drafter, "last_catch_up", None)
+        if isinstance(record, CatchUp):
+            return record if record.started >= since else None
+        drafter = getattr(drafter, "inner", None)
+    return None
+
+
 def facts_of(drafter) -> DrafterFacts:
     """The facts a drafter (an instance or its class) declares; a drafter that declares none gets the defaults (not
     replayable, batchable as far as anyone knows)."""

@@ -31,13 +31,14 @@ compute full logits and are masked (same drafts, no saving).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import Draft, DrafterFacts, confident_tree, grown_cache
+from specdraft.drafters.base import CatchUp, Draft, DrafterFacts, confident_tree, grown_cache
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, warp
@@ -89,6 +90,7 @@ class DraftModelDrafter:
         self.max_context = model.max_context
         self._cache: KVCache | None = None
         self._cached = torch.empty(0, dtype=torch.long)  # (L,) ids whose keys/values are in the cache
+        self.last_catch_up: CatchUp | None = None  # the first forward of the last chain (drafters.base.catch_up)
 
     @property
     def vocab_keep(self) -> torch.Tensor | None:
@@ -138,6 +140,7 @@ class DraftModelDrafter:
         if self.tree_branching:
             raise SpecdraftError("a draft model in tree mode (tree_branching) drafts trees, not chains")
         pending = list(self._crop(context, num_draft_tokens))  # uncached tokens, fed when the model next drafts
+        fresh, first = len(pending) == context.shape[0], True  # the whole context unread: a new sequence
         tokens, probs, confidence, source, alternatives = [], [], [], [], []
         running = context  # (N + i,) the context and the tokens drafted so far, for ``fill``
         for i in range(num_draft_tokens):
@@ -151,11 +154,14 @@ class DraftModelDrafter:
                     alternatives.append((torch.empty(0, dtype=torch.long), torch.empty(0)))
             else:  # the model catches up over the uncached and filled tokens in one forward
                 ids, pending, kind = torch.stack(pending).view(1, -1), [], MODEL
+                started = time.perf_counter()
                 if sampling.greedy and not runners_up:  # the draft vocabulary's logits alone suffice
                     token = self._greedy(self._subset_logits(ids, logits_to_keep=1)[0, -1], confidence)
                 else:
                     logits = self._forward(ids, logits_to_keep=1)[0, -1]  # (V,)
                     token = self._pick(logits, sampling, generator, (probs, confidence, alternatives), runners_up)
+                if first:  # the forward that read what the drafter had not seen (speculation prices it apart)
+                    self.last_catch_up, first = CatchUp(started, time.perf_counter() - started, fresh), False
             tokens.append(token)
             source.append(kind)
             if filled is None and self.confidence_threshold and self._unsure(token, probs, confidence, sampling):
