@@ -94,6 +94,10 @@ class SpeculationPolicy(Protocol):
         """The part of ``draft`` to verify; ``tail`` uncached context tokens are fed with it."""
         ...
 
+    def note_catch_up(self, record: CatchUp | None) -> None:
+        """This step's draft-model catch-up forward (:func:`~specdraft.drafters.base.catch_up`), None without one."""
+        ...
+
     def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
         """``draft`` (as verified) and its ``result``, with the step's timings."""
         ...
@@ -114,6 +118,9 @@ class FixedPolicy:
     def trim(self, draft: Draft, context_length: int, tail: int, draft_seconds: float, greedy: bool,
              sequences: int = 1) -> Draft:
         return draft
+
+    def note_catch_up(self, record: CatchUp | None) -> None:
+        pass
 
     def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
         pass
@@ -332,9 +339,7 @@ def propose(policy: SpeculationPolicy, drafter: Drafter, context: torch.Tensor, 
     length = context.shape[0]
     budget = policy.budget(length, bounds.limit, draft_kind(drafter, context, sampling), bounds.sequences)
     draft = drafter.propose(context, budget, sampling, generator) if budget > 0 else EMPTY_DRAFT
-    note = getattr(policy, "note_catch_up", None)
-    if note is not None:
-        note(catch_up(drafter, start) if budget > 0 else None)
+    policy.note_catch_up(catch_up(drafter, start) if budget > 0 else None)
     draft = policy.trim(draft, length, length - cached, time.perf_counter() - start, sampling.greedy,
                         bounds.sequences)
     return fit(draft, budget, bounds.room, bounds.max_position)

@@ -210,6 +210,7 @@ class LayerStep:
     mask: torch.Tensor | None  # (G*T, start + T) bool, or None when no mask is needed
     explicit: bool = False  # the mask is given (tree step): never take the is_causal prefill path
     rowwise: bool = False  # attend each query on its own (rowgemm.attention): a k-token step = k 1-token steps
+    chunks: tuple | None = None  # a long causal forward as row-wise steps: (begin, end, mask (end-begin, S)) each
 
 
 def causal_mask(start: int, steps: int, groups: int, device: torch.device) -> torch.Tensor | None:

@@ -210,40 +210,41 @@ class QuantizedLlama(NativeLlama):
             mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
             return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start,
                                             step.cos, step.sin, mask)
-        if fused is None or hidden.shape[0] != 1 or not self._chunks_rowwise(step):
+        if fused is None or hidden.shape[0] != 1 or step.chunks is None:
             return self.layers[index](hidden, cache, index, step)
         return self._chunked_layer(fused, hidden, cache, index, step)
 
-    def _chunks_rowwise(self, step) -> bool:
-        """Whether a causal forward longer than ROWS_MAX tokens (a prompt's prefill) runs as fused calls over
-        chunks of ROWS_MAX tokens: each chunk a row-invariant step after the ones before it."""
-        return not step.explicit and self.config.head_dim % 8 == 0 and step.cos.device.type == "cpu"
-
     def _chunked_layer(self, fused, hidden: torch.Tensor, cache, index: int, step) -> torch.Tensor:
-        """Decoder layer ``index`` over (1, T, D) new tokens in chunks of ROWS_MAX, in order, each one fused call with
-        its causal mask over the slots before it and its own: the layer's weights stay in cache across the chunks,
-        and every row's arithmetic is that of a 1-token step (the attention as :func:`rowgemm.attention`'s), so a
-        prefill writes the keys and values that token-by-token steps would, bit for bit."""
-        steps, out = hidden.shape[1], []
-        for begin in range(0, steps, packing.ROWS_MAX):
-            end = min(steps, begin + packing.ROWS_MAX)
-            start = step.start + begin
-            seen = torch.arange(start + end - begin, device=hidden.device)  # (S,)
-            mask = seen[None, :] <= (start + torch.arange(end - begin, device=hidden.device))[:, None]  # (Tc, S)
-            out.append(quantization.fused_layer(hidden[:, begin:end].contiguous(), fused, cache.keys[index],
-                                                cache.values[index], start, step.cos[begin:end],
-                                                step.sin[begin:end], mask))
+        """Decoder layer ``index`` over (1, T, D) new tokens as the step's chunks of ROWS_MAX, in order, each one
+        fused call with its causal mask over the slots before it and its own: the layer's weights stay in cache
+        across the chunks, and every row's arithmetic is that of a 1-token step (the attention as
+        :func:`rowgemm.attention`'s), so a prefill writes the keys and values that token-by-token steps would, bit
+        for bit."""
+        out = [quantization.fused_layer(hidden[:, begin:end].contiguous(), fused, cache.keys[index],
+                                        cache.values[index], step.start + begin, step.cos[begin:end],
+                                        step.sin[begin:end], mask) for begin, end, mask in step.chunks]
         return torch.cat(out, dim=1)  # (1, T, D)
 
     def _step(self, start: int, steps: int):
         """As the dense model's, but a forward of up to ROWS_MAX tokens into an empty cache is row-wise too (with an
-        explicit causal mask): a one-token prompt's first plain step and its first verify then agree bit for bit."""
+        explicit causal mask): a one-token prompt's first plain step and its first verify then agree bit for bit. A
+        longer causal forward (a prompt's prefill) carries its chunks of ROWS_MAX tokens, each a row-wise step after
+        the ones before it, made once for every layer."""
         step = super()._step(start, steps)
+        if steps > packing.ROWS_MAX and self.config.head_dim % 8 == 0:
+            return replace(step, chunks=tuple(self._chunk(start, begin, min(steps, begin + packing.ROWS_MAX))
+                                              for begin in range(0, steps, packing.ROWS_MAX)))
         if start > 0 or not self._rowwise(steps):
             return step
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         causal = torch.ones(steps, steps, dtype=torch.bool, device=self.rope_cos.device).tril()  # (T, T)
         return replace(step, mask=causal.repeat(groups, 1), explicit=True, rowwise=True)  # (G*T, T)
+
+    def _chunk(self, start: int, begin: int, end: int) -> tuple[int, int, torch.Tensor]:
+        """Tokens ``begin .. end`` of a forward from slot ``start``: their causal mask over the slots up to theirs."""
+        device = self.rope_cos.device
+        seen = torch.arange(start + end, device=device)  # (S,)
+        return begin, end, seen[None, :] <= (start + torch.arange(begin, end, device=device))[:, None]  # (Tc, S)
 
     def _rowwise(self, steps: int) -> bool:
         """The block kernels are row-invariant at any number of rows; the attention too up to ROWS_MAX tokens."""
