@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
+from specdraft.costs import cost_curve
 from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithChainCopies, WithSiblings
 from specdraft.errors import SpecdraftError
@@ -182,6 +183,7 @@ def test_the_prompt_is_prefilled_on_the_causal_path_before_the_first_step():
     target = NativeLlama.from_hf(tiny_llama(0))
     prompt = list(range(3, 40))
     plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+    cost_curve(target)  # the adaptive policy's calibration, measured (or read) before the forwards are recorded
     calls = []
     forward = target.forward
 
