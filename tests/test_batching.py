@@ -240,3 +240,21 @@ def test_quantized_batched_verifies_equal_batched_plain_decoding(quantized_targe
     speculative = generate_batch(quantized_target, PROMPTS, makers[kind], config)
     assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
     assert sum(r.stats.target_forward_calls for r in speculative) < sum(r.stats.target_forward_calls for r in plain)
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft-model", "tree"])
+def test_quantized_batched_rows_equal_batch_one_decoding(quantized_target, drafter_model, kind):
+    """A block-quantized target decoded in a batch gives every row the tokens its batch-1 decoding gives, bit for
+    bit: prompts longer than one prefill chunk of 64 tokens, ragged lengths, rows joining as others finish, and
+    speculation (chains and trees) on the rows."""
+    torch.manual_seed(3)
+    prompts = [*PROMPTS, torch.randint(3, 64, (150,)).tolist(), torch.randint(3, 64, (70,)).tolist()]
+    makers = {
+        "plain": lambda: None,
+        "draft-model": lambda: DraftModelDrafter(drafter_model),
+        "tree": lambda: DraftModelDrafter(drafter_model, tree_branching=2, tree_nodes=6),
+    }
+    config = GenerationConfig(40, 4, speculation="fixed")
+    batched = generate_batch(quantized_target, prompts, makers[kind], config, batch_size=4)
+    alone = [generate(quantized_target, prompt, makers[kind](), config).token_ids for prompt in prompts]
+    assert [r.token_ids for r in batched] == alone
