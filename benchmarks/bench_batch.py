@@ -5,7 +5,7 @@ instance per row), its draft forwards batched across rows (lockstep) and one row
 chat prompts repeated to fill the batch; tokens/s counts every generated token of the batch over the wall time of
 the whole batch (prefill included).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_batch.py [--dtype bfloat16] [--batch-sizes 1,2,4,8,16,32]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_batch.py [--dtype bfloat16|auto] [--batch-sizes 1,2,4,8,16,32]
         [--speculation adaptive|fixed]
 
 Prints a table and one JSON line with every number.
@@ -23,7 +23,7 @@ import torch
 from specdraft.api import encode_prompt, eos_token_ids, load_drafter, load_target, parse_dtype
 from specdraft.batch_drafting import lockstep_factory
 from specdraft.batching import drafter_factory, generate_batch
-from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
+from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER, choose_precision
 from specdraft.prompts import BUILTIN_PROMPTS
 from specdraft.sequence import GenerationConfig
 from specdraft.speculation import SPECULATION
@@ -44,16 +44,16 @@ def _run(target, prompts, make, config) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="auto: the server's default, the GGUF's own blocks")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--draft", default=SMOLLM2_DRAFTER)
     parser.add_argument("--speculation", choices=SPECULATION, default="adaptive", help="the rows' speculation policy")
     args = parser.parse_args()
-    dtype = parse_dtype(args.dtype)
-    target, tokenizer = load_target(SMOLLM2, dtype)
-    prototype = load_drafter(target, tokenizer, draft=args.draft, dtype=dtype)
+    precision = choose_precision(SMOLLM2, args.dtype, "auto", parse_dtype("bfloat16"))
+    target, tokenizer = load_target(SMOLLM2, precision.dtype, quantize=precision.quantize)
+    prototype = load_drafter(target, tokenizer, draft=args.draft, dtype=precision.draft_dtype)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     one_by_one = drafter_factory(prototype)
     config = GenerationConfig(args.max_new_tokens, args.num_draft_tokens,

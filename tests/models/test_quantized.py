@@ -189,6 +189,42 @@ def test_a_prefill_longer_than_a_step_writes_what_token_by_token_steps_would(bef
     torch.testing.assert_close(long, layered, rtol=1e-3, atol=1e-3)
 
 
+def test_a_batched_forward_gives_each_row_its_batch_one_logits_and_cache_bit_for_bit():
+    """The batched path's forwards (a ragged prefill with prompts longer than ROWS_MAX, then a ragged verify of a
+    chain on some rows and a tree on another) run the fused layer per token as batch-1 steps do: every row's logits
+    and the keys and values it writes equal its batch-1 forwards' bit for bit, whatever else is in the batch."""
+    from specdraft.models.batched_llama import batched_forward, new_batched_cache
+
+    model = QuantizedLlama.from_dense(_dense(), "int4")
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,)) for n in (150, 70, 5)]
+    steps = [torch.randint(3, 64, (n,)) for n in (4, 1, 3)]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # row 2: a root and two children
+    offsets = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 1, 2]])
+    local = torch.ones(4, 4, dtype=torch.bool).tril().repeat(3, 1, 1)
+    local[2, :3, :3] = tree
+    cache = new_batched_cache(model, 4, 256)
+    cache.crop(0, 0)
+    padded = torch.stack([torch.cat([p, torch.full((150 - len(p),), 3)]) for p in prompts])  # (3, 150)
+    filled = batched_forward(model, cache, padded, [len(p) for p in prompts], first_row=[1, 3, 0])  # (3, 150, V)
+    fed = torch.stack([torch.cat([s, torch.full((4 - len(s),), 3)]) for s in steps])  # (3, 4)
+    verified = batched_forward(model, cache, fed, [len(s) for s in steps], first_row=[1, 3, 0], offsets=offsets,
+                               local_mask=local)  # (3, 4, V)
+    for i, (prompt, step, row) in enumerate(zip(prompts, steps, [1, 3, 0], strict=True)):
+        alone = model.new_cache(256)
+        assert torch.equal(filled[i, : len(prompt)], model(prompt[None], alone)[0])
+        if i == 2:
+            positions = len(prompt) + offsets[i, : len(step)]
+            want = model(step[None], alone, positions=positions, attention_mask=tree)[0]
+        else:
+            want = model(step[None], alone)[0]
+        assert torch.equal(verified[i, : len(step)], want)
+        end = len(prompt) + len(step)
+        for index in range(len(model.layers)):
+            assert torch.equal(cache.keys[index][row, :, :end], alone.keys[index][0, :, :end])
+            assert torch.equal(cache.values[index][row, :, :end], alone.values[index][0, :, :end])
+
+
 def test_the_fused_layer_call_equals_the_layer_by_layer_path_closely():
     model = QuantizedLlama.from_dense(_dense(), "int8")
     ids = torch.tensor([PROMPT])

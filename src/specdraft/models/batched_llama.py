@@ -10,6 +10,11 @@ real ever attends a padding slot, so a row's result is that of its batch-1 forwa
 Rows are kept dense: the ``active`` sequences are rows 0 .. n-1, so every layer attends a view of the cache, not a
 gathered copy; a sequence that leaves is replaced by the last row (:meth:`BatchedKVCache.move_row`). Rollback is
 free as in the batch-1 static cache: a row's length moves back, stale slots are overwritten later.
+
+A block-quantized model's layers run as fused calls over every row (:func:`~specdraft.models.quantized.
+fused_layer_rows`), in chunks of up to ROWS_MAX tokens: each token's arithmetic is that of a batch-1 1-token step,
+so a row's logits and cache are those of its batch-1 decoding bit for bit, whatever else shares the batch (a
+server's answer to a request equals ``specdraft generate``'s). Dense models take the layer's own ops.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+import specdraft.models.packed as packing
 from specdraft.errors import SpecdraftError
-from specdraft.models import rowgemm
+from specdraft.models import quantized, rowgemm
 
 
 class BatchedKVCache:
@@ -170,6 +176,35 @@ def _folded_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out.reshape(batch, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, steps, -1)
 
 
+def _fused_layers(model) -> list | None:
+    """A block-quantized model's fused layer calls (:func:`~specdraft.models.quantized.fused_layer_rows`), where
+    every layer has one and the kernels run here; else None (the layer's own ops)."""
+    fused = getattr(model, "_fused", None)
+    if not fused or any(layer is None for layer in fused) or model.config.head_dim % 8 or \
+            model.rope_cos.device.type != "cpu" or not rowgemm.available():
+        return None
+    return fused
+
+
+def _fused_rows(fused, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rows: list[int],
+                lengths: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
+    """Decoder layer ``index`` of a block-quantized model over (n, T, D) as fused calls over chunks of up to
+    ROWS_MAX tokens of every row, in order: each token's arithmetic is that of a batch-1 1-token step (batch-1
+    decoding and its prefill in chunks do the same), so every row's keys, values and logits are those its batch-1
+    decoding computes, bit for bit, whatever else is in the batch."""
+    steps = hidden.shape[1]
+    cos, sin = rope  # (n, T, 1, hd/2) each
+    visible = mask[:, 0, :steps]  # (n, T, S): every group of a row's queries shares its mask
+    out = []
+    for begin in range(0, steps, packing.ROWS_MAX):
+        end = min(steps, begin + packing.ROWS_MAX)
+        starts = (lengths + begin).tolist()
+        out.append(quantized.fused_layer_rows(hidden[:, begin:end].contiguous(), fused, cache.keys[index],
+                                              cache.values[index], rows, starts, cos[:, begin:end].contiguous(),
+                                              sin[:, begin:end].contiguous(), visible[:, begin:end]))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # (n, T, D)
+
+
 def _attends_rowwise(model, steps: int) -> bool:
     """Whether a forward of ``steps`` tokens attends each query on its own, as the model's batch-1 steps after a
     prefill do (:meth:`~specdraft.models.native_llama.NativeLlama._rowwise`): then plain decoding and every verify
@@ -201,7 +236,8 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
                     last_only: bool = False, logits_weight: torch.Tensor | None = None,
                     hidden_layers: Sequence[int] = ()):
     """A ragged forward of rows ``first_row .. first_row + n - 1`` (or of the given list of rows: dense rows attend
-    views of the cache, scattered rows gathered copies, cheap only for a small model such as a draft model).
+    views of the cache, scattered rows gathered copies, cheap only for a small model such as a draft model; the
+    fused calls of a block-quantized model read and write any rows in place).
 
     Args:
         input_ids: (n, T) ids; row i's first ``num_new[i]`` are real, the rest padding.
@@ -241,10 +277,14 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
         raise SpecdraftError(f"hidden_layers must be increasing indices in 0 .. {len(model.layers) - 1}, "
                              f"got {list(hidden_layers)}")
     rowwise = _attends_rowwise(model, steps)
+    fused = _fused_layers(model)
     for index, layer in enumerate(model.layers):
         if index in taps:
             aux.append(hidden)  # (n, T, D)
-        hidden = _layer(layer, hidden, cache, index, rope, mask, rowwise)
+        if fused is not None:
+            hidden = _fused_rows(fused[index], hidden, cache, index, rows, lengths, rope, mask)
+        else:
+            hidden = _layer(layer, hidden, cache, index, rope, mask, rowwise)
     cache.end_forward(num_new)
     hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
     head_in = hidden[torch.arange(batch), torch.tensor(num_new) - 1][:, None] if last_only else hidden  # (n, 1|T, D)

@@ -179,6 +179,19 @@ class FusedLayer:
                    layer.num_kv_heads)
 
 
+def fused_layer_rows(hidden: torch.Tensor, layer: FusedLayer, keys: torch.Tensor, values: torch.Tensor,
+                     rows: list[int], starts: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fused_layer` for B sequences of T new tokens each (B, T, D) float32, sequence b on row ``rows[b]`` of a
+    batched cache ``keys`` / ``values`` (R, KV, S, hd), its tokens written into slots ``starts[b] ..``; cos, sin
+    (B, T, ..., hd/2); mask (B, T, S') bool (sequence b's first ``starts[b] + T`` columns are read) or None. Each
+    token's arithmetic is that of a 1-token :func:`fused_layer` call: a sequence's result does not depend on the
+    others in the batch, bit for bit."""
+    return _ops().qlayer_rows(hidden, layer.weights, layer.kinds, layer.attn_norm, layer.mlp_norm, layer.eps, keys,
+                              values, rows, starts, cos, sin, mask, layer.heads, layer.kv_heads, mode(),
+                              rowgemm.mode(), layer.q_norm, layer.k_norm)
+
+
 def fused_layer(hidden: torch.Tensor, layer: FusedLayer, keys: torch.Tensor, values: torch.Tensor, start: int,
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv_only: bool = False) -> torch.Tensor:
     """One pre-norm Llama layer (Qwen3's where ``layer`` has q_norm and k_norm) for (1, T, D) float32 new tokens in

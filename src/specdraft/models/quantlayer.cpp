@@ -110,12 +110,101 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return op.call(q, k, v, mask, scale, mode);
 }
 
+// The layer for B sequences of T new tokens each (rows of a batched cache, padded to a common T): hidden (B, T, D)
+// fp32 -> (B, T, D). Sequence b's tokens are written into slots starts[b] .. starts[b] + T - 1 of cache row rows[b]
+// of keys / values (R, KV, S, hd), fp32, fp16 or bf16 (the model's cache format), and attend that row's slots up to
+// their own under mask[b] (T, >= starts[b] + T) bool, or every one of them (no mask). cos, sin (B * T, hd/2) the
+// angles of each token's position. The norms, products, rotary embedding and SiLU run over all B * T tokens at once
+// and the attention over each sequence's own cache, each token with the instruction sequence of a 1-token batch-1
+// step: a sequence's result does not depend on the others in the batch, bit for bit.
+at::Tensor layer_rows(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef kinds,
+                      const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps, const at::Tensor& keys,
+                      const at::Tensor& values, at::IntArrayRef rows, at::IntArrayRef starts, const at::Tensor& cos,
+                      const at::Tensor& sin, const c10::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
+                      int64_t qmode, int64_t amode, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, bool kv_only) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat, "quantlayer: hidden must be (B, T, D) float32");
+  TORCH_CHECK(weights.size() == 4 && kinds.size() == 4, "quantlayer: four weights (qkv, o, gate_up, down)");
+  const auto kv_type = keys.scalar_type();
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  values.scalar_type() == kv_type && keys.dim() == 4 && keys.is_contiguous() &&
+                  values.is_contiguous() && keys.sizes() == values.sizes(),
+              "quantlayer: the cache must be (R, KV, S, hd) float32, float16 or bfloat16");
+  const int64_t B = hidden.size(0), T = hidden.size(1), D = hidden.size(2), hd = keys.size(3), S = keys.size(2);
+  const int64_t R = keys.size(0), N = B * T, width = (heads + 2 * kv_heads) * hd, ffn = weights[3].size(1) * 32;
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == B && static_cast<int64_t>(starts.size()) == B,
+              "quantlayer: one cache row and start per sequence");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < R && starts[b] >= 0 && starts[b] + T <= S,
+                "quantlayer: a sequence's cache row or positions lie outside the cache");
+  TORCH_CHECK(keys.size(1) == kv_heads && cos.numel() == N * (hd / 2) && sin.numel() == cos.numel(),
+              "quantlayer: cache, positions and angles do not match");
+  if (mask.has_value())
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 3 && mask->size(0) == B && mask->size(1) == T,
+                "quantlayer: the mask must be (B, T, S) bool");
+  at::Tensor x = hidden.contiguous().clone();  // (B, T, D): the residual stream, updated in place
+  float* xp = x.data_ptr<float>();
+  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+  const at::Tensor an = attn_norm.to(at::kFloat).contiguous(), mn = mlp_norm.to(at::kFloat).contiguous();
+  const bool vnni = qmode >= 1;
+  std::vector<float> normed(N * D), qkv(N * width), delta(N * D), gate_up(N * 2 * ffn), act(N * ffn);
+
+  rms_norm(xp, N, D, an.data_ptr<float>(), static_cast<float>(eps), normed.data());
+  specdraft_quant::multiply(normed.data(), N, D, weights[0], kinds[0], width, qkv.data(), vnni);
+  for (const auto& [norm, first, count] : {std::tuple{&q_norm, int64_t{0}, heads}, std::tuple{&k_norm, heads, kv_heads}})
+    if (norm->has_value()) {
+      TORCH_CHECK((*norm)->numel() == hd, "quantlayer: q_norm and k_norm hold head_dim weights");
+      const at::Tensor w = (*norm)->to(at::kFloat).contiguous();
+      head_norm(qkv.data(), N, width, first, count, hd, w.data_ptr<float>(), static_cast<float>(eps));
+    }
+  rotate(qkv.data(), N, width, 0, heads + kv_heads, hd, c.data_ptr<float>(), s.data_ptr<float>());
+  const int64_t row_elems = kv_heads * S * hd;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* src = qkv.data() + b * T * width;
+    if (kv_type == at::kHalf)
+      write_cache(src, T, width, heads, kv_heads, hd, S, starts[b], keys.data_ptr<c10::Half>() + rows[b] * row_elems,
+                  values.data_ptr<c10::Half>() + rows[b] * row_elems);
+    else if (kv_type == at::kBFloat16)
+      write_cache(src, T, width, heads, kv_heads, hd, S, starts[b],
+                  keys.data_ptr<c10::BFloat16>() + rows[b] * row_elems,
+                  values.data_ptr<c10::BFloat16>() + rows[b] * row_elems);
+    else
+      write_cache(src, T, width, heads, kv_heads, hd, S, starts[b], keys.data_ptr<float>() + rows[b] * row_elems,
+                  values.data_ptr<float>() + rows[b] * row_elems);
+  }
+  if (kv_only) return hidden;
+  std::vector<float> attended(N * heads * hd);
+  for (int64_t b = 0; b < B; ++b) {
+    const at::Tensor queries = at::from_blob(qkv.data() + b * T * width, {1, T, heads, hd}, {T * width, width, hd, 1},
+                                             at::TensorOptions().dtype(at::kFloat));  // a strided view of the q rows
+    const int64_t seen_slots = starts[b] + T;
+    const at::Tensor seen = keys.narrow(0, rows[b], 1).narrow(2, 0, seen_slots);
+    const at::Tensor vals = values.narrow(0, rows[b], 1).narrow(2, 0, seen_slots);
+    c10::optional<at::Tensor> visible;
+    if (mask.has_value()) {
+      TORCH_CHECK(mask->size(2) >= seen_slots, "quantlayer: the mask must cover each sequence's slots");
+      visible = mask->select(0, b).narrow(1, 0, seen_slots).contiguous();  // (T, starts[b] + T)
+    }
+    const at::Tensor out = attention(queries.contiguous(), seen, vals, visible, std::pow(hd, -0.5), amode);
+    std::memcpy(attended.data() + b * T * heads * hd, out.contiguous().data_ptr<float>(), T * heads * hd * sizeof(float));
+  }
+  specdraft_quant::multiply(attended.data(), N, heads * hd, weights[1], kinds[1], D, delta.data(), vnni);
+  for (int64_t i = 0; i < N * D; ++i) xp[i] += delta[i];
+
+  rms_norm(xp, N, D, mn.data_ptr<float>(), static_cast<float>(eps), normed.data());
+  specdraft_quant::multiply(normed.data(), N, D, weights[2], kinds[2], 2 * ffn, gate_up.data(), vnni);
+  silu_mul(gate_up.data(), N, ffn, act.data());
+  specdraft_quant::multiply(act.data(), N, ffn, weights[3], kinds[3], D, delta.data(), vnni);
+  for (int64_t i = 0; i < N * D; ++i) xp[i] += delta[i];
+  return x;
+}
+
 // hidden (1, T, D) fp32 -> (1, T, D); writes this layer's keys and values of the T new positions into slots
 // start .. start + T - 1 of keys / values (1, KV, S, hd), fp32, fp16 or bf16 (the model's cache format). weights:
 // the packed qkv, o, gate_up, down blocks, kinds their ggml types; cos, sin (T, hd/2); mask (T, start + T) bool or
 // None (then every slot is visible). q_norm, k_norm (hd,): Qwen3's per-head norms of the queries and keys (None: a
 // Llama layer). kv_only: write the keys and values of the T rows and return `hidden` as it is (the context of a
-// drafter whose layers attend features they do not process, as DFlash's).
+// drafter whose layers attend features they do not process, as DFlash's). The batch-1 case of layer_rows.
 at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef kinds, const at::Tensor& attn_norm,
                  const at::Tensor& mlp_norm, double eps, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                  const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask, int64_t heads,
@@ -123,54 +212,16 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
                  const c10::optional<at::Tensor>& k_norm, bool kv_only) {
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.scalar_type() == at::kFloat,
               "quantlayer: hidden must be (1, T, D) float32");
-  TORCH_CHECK(weights.size() == 4 && kinds.size() == 4, "quantlayer: four weights (qkv, o, gate_up, down)");
-  const auto kv_type = keys.scalar_type();
-  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
-                  values.scalar_type() == kv_type && keys.dim() == 4 && keys.size(0) == 1 && keys.is_contiguous() &&
-                  values.is_contiguous() && keys.sizes() == values.sizes(),
-              "quantlayer: the cache must be (1, KV, S, hd) float32, float16 or bfloat16");
-  const int64_t T = hidden.size(1), D = hidden.size(2), hd = keys.size(3), S = keys.size(2);
-  const int64_t width = (heads + 2 * kv_heads) * hd, ffn = weights[3].size(1) * 32;
-  TORCH_CHECK(keys.size(1) == kv_heads && start + T <= S && cos.numel() == T * (hd / 2) && sin.numel() == cos.numel(),
-              "quantlayer: cache, positions and angles do not match");
-  at::Tensor x = hidden.contiguous().clone();  // (1, T, D): the residual stream, updated in place
-  float* xp = x.data_ptr<float>();
-  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
-  const at::Tensor an = attn_norm.to(at::kFloat).contiguous(), mn = mlp_norm.to(at::kFloat).contiguous();
-  const bool vnni = qmode >= 1;
-  std::vector<float> normed(T * D), qkv(T * width), delta(T * D), gate_up(T * 2 * ffn), act(T * ffn);
-
-  rms_norm(xp, T, D, an.data_ptr<float>(), static_cast<float>(eps), normed.data());
-  specdraft_quant::multiply(normed.data(), T, D, weights[0], kinds[0], width, qkv.data(), vnni);
-  for (const auto& [norm, first, count] : {std::tuple{&q_norm, int64_t{0}, heads}, std::tuple{&k_norm, heads, kv_heads}})
-    if (norm->has_value()) {
-      TORCH_CHECK((*norm)->numel() == hd, "quantlayer: q_norm and k_norm hold head_dim weights");
-      const at::Tensor w = (*norm)->to(at::kFloat).contiguous();
-      head_norm(qkv.data(), T, width, first, count, hd, w.data_ptr<float>(), static_cast<float>(eps));
-    }
-  rotate(qkv.data(), T, width, 0, heads + kv_heads, hd, c.data_ptr<float>(), s.data_ptr<float>());
-  if (kv_type == at::kHalf)
-    write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<c10::Half>(),
-                values.data_ptr<c10::Half>());
-  else if (kv_type == at::kBFloat16)
-    write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<c10::BFloat16>(),
-                values.data_ptr<c10::BFloat16>());
-  else
-    write_cache(qkv.data(), T, width, heads, kv_heads, hd, S, start, keys.data_ptr<float>(), values.data_ptr<float>());
-  if (kv_only) return hidden;
-  const at::Tensor queries = at::from_blob(qkv.data(), {1, T, heads, hd}, {T * width, width, hd, 1},
-                                           at::TensorOptions().dtype(at::kFloat));  // a strided view of the q rows
-  const at::Tensor seen = keys.narrow(2, 0, start + T), vals = values.narrow(2, 0, start + T);
-  const at::Tensor attended = attention(queries.contiguous(), seen, vals, mask, std::pow(hd, -0.5), amode);
-  specdraft_quant::multiply(attended.data_ptr<float>(), T, heads * hd, weights[1], kinds[1], D, delta.data(), vnni);
-  for (int64_t i = 0; i < T * D; ++i) xp[i] += delta[i];
-
-  rms_norm(xp, T, D, mn.data_ptr<float>(), static_cast<float>(eps), normed.data());
-  specdraft_quant::multiply(normed.data(), T, D, weights[2], kinds[2], 2 * ffn, gate_up.data(), vnni);
-  silu_mul(gate_up.data(), T, ffn, act.data());
-  specdraft_quant::multiply(act.data(), T, ffn, weights[3], kinds[3], D, delta.data(), vnni);
-  for (int64_t i = 0; i < T * D; ++i) xp[i] += delta[i];
-  return x;
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1, "quantlayer: the cache must be (1, KV, S, hd)");
+  TORCH_CHECK(!mask.has_value() || (mask->dim() == 2 && mask->size(0) == hidden.size(1) &&
+                                    mask->size(1) >= start + hidden.size(1)),
+              "quantlayer: the mask must be (T, start + T) bool");
+  const int64_t zero = 0;
+  c10::optional<at::Tensor> one_mask;
+  if (mask.has_value()) one_mask = mask->unsqueeze(0);
+  return layer_rows(hidden, weights, kinds, attn_norm, mlp_norm, eps, keys, values, at::IntArrayRef(&zero, 1),
+                    at::IntArrayRef(&start, 1), cos, sin, one_mask, heads, kv_heads, qmode, amode, q_norm, k_norm,
+                    kv_only);
 }
 
 }  // namespace
@@ -179,6 +230,12 @@ TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
   m.def("qlayer(Tensor hidden, Tensor[] weights, int[] kinds, Tensor attn_norm, Tensor mlp_norm, float eps, "
         "Tensor keys, Tensor values, int start, Tensor cos, Tensor sin, Tensor? mask, int heads, int kv_heads, "
         "int qmode, int amode, Tensor? q_norm=None, Tensor? k_norm=None, bool kv_only=False) -> Tensor");
+  m.def("qlayer_rows(Tensor hidden, Tensor[] weights, int[] kinds, Tensor attn_norm, Tensor mlp_norm, float eps, "
+        "Tensor keys, Tensor values, int[] rows, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int heads, "
+        "int kv_heads, int qmode, int amode, Tensor? q_norm=None, Tensor? k_norm=None, bool kv_only=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) { m.impl("qlayer", &layer); }
+TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
+  m.impl("qlayer", &layer);
+  m.impl("qlayer_rows", &layer_rows);
+}
