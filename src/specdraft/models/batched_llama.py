@@ -186,23 +186,32 @@ def _fused_layers(model) -> list | None:
     return fused
 
 
-def _fused_rows(fused, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rows: list[int],
-                lengths: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
-    """Decoder layer ``index`` of a block-quantized model over (n, T, D) as fused calls over chunks of up to
-    ROWS_MAX tokens of every row, in order: each token's arithmetic is that of a batch-1 1-token step (batch-1
-    decoding and its prefill in chunks do the same), so every row's keys, values and logits are those its batch-1
-    decoding computes, bit for bit, whatever else is in the batch."""
-    steps = hidden.shape[1]
+def _fused_chunks(steps: int, lengths: torch.Tensor, rope, mask: torch.Tensor) -> list[tuple]:
+    """A forward's chunks of up to ROWS_MAX tokens for the fused calls, made once for every layer: (begin, end, each
+    row's first slot, cos and sin (n, Tc, 1, hd/2), the rows' masks (n, Tc, S))."""
     cos, sin = rope  # (n, T, 1, hd/2) each
     visible = mask[:, 0, :steps]  # (n, T, S): every group of a row's queries shares its mask
-    out = []
+    chunks = []
     for begin in range(0, steps, packing.ROWS_MAX):
         end = min(steps, begin + packing.ROWS_MAX)
-        starts = (lengths + begin).tolist()
-        out.append(quantized.fused_layer_rows(hidden[:, begin:end].contiguous(), fused, cache.keys[index],
-                                              cache.values[index], rows, starts, cos[:, begin:end].contiguous(),
-                                              sin[:, begin:end].contiguous(), visible[:, begin:end]))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # (n, T, D)
+        chunks.append((begin, end, (lengths + begin).tolist(), cos[:, begin:end].contiguous(),
+                       sin[:, begin:end].contiguous(), visible[:, begin:end]))
+    return chunks
+
+
+def _fused_rows(fused, hidden: torch.Tensor, cache: BatchedKVCache, index: int, rows: list[int],
+                chunks: list[tuple]) -> torch.Tensor:
+    """Decoder layer ``index`` of a block-quantized model over (n, T, D) as fused calls over the forward's chunks of
+    up to ROWS_MAX tokens of every row (:func:`_fused_chunks`), in order: each token's arithmetic is that of a batch-1
+    1-token step (batch-1 decoding and its prefill in chunks do the same), so every row's keys, values and logits are
+    those its batch-1 decoding computes, bit for bit, whatever else is in the batch."""
+    keys, values = cache.keys[index], cache.values[index]
+    if len(chunks) == 1:
+        _, _, starts, cos, sin, mask = chunks[0]
+        return quantized.fused_layer_rows(hidden, fused, keys, values, rows, starts, cos, sin, mask)
+    out = [quantized.fused_layer_rows(hidden[:, begin:end].contiguous(), fused, keys, values, rows, starts, cos, sin,
+                                      mask) for begin, end, starts, cos, sin, mask in chunks]
+    return torch.cat(out, dim=1)  # (n, T, D)
 
 
 def _attends_rowwise(model, steps: int) -> bool:
@@ -278,11 +287,12 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
                              f"got {list(hidden_layers)}")
     rowwise = _attends_rowwise(model, steps)
     fused = _fused_layers(model)
+    chunks = None if fused is None else _fused_chunks(steps, lengths, rope, mask)
     for index, layer in enumerate(model.layers):
         if index in taps:
             aux.append(hidden)  # (n, T, D)
         if fused is not None:
-            hidden = _fused_rows(fused[index], hidden, cache, index, rows, lengths, rope, mask)
+            hidden = _fused_rows(fused[index], hidden, cache, index, rows, chunks)
         else:
             hidden = _layer(layer, hidden, cache, index, rope, mask, rowwise)
     cache.end_forward(num_new)
