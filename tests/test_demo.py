@@ -41,6 +41,26 @@ def test_why_not_faster_prices_a_step_in_plain_steps():
     assert "calibrated 3.00x" in line and "AVX2" in line and "drafting 0.50" in line
 
 
+def test_why_not_faster_prices_prefill_apart_from_the_steps():
+    """Prefill is in decode_seconds but is no step: a plain step is (decode - prefill) / forwards, and the line says
+    what share of the plain run the prefill took; the loop's time outside drafting and verifying is a cost too."""
+    from specdraft.costs import CostCurve
+    from specdraft.demo import why_not_faster
+    from specdraft.sequence import GenerationResult
+    from specdraft.stats import GenerationStats
+
+    plain = [GenerationResult([1] * 10, "length", GenerationStats(new_tokens=10, target_forward_calls=10,
+                                                                  prefill_seconds=0.25, decode_seconds=1.25))]
+    spec = [GenerationResult([1] * 10, "length", GenerationStats(new_tokens=10, target_forward_calls=8,
+                                                                 draft_tokens_proposed=8, verify_seconds=0.96,
+                                                                 draft_seconds=0.16, prefill_seconds=0.25,
+                                                                 decode_seconds=1.45))]
+    curve = CostCurve((1, 4), (64,), ((0.1, 0.3),), {"dtype": "float32"}, {"isa": "AVX2"})
+    line = why_not_faster("x", spec, plain, curve)
+    assert "costs 1.50 plain steps" in line and "verifying 2.0 tokens 1.20" in line and "drafting 0.20" in line
+    assert "the loop 0.10" in line and "prefill is 20% of plain decoding's time" in line
+
+
 def test_demo_on_quantized_weights_checks_identity_in_the_same_run(tmp_path, monkeypatch):
     from specdraft.models import rowgemm
 
