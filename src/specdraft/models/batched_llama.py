@@ -186,11 +186,10 @@ def _fused_layers(model) -> list | None:
     return fused
 
 
-def _fused_chunks(steps: int, lengths: torch.Tensor, rope, mask: torch.Tensor) -> list[tuple]:
+def _fused_chunks(steps: int, lengths: torch.Tensor, rope, visible: torch.Tensor) -> list[tuple]:
     """A forward's chunks of up to ROWS_MAX tokens for the fused calls, made once for every layer: (begin, end, each
-    row's first slot, cos and sin (n, Tc, 1, hd/2), the rows' masks (n, Tc, S))."""
+    row's first slot, cos and sin (n, Tc, 1, hd/2), the rows' masks (n, Tc, S) of ``visible`` (n, T, S))."""
     cos, sin = rope  # (n, T, 1, hd/2) each
-    visible = mask[:, 0, :steps]  # (n, T, S): every group of a row's queries shares its mask
     chunks = []
     for begin in range(0, steps, packing.ROWS_MAX):
         end = min(steps, begin + packing.ROWS_MAX)
@@ -222,20 +221,20 @@ def _attends_rowwise(model, steps: int) -> bool:
     return rows is not None and rows(steps) and model.rope_cos.device.type == "cpu" and rowgemm.available()
 
 
-def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int, groups: int) -> torch.Tensor:
+def _full_mask(lengths: torch.Tensor, local: torch.Tensor, end: int) -> torch.Tensor:
     """Row i, token t sees its row's cached slots ``< lengths[i]`` and the new slots its local mask allows.
 
     Args:
         lengths: (n,) cached positions per row; local: (n, T, T) bool among the new tokens; end: slots attended.
     Returns:
-        (n, 1, G*T, end) bool.
+        (n, T, end) bool (every query head of a row's token shares it).
     """
     batch, steps, _ = local.shape
     slots = torch.arange(end)  # (S,)
     mask = (slots[None, None, :] < lengths[:, None, None]).expand(batch, steps, end).clone()  # (n, T, S)
     new = lengths[:, None] + torch.arange(steps)  # (n, T) slots of the new tokens
     mask.scatter_(2, new[:, None, :].expand(batch, steps, steps), local)
-    return mask.repeat(1, groups, 1).unsqueeze(1)  # (n, 1, G*T, S)
+    return mask
 
 
 @torch.no_grad()
@@ -277,17 +276,19 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
         raise SpecdraftError(f"positions must lie in 0 .. {model.max_context - 1}")
     if local_mask is None:
         local_mask = torch.ones(steps, steps, dtype=torch.bool).tril().expand(batch, steps, steps)
-    groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = _full_mask(lengths, local_mask, cache._end, groups).to(model.rope_cos.device)
+    visible = _full_mask(lengths, local_mask, cache._end).to(model.rope_cos.device)  # (n, T, S)
     rope = _rope(model, positions.to(model.rope_cos.device))
     hidden = model.embed_tokens(input_ids)  # (n, T, D)
     taps, aux = set(hidden_layers), []
     if sorted(taps) != list(hidden_layers) or any(not 0 <= i < len(model.layers) for i in taps):
         raise SpecdraftError(f"hidden_layers must be increasing indices in 0 .. {len(model.layers) - 1}, "
                              f"got {list(hidden_layers)}")
-    rowwise = _attends_rowwise(model, steps)
     fused = _fused_layers(model)
-    chunks = None if fused is None else _fused_chunks(steps, lengths, rope, mask)
+    if fused is not None:
+        chunks = _fused_chunks(steps, lengths, rope, visible)
+    else:  # the layer's own ops: the mask folded over each KV head's group of query heads
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        mask, rowwise = visible.repeat(1, groups, 1).unsqueeze(1), _attends_rowwise(model, steps)  # (n, 1, G*T, S)
     for index, layer in enumerate(model.layers):
         if index in taps:
             aux.append(hidden)  # (n, T, D)
