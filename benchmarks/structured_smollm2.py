@@ -11,7 +11,7 @@ grammar is the server's (:class:`specdraft.grammar.GrammarCompiler`), so this is
 for ``response_format: json_schema`` (with the grammar drafter), without HTTP.
 
     PYTHONPATH=src .venv/bin/python benchmarks/structured_smollm2.py [--requests 50] [--max-new-tokens 160] \
-        [--no-sampled]
+        [--no-sampled] [--weights gguf|float32]
 
 Needs the grammar extra (xgrammar). Prints one line per request and a summary, then one JSON line.
 """
@@ -140,8 +140,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--no-sampled", action="store_true", help="leave out the sampled run")
+    parser.add_argument("--weights", choices=["gguf", "float32"], default="float32",
+                        help="the target's GGUF blocks (what specdraft serve decodes by default) or dense float32")
     args = parser.parse_args()
-    target, tokenizer = load_target(SMOLLM2)
+    target, tokenizer = load_target(SMOLLM2, quantize="gguf" if args.weights == "gguf" else None)
     drafter = load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER)
     eos = eos_token_ids(tokenizer, SMOLLM2)
     compiler = GrammarCompiler(tokenizer, target.vocab_size, eos)
@@ -185,6 +187,7 @@ def main() -> None:
     print(f"{len(rows)} requests: {counts}; " + "; ".join(
         f"{name} τ {s['tau']:.2f}, {s['tokens_per_second']:.1f} tokens/s" for name, s in summary.items()))
     print(json.dumps({"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                      "weights": args.weights,
                       "num_draft_tokens": args.num_draft_tokens, "max_new_tokens": args.max_new_tokens,
                       "counts": counts, "summary": summary, "rows": rows}))
 

@@ -128,6 +128,66 @@ def test_unsupported_and_invalid_schemas_are_clear_errors(compiler):
             compiler.json_schema(bad)
 
 
+OPEN = {"type": "object", "properties": {"note": {"type": "string", "minLength": 40},
+                                         "color": {"enum": ["red", "green", "blue"]}},
+        "required": ["note", "color"], "additionalProperties": False}  # a string with no upper bound comes first
+
+
+@pytest.fixture(scope="module")
+def unbounded(target, compiler):
+    """The toy's plain constrained answer to OPEN without a budget: its note runs on past 80 tokens."""
+    answer = reference_constrained(target.model, PROMPT, compiler.json_schema(OPEN), 80)
+    assert EOS not in answer
+    return answer
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft-model", "prompt-lookup", "tree"])
+def test_an_answer_that_would_run_past_its_budget_closes_within_it(target, compiler, tokenizer, unbounded, kind):
+    drafter = {"plain": lambda: None, "draft-model": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB)),
+               "prompt-lookup": PromptLookupDrafter,
+               "tree": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB), tree_branching=2, tree_nodes=6),
+               }[kind]()
+    config = GenerationConfig(40, 4, speculation="fixed", eos_token_ids=(EOS,),
+                              logits_processor=compiler.json_schema(OPEN))
+    result = generate(target, PROMPT, drafter, config)
+    assert result.finish_reason == "eos" and len(result.token_ids) <= 40 and result.token_ids[-1] == EOS
+    answer = json.loads(tokenizer.decode(result.token_ids[:-1]))
+    assert set(answer) == {"note", "color"} and answer["color"] in ("red", "green", "blue")
+    shared = next(i for i, (a, b) in enumerate(zip(result.token_ids, unbounded, strict=False)) if a != b)
+    assert 40 - 16 - 12 <= shared < 40  # the model's own note up to where its close had to begin
+    plain = generate(target, PROMPT, None, config)
+    assert result.token_ids == plain.token_ids  # exact under speculation, as the mask is
+
+
+def test_an_answer_that_ends_within_its_budget_is_left_as_it_is(target, compiler, expected):
+    for drafter in (None, DraftModelDrafter(hf_target(1, vocab_size=VOCAB))):
+        for budget in (len(expected), len(expected) + 5):
+            config = GenerationConfig(budget, 4, speculation="fixed", eos_token_ids=(EOS,),
+                                      logits_processor=compiler.json_schema(SCHEMA))
+            assert generate(target, PROMPT, drafter, config).token_ids == expected
+
+
+def test_a_budget_too_small_for_the_document_ends_at_the_budget(target, compiler, expected):
+    config = GenerationConfig(6, 4, speculation="fixed", eos_token_ids=(EOS,),
+                              logits_processor=compiler.json_schema(SCHEMA))
+    result = generate(target, PROMPT, None, config)
+    assert result.finish_reason == "length" and result.token_ids == expected[:6]
+
+
+def test_a_close_plan_finishes_the_document_and_its_rest_is_the_plan_after_its_first_token(compiler, tokenizer):
+    processor = compiler.json_schema(SCHEMA).fork(100)
+    text = '{"color": "red", "ok": true, "n": 4'
+    processor._sync(torch.tensor(tokenizer.encode(text)))
+    plan = processor.close_plan(100)
+    assert plan[-1] == EOS
+    answer = json.loads(text + tokenizer.decode(plan[:-1]))
+    assert answer["name"] == "" and answer["n"] == 4 and len(answer["tags"]) <= 1  # short values, n as written
+    assert processor.close_plan(len(plan) - 1) is None  # more than the limit
+    assert processor.consumed == tokenizer.encode(text)  # the matcher left as it was
+    processor._sync(torch.tensor(tokenizer.encode(text) + plan[:1]))
+    assert processor.close_plan(100) == plan[1:]
+
+
 TINY = ["<eos>", "[", "]", ", ", "1", "2", "3", "x"]  # a vocabulary for a JSON array of 1, 2 and 3
 ARRAY = {"type": "array", "items": {"enum": [1, 2, 3]}}
 
@@ -154,7 +214,7 @@ def constrained_sequence_probs(table, prompt, length, sampling, processor):
     warped, p of a bigram target, one position at a time (row 0 only: no draft)."""
     probs, empty = {}, torch.zeros(0, dtype=torch.long)
     for seq in itertools.product(range(table.shape[0]), repeat=length):
-        prob, last, fork = 1.0, prompt[-1], processor.fork()
+        prob, last, fork = 1.0, prompt[-1], processor.fork(length)  # closed within the budget, as generate does
         for i, token in enumerate(seq):
             row = fork(table[last][None], torch.tensor(seq[:i], dtype=torch.long), empty, None)  # (1, V)
             if not torch.isfinite(row).any():  # past the end of the grammar: nothing follows

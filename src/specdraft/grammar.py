@@ -20,6 +20,18 @@ of the string plus each of :data:`PROBES` must agree up to there), so the tokens
 would produce. They are only proposed: the target verifies them like any draft
 (:class:`~specdraft.drafters.grammar_draft.GrammarDrafter`).
 
+Closed within the token budget. A sequence's fork knows the most tokens it may generate (``max_new_tokens``, its
+stop token included). Near the end of that budget each masked row also prices a short way to finish the document
+from there (:meth:`GrammarProcessor.close_plan`: one token a character, the jump-forward string's where there is
+one, else the first character in :data:`CLOSERS`' order that the grammar allows, then a stop token). Once the plan
+fills all but :data:`CLOSE_SLACK` of the tokens left, a row keeps the plan's next token and those of its
+:data:`CLOSE_CANDIDATES` likeliest allowed tokens after which a plan still fits in what is left; the others get
+-inf. So an answer that would end in time is left as it is (its greedy token always fits), and one that would not
+(a string repeating itself) ends as a complete document, its last string cut short, instead of at the budget
+mid-structure, which no client can parse. The kept set depends on the row's tokens and logits only, which plain and
+speculative decoding share, so exactness holds as for the mask. A budget too small for any plan still ends at the
+budget (``finish_reason`` "length").
+
 JSON is compact here (no whitespace but the space after ``,`` and ``:``), and a token holding a control character
 (U+0000 to U+001F) is never allowed: xgrammar's schema grammars let one stand unescaped inside a string
 (mlc-ai/xgrammar#286), which is not JSON (RFC 8259, Sec. 7), and compact JSON needs none elsewhere.
@@ -46,6 +58,12 @@ SCHEMA_KEYWORDS = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format",
     "minItems", "maxItems", "minProperties", "maxProperties", "propertyNames", "strict", "nullable",
 })
+# the characters a close plan tries where the grammar forces none, in this order: end the open string, array and
+# object first, then the shortest values
+CLOSERS = '"]},1023456789.: -' + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+CLOSE_HORIZON = 128  # plans are priced only this many tokens before the budget ends
+CLOSE_SLACK = 16  # tokens to spare when rows start to keep only tokens after which a plan fits
+CLOSE_CANDIDATES = 8  # a row's likeliest allowed tokens checked for a plan that fits after them
 # characters that may follow a forced string, probed to find where its encoding stops being certain
 PROBES = ("a", "A", "1", '"', " ", "{", "[", "-", ".", "}", "]", ",")
 # an EBNF string literal, a character class, or the rule name ``root`` (group 1): the one the last is renamed to
@@ -127,6 +145,7 @@ class GrammarCompiler:
             newlines[token] = bool(text) and set(text) == {0x0A}
         spellable[list(info.stop_token_ids)] = True
         self.spellable, self.newlines = spellable, newlines
+        self.char_tokens = char_tokens(info.decoded_vocab[:vocab_size], spellable)
 
     def json_object(self) -> GrammarProcessor:
         """Any JSON object (OpenAI's ``json_object``), compact: no whitespace but after ``,`` and ``:``, so that
@@ -180,7 +199,7 @@ class GrammarCompiler:
         else:
             self._cache.move_to_end(key)
         return GrammarProcessor(compiled, self.vocab_size, self.spellable if spellable is None else spellable,
-                                self.encode)
+                                self.encode, self.char_tokens)
 
 
 Encoder = Callable[[str], list[int]]  # a text -> the tokenizer's ids for it
@@ -203,6 +222,15 @@ def longest_match(tokens: list[str]) -> Encoder:
         return out
 
     return encode
+
+
+def char_tokens(decoded_vocab, spellable: torch.Tensor) -> dict[str, int]:
+    """Each character's own token: the first spellable token whose text is that one character alone."""
+    tokens: dict[str, int] = {}
+    for token, text in enumerate(decoded_vocab):
+        if len(text) == 1 and bool(spellable[token]):
+            tokens.setdefault(bytes(text).decode("latin-1"), token)
+    return tokens
 
 
 def certain_tokens(encode: Encoder, text: str) -> list[int]:
@@ -242,9 +270,13 @@ class GrammarProcessor:
     :meth:`fork` gives each further sequence its own matcher."""
 
     def __init__(self, compiled, vocab_size: int, spellable: torch.Tensor | None = None,
-                 encode: Encoder | None = None) -> None:
+                 encode: Encoder | None = None, chars: dict[str, int] | None = None, budget: int | None = None
+                 ) -> None:
         self.xgr = _xgrammar()
         self.encode = encode  # the tokenizer, for the forced tokens (None: none are forced)
+        self.chars = chars or {}  # each character's own token, for close plans (empty: no plans)
+        self.budget = budget  # the most tokens the sequence generates, its stop token included (None: no close)
+        self._plans: OrderedDict[tuple[int, ...], list[int] | None] = OrderedDict()
         self.compiled, self.vocab_size = compiled, vocab_size
         self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
         self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
@@ -253,8 +285,10 @@ class GrammarProcessor:
         self.consumed: list[int] = []  # the generated tokens the matcher has accepted
         self.broken = False  # a committed token the grammar refused (never, when every row was masked)
 
-    def fork(self) -> GrammarProcessor:
-        return GrammarProcessor(self.compiled, self.vocab_size, self.spellable, self.encode)
+    def fork(self, budget: int | None = None) -> GrammarProcessor:
+        """A processor of its own for one more sequence, which generates at most ``budget`` tokens (its stop token
+        included; None: the answer is not closed within a budget)."""
+        return GrammarProcessor(self.compiled, self.vocab_size, self.spellable, self.encode, self.chars, budget)
 
     def _sync(self, generated: torch.Tensor) -> None:
         """Advance the matcher to the end of ``generated`` (a prefix of it is what it has accepted already)."""
@@ -268,14 +302,15 @@ class GrammarProcessor:
             self.consumed.append(token)
 
     def _walk(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None, visit) -> list[bool]:
-        """For each node, whether the grammar accepts its path; ``visit(row)`` runs with the matcher advanced to the
-        row (0: the root, i + 1: node i) when that row can be masked (path accepted, matcher not terminated)."""
+        """For each node, whether the grammar accepts its path; ``visit(row, path)`` runs with the matcher advanced
+        to the row (0: the root, i + 1: node i; ``path``: the node ids from the root to it) when that row can be
+        masked (path accepted, matcher not terminated)."""
         self._sync(generated)
         if self.broken:
             return [True] * tokens.shape[0]
         ids = tokens.tolist()
         if not self.matcher.is_terminated():
-            visit(0)
+            visit(0, [])
         allowed = []
         for node, path in enumerate(_paths(parents, len(ids))):
             taken = 0
@@ -286,7 +321,7 @@ class GrammarProcessor:
                 taken += 1
             allowed.append(taken == len(path))
             if allowed[-1] and not self.matcher.is_terminated():
-                visit(node + 1)
+                visit(node + 1, path)
             if taken:
                 self.matcher.rollback(taken)
         return allowed
@@ -298,12 +333,18 @@ class GrammarProcessor:
         bitmask = self.xgr.allocate_token_bitmask(out.shape[0], self.vocab_size)  # (n + 1, ceil(V / 32)) int32
         rows: list[int] = []
 
-        def visit(row: int) -> None:
+        ids = tokens.tolist()
+
+        def visit(row: int, path: list[int]) -> None:
             self.matcher.fill_next_token_bitmask(bitmask, row)
             bitmask[row] &= self._spellable_bits
             if not bool(bitmask[row].any()):
                 raise SpecdraftError("the grammar allows no token of this vocabulary here: the tokenizer cannot "
                                      "spell what the response format needs")
+            keep = self._closing(generated, [ids[node] for node in path], out[row], bitmask[row])
+            if keep is not None:  # near the budget's end: the tokens after which the document can still close
+                bitmask[row] = _pack(torch.zeros(self.vocab_size, dtype=torch.bool).index_fill_(
+                    0, torch.tensor(keep), True))
             rows.append(row)
 
         self._walk(generated, tokens, parents, visit)
@@ -314,8 +355,71 @@ class GrammarProcessor:
     def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
                       ) -> torch.Tensor:
         """(n,) bool: whether the grammar accepts each draft node's path after ``generated``."""
-        return torch.tensor(self._walk(generated, tokens, parents, lambda row: None), dtype=torch.bool)
+        return torch.tensor(self._walk(generated, tokens, parents, lambda row, path: None), dtype=torch.bool)
 
+    def _closing(self, generated: torch.Tensor, path: list[int], logits: torch.Tensor, bits: torch.Tensor
+                 ) -> list[int] | None:
+        """The tokens the row after ``generated`` and ``path`` keeps (the matcher is there; ``logits`` (V,) and
+        ``bits`` its row and mask so far) when the close plan fills all but :data:`CLOSE_SLACK` of the budget left:
+        the plan's first token and the row's :data:`CLOSE_CANDIDATES` likeliest allowed tokens, each if a plan
+        still fits after it (module docstring). None elsewhere: the row keeps its mask."""
+        if self.budget is None or not self.chars:
+            return None
+        left = self.budget - generated.shape[0] - len(path)  # tokens this row and the ones after it may take
+        if left > CLOSE_HORIZON or left < 1:
+            return None
+        key = tuple(generated.tolist()) + tuple(path)
+        plan = self._plan(key, self.matcher, left)
+        if plan is None or len(plan) + CLOSE_SLACK < left:
+            return None
+        masked = logits.float().clone().view(1, -1)  # (1, V)
+        self.xgr.apply_token_bitmask_inplace(masked, bits.view(1, -1), vocab_size=self.vocab_size)
+        likeliest = masked[0].topk(CLOSE_CANDIDATES)
+        keep: list[int] = []
+        for token in [plan[0]] + likeliest.indices[likeliest.values > -torch.inf].tolist():
+            if token in keep:
+                continue
+            after = self.matcher.fork()
+            if after.accept_token(token) and (after.is_terminated() or
+                                              self._plan(key + (token,), after, left - 1) is not None):
+                keep.append(token)
+        return keep or plan[:1]  # none fits after its first token (a tokenization that does not split): try it
+
+    def _plan(self, key: tuple[int, ...], matcher, limit: int) -> list[int] | None:
+        """:meth:`close_plan` from ``matcher`` (at the state of tokens ``key``), remembered by ``key``."""
+        if key not in self._plans:
+            self._plans[key] = self.close_plan(limit, matcher)
+            while len(self._plans) > 16 * CLOSE_HORIZON:
+                self._plans.popitem(last=False)
+        return self._plans[key]
+
+    def close_plan(self, limit: int, matcher=None) -> list[int] | None:
+        """Tokens that finish the document from ``matcher``'s state (default: this sequence's), a stop token last,
+        or None when they would be more than ``limit`` or a character has no token of its own. The text is chosen a
+        character at a time from the state alone: the jump-forward string where there is one, else the first of
+        :data:`CLOSERS` the grammar allows; then it is encoded by the tokenizer. The matcher is left as it was."""
+        start = self.matcher if matcher is None else matcher
+        matcher, text = start.fork(), []
+        while len(text) < 4 * limit + 16:
+            if matcher.is_completed():
+                stop = next((t for t in sorted(self.stop_token_ids) if matcher.accept_token(t)), None)
+                tokens = self.encode("".join(text)) if self.encode is not None and text else []
+                check = start.fork()
+                if not all(bool(self.spellable[t]) and check.accept_token(t) for t in tokens):
+                    tokens = [self.chars[c] for c in text]  # an encoding the grammar reads otherwise: a character each
+                return None if stop is None or len(tokens) >= limit else tokens + [stop]
+            forced = matcher.find_jump_forward_string()
+            if forced:
+                for char in forced:
+                    if char not in self.chars or not matcher.accept_token(self.chars[char]):
+                        return None
+                    text.append(char)
+                continue
+            char = next((c for c in CLOSERS if c in self.chars and matcher.accept_token(self.chars[c])), None)
+            if char is None:
+                return None
+            text.append(char)
+        return None
 
     def forced_tokens(self, generated: torch.Tensor, drafted: torch.Tensor, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces after ``generated`` (G,) and then ``drafted`` (d,) (module

@@ -67,9 +67,10 @@ class LogitsProcessor(Protocol):
 
 @runtime_checkable
 class ForkingProcessor(Protocol):
-    """A processor with state of its own per sequence (a grammar matcher): each sequence decodes with a fork."""
+    """A processor with state of its own per sequence (a grammar matcher): each sequence decodes with a fork, told the
+    most tokens the sequence generates (``budget``, its stop token included; None: not said)."""
 
-    def fork(self) -> LogitsProcessor:
+    def fork(self, budget: int | None = None) -> LogitsProcessor:
         ...
 
 
@@ -110,8 +111,9 @@ class ChainedProcessors:
             logits = processor(logits, generated, tokens, parents)
         return logits
 
-    def fork(self) -> ChainedProcessors:
-        return ChainedProcessors(tuple(p.fork() if isinstance(p, ForkingProcessor) else p for p in self.processors))
+    def fork(self, budget: int | None = None) -> ChainedProcessors:
+        return ChainedProcessors(tuple(p.fork(budget) if isinstance(p, ForkingProcessor) else p
+                                       for p in self.processors))
 
     def allowed_nodes(self, generated: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
                       ) -> torch.Tensor:

@@ -172,8 +172,8 @@ class SequenceState:
         prompt = check_inputs(prompt_ids, target, drafter, config.max_new_tokens, capacity)
         stopper = Stopper(config.max_new_tokens, config.eos_token_ids, config.stop_strings, tokenizer)
         processor = config.logits_processor
-        if isinstance(processor, ForkingProcessor):  # a grammar matcher per sequence
-            processor = processor.fork()
+        if isinstance(processor, ForkingProcessor):  # a grammar matcher per sequence, closed within its budget
+            processor = processor.fork(config.max_new_tokens)
         if config.grammar_draft and isinstance(processor, ForcesTokens):  # shares the sequence's matcher
             drafter = GrammarDrafter(drafter, processor, prompt.numel(), config.eos_token_ids)
         policy = policy if policy is not None else speculation_policy(config, target, drafter)
