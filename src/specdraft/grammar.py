@@ -22,8 +22,9 @@ would produce. They are only proposed: the target verifies them like any draft
 
 Closed within the token budget. A sequence's fork knows the most tokens it may generate (``max_new_tokens``, its
 stop token included). Near the end of that budget each masked row also prices a short way to finish the document
-from there (:meth:`GrammarProcessor.close_plan`: one token a character, the jump-forward string's where there is
-one, else the first character in :data:`CLOSERS`' order that the grammar allows, then a stop token). Once the plan
+from there (:meth:`GrammarProcessor.close_plan`: a text chosen a character at a time from the state alone, the
+jump-forward string where there is one, else the first character in :data:`CLOSERS`' order that the grammar allows;
+encoded by the tokenizer, then a stop token). Once the plan
 fills all but :data:`CLOSE_SLACK` of the tokens left, a row keeps the plan's next token and those of its
 :data:`CLOSE_CANDIDATES` likeliest allowed tokens after which a plan still fits in what is left; the others get
 -inf. So an answer that would end in time is left as it is (its greedy token always fits), and one that would not
