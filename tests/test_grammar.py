@@ -151,6 +151,7 @@ def test_an_answer_that_would_run_past_its_budget_closes_within_it(target, compi
                               logits_processor=compiler.json_schema(OPEN))
     result = generate(target, PROMPT, drafter, config)
     assert result.finish_reason == "eos" and len(result.token_ids) <= 40 and result.token_ids[-1] == EOS
+    assert result.closed_at_budget
     answer = json.loads(tokenizer.decode(result.token_ids[:-1]))
     assert set(answer) == {"note", "color"} and answer["color"] in ("red", "green", "blue")
     shared = next(i for i, (a, b) in enumerate(zip(result.token_ids, unbounded, strict=False)) if a != b)
@@ -164,7 +165,8 @@ def test_an_answer_that_ends_within_its_budget_is_left_as_it_is(target, compiler
         for budget in (len(expected), len(expected) + 5):
             config = GenerationConfig(budget, 4, speculation="fixed", eos_token_ids=(EOS,),
                                       logits_processor=compiler.json_schema(SCHEMA))
-            assert generate(target, PROMPT, drafter, config).token_ids == expected
+            result = generate(target, PROMPT, drafter, config)
+            assert result.token_ids == expected and not result.closed_at_budget
 
 
 def test_a_budget_too_small_for_the_document_ends_at_the_budget(target, compiler, expected):

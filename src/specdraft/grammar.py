@@ -278,6 +278,7 @@ class GrammarProcessor:
         self.chars = chars or {}  # each character's own token, for close plans (empty: no plans)
         self.budget = budget  # the most tokens the sequence generates, its stop token included (None: no close)
         self._plans: OrderedDict[tuple[int, ...], list[int] | None] = OrderedDict()
+        self._refused_first: set[tuple[int, ...]] = set()  # rows whose first-ranked token the close refused
         self.compiled, self.vocab_size = compiled, vocab_size
         self.spellable = torch.ones(vocab_size, dtype=torch.bool) if spellable is None else spellable  # (V,)
         self._spellable_bits = _pack(self.spellable)  # (ceil(V / 32),) int32
@@ -384,7 +385,19 @@ class GrammarProcessor:
             if after.accept_token(token) and (after.is_terminated() or
                                               self._plan(key + (token,), after, left - 1) is not None):
                 keep.append(token)
-        return keep or plan[:1]  # none fits after its first token (a tokenization that does not split): try it
+        keep = keep or plan[:1]  # none fits after its first token (a tokenization that does not split): try it
+        if int(likeliest.indices[0]) not in keep:
+            self._refused_first.add(key)
+        return keep
+
+    def closed_at_budget(self, generated: torch.Tensor) -> bool:
+        """Whether the close changed ``generated`` (G,): at one of its positions the row's first-ranked token (the
+        greedy choice) was refused because no plan fitted after it."""
+        if not self._refused_first:
+            return False
+        tokens = tuple(generated.tolist())
+        first = 0 if self.budget is None else max(0, self.budget - CLOSE_HORIZON)
+        return any(tokens[:end] in self._refused_first for end in range(first, len(tokens)))
 
     def _plan(self, key: tuple[int, ...], matcher, limit: int) -> list[int] | None:
         """:meth:`close_plan` from ``matcher`` (at the state of tokens ``key``), remembered by ``key``."""

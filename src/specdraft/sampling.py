@@ -99,6 +99,17 @@ class ForcesTokens(Protocol):
         ...
 
 
+@runtime_checkable
+class ClosesAtBudget(Protocol):
+    """A processor that may end an answer early to keep it complete within its budget (a grammar) and says when it
+    did."""
+
+    def closed_at_budget(self, generated: torch.Tensor) -> bool:
+        """Whether closing within the budget changed ``generated`` (G,): at some position the token the row would
+        have ranked first without the close was refused."""
+        ...
+
+
 @dataclass(frozen=True)
 class ChainedProcessors:
     """Several processors applied in order (penalties and a grammar mask); forks and draft checks pass through."""
@@ -132,6 +143,9 @@ class ChainedProcessors:
         """The first forcing processor's certain stop token (a mask is -inf elsewhere, which no bias undoes)."""
         forcing = next((p for p in self.processors if isinstance(p, ForcesTokens)), None)
         return None if forcing is None else forcing.certain_stop(generated)
+
+    def closed_at_budget(self, generated: torch.Tensor) -> bool:
+        return any(p.closed_at_budget(generated) for p in self.processors if isinstance(p, ClosesAtBudget))
 
 
 def chain_processors(*processors: LogitsProcessor | None) -> LogitsProcessor | None:

@@ -30,7 +30,14 @@ from specdraft.drafters.grammar_draft import GrammarDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.grammar import grammar_cut
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import DraftChecker, ForcesTokens, ForkingProcessor, LogitsProcessor, SamplingConfig
+from specdraft.sampling import (
+    ClosesAtBudget,
+    DraftChecker,
+    ForcesTokens,
+    ForkingProcessor,
+    LogitsProcessor,
+    SamplingConfig,
+)
 from specdraft.speculation import SPECULATION, AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepBounds, propose
 from specdraft.stats import GenerationStats
 from specdraft.step import STEP_ROOM, StepInput, StepResult, StepTarget
@@ -85,11 +92,13 @@ class GenerationConfig:
 
 @dataclass
 class GenerationResult:
-    """Generated ids (prompt excluded), why generation ended, and the stats of this generation."""
+    """Generated ids (prompt excluded), why generation ended, the stats of this generation, and whether a grammar
+    closed the answer early to keep it complete within ``max_new_tokens`` (:mod:`specdraft.grammar`)."""
 
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    closed_at_budget: bool = False
 
 
 def speculation_policy(config: GenerationConfig, target: CausalLM | None, drafter: Drafter | None = None,
@@ -257,7 +266,13 @@ class SequenceState:
         self.stats.decode_seconds = now - self.started
 
     def result(self) -> GenerationResult:
-        return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats)
+        return GenerationResult(list(self.generated), self.finish_reason or "length", self.stats,
+                                self.closed_at_budget())
+
+    def closed_at_budget(self) -> bool:
+        """Whether the processor closed the answer early to keep it complete within the budget (a grammar)."""
+        return isinstance(self.processor, ClosesAtBudget) and self.processor.closed_at_budget(
+            torch.tensor(self.generated, dtype=torch.long))
 
 
 __all__ = ["MAX_NUM_DRAFT_TOKENS", "SPECULATION_HELP", "GenerationConfig", "GenerationResult", "SequenceState",

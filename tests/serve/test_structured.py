@@ -117,6 +117,7 @@ def test_a_budget_too_small_for_the_grammar_finishes_with_length_and_the_partial
     assert choice.finish_reason == "length" and choice.message.content.startswith('{"')
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice.message.content)
+    assert "closed_at_budget" not in answer.usage.model_extra  # nothing fitted, nothing was closed
 
 
 BAD_FORMATS = [

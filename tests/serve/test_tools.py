@@ -142,6 +142,7 @@ def test_parallel_calls_whole_and_streamed_token_by_token(client, tool_choice):
     whole = answer.choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     assert 128 - 16 <= answer.usage.completion_tokens <= 128  # it ran into the budget's end
+    assert answer.usage.model_extra["closed_at_budget"] == 1  # and says that the grammar closed it
     calls = whole.message.tool_calls
     assert len(calls) >= 2
     _validated(calls, name)

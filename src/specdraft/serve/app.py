@@ -250,7 +250,8 @@ async def _collect(http, request: Request, parsed: ParsedRequest, server: _Serve
             texts[i], calls[i] = parse_calls(text, parsed.tools, reason)
             reasons[i] = "tool_calls" if calls[i] and reason != "length" else reason
     body = completion_body(request_id, server.serve.model_id, parsed.chat, texts, reasons,
-                           usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict()),
+                           usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict(),
+                                 request.closed_at_budget),
                            wholes, calls)
     return SafeJSON(body)
 
@@ -314,6 +315,6 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
     if parsed.include_usage:
         chunk = chunk_body(request_id, model, chat, 0, None, None)
         chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens,
-                                                    request.speculation.to_dict())
+                                                    request.speculation.to_dict(), request.closed_at_budget)
         yield _sse(chunk)
     yield _sse("[DONE]")

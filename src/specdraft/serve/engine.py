@@ -69,6 +69,7 @@ class Request:
     completion_tokens: int = 0
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
     speculation: SpeculationTally = field(default_factory=SpeculationTally)  # its finished sequences' counters
+    closed_at_budget: int = 0  # its answers that the grammar closed early to keep them complete within max_tokens
 
     def generator(self, index: int) -> torch.Generator:
         """Choice ``index``'s generator: seeded ``(seed + index) mod 2**64`` (torch's seed range), else at random."""
@@ -215,6 +216,7 @@ class Engine:
             request.completion_tokens += len(tokens)
             if seq.finish_reason is not None:  # counted before the last event: the answer's usage reads it
                 request.speculation.add(seq.stats)
+                request.closed_at_budget += seq.closed_at_budget()
             request.emit(Event(index, tokens, seq.finish_reason, logprobs=self._token_logprobs(seq, tokens)))
             if seq.finish_reason is not None:
                 self._finished(seq)

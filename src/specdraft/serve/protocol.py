@@ -470,12 +470,16 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None = None) -> dict:
-    """OpenAI's usage, with the extension ``speculation`` (the request's own speculation counters, summed over its
-    choices: :meth:`specdraft.serve.metrics.SpeculationTally.to_dict`) when given."""
+def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None = None, closed_at_budget: int = 0
+          ) -> dict:
+    """OpenAI's usage, with the extensions ``speculation`` (the request's own speculation counters, summed over its
+    choices: :meth:`specdraft.serve.metrics.SpeculationTally.to_dict`) when given, and ``closed_at_budget`` (how
+    many of its answers the grammar closed early to keep them complete within ``max_tokens``) when any was."""
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-    return body if speculation is None else body | {"speculation": speculation}
+    if speculation is not None:
+        body["speculation"] = speculation
+    return body | {"closed_at_budget": closed_at_budget} if closed_at_budget else body
 
 
 def completion_body(request_id: str, model: str, chat: bool, texts: list[str], reasons: list[str | None],
