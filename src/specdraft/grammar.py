@@ -371,6 +371,8 @@ class GrammarProcessor:
         if left > CLOSE_HORIZON or left < 1:
             return None
         key = tuple(generated.tolist()) + tuple(path)
+        if self._plans and len(next(iter(self._plans))) < generated.shape[0]:  # states behind the sequence: gone
+            self._plans = OrderedDict((k, v) for k, v in self._plans.items() if len(k) >= generated.shape[0])
         plan = self._plan(key, self.matcher, left)
         if plan is None or len(plan) + CLOSE_SLACK < left:
             return None
