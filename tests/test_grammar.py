@@ -88,15 +88,18 @@ def test_the_reference_answer_is_valid_json_of_the_schema(expected, tokenizer):
     assert len(answer["tags"]) <= 3 and set(answer["tags"]) <= {"a", "b"}
 
 
+DRAFTERS = {  # the drafters a constrained answer must not depend on
+    "plain": lambda: None,
+    "draft-model": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB)),
+    "prompt-lookup": PromptLookupDrafter,
+    "tree": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB), tree_branching=2, tree_nodes=6),
+}
+
+
 @pytest.mark.parametrize("kind", ["plain", "script", "draft-model", "prompt-lookup", "tree"])
 def test_greedy_speculative_constrained_equals_plain_reference(target, compiler, expected, kind):
-    drafter = {
-        "plain": lambda: None,
-        "script": lambda: ScriptDrafter(len(PROMPT), expected, lambda step, i: (step * 7 + i * 3) % 5 == 0),
-        "draft-model": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB)),
-        "prompt-lookup": PromptLookupDrafter,
-        "tree": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB), tree_branching=2, tree_nodes=6),
-    }[kind]()
+    drafter = ScriptDrafter(len(PROMPT), expected, lambda step, i: (step * 7 + i * 3) % 5 == 0) \
+        if kind == "script" else DRAFTERS[kind]()
     config = GenerationConfig(120, 4, speculation="fixed", eos_token_ids=(EOS,),
                               logits_processor=compiler.json_schema(SCHEMA))
     result = generate(target, PROMPT, drafter, config)
@@ -141,12 +144,9 @@ def unbounded(target, compiler):
     return answer
 
 
-@pytest.mark.parametrize("kind", ["plain", "draft-model", "prompt-lookup", "tree"])
+@pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_an_answer_that_would_run_past_its_budget_closes_within_it(target, compiler, tokenizer, unbounded, kind):
-    drafter = {"plain": lambda: None, "draft-model": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB)),
-               "prompt-lookup": PromptLookupDrafter,
-               "tree": lambda: DraftModelDrafter(hf_target(1, vocab_size=VOCAB), tree_branching=2, tree_nodes=6),
-               }[kind]()
+    drafter = DRAFTERS[kind]()
     config = GenerationConfig(40, 4, speculation="fixed", eos_token_ids=(EOS,),
                               logits_processor=compiler.json_schema(OPEN))
     result = generate(target, PROMPT, drafter, config)
