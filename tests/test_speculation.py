@@ -107,8 +107,9 @@ def test_a_draft_models_catch_up_forward_is_priced_per_step_not_per_token() -> N
 
 
 def test_a_draft_model_records_its_catch_up_forward() -> None:
-    """The chain's first forward is recorded (and found through a combination), fresh when it read the whole
-    context; a step that drafts nothing from the model records nothing new."""
+    """The chain's first forward is recorded (and found through a combination), fresh when it read a new sequence's
+    prompt (the whole context, or all of it past a prefix the last sequence shared); a step that drafts nothing from
+    the model records nothing new."""
     import time
 
     from specdraft.drafters.base import catch_up
@@ -124,6 +125,14 @@ def test_a_draft_model_records_its_catch_up_forward() -> None:
     second = catch_up(drafter, later)
     assert second is not None and not second.fresh
     assert catch_up(drafter, time.perf_counter()) is None
+    drafter.begin(hf_target(seed=1), None)  # a new sequence whose prompt starts as the last one's (a chat template)
+    again = time.perf_counter()
+    drafter.propose(torch.tensor(PROMPT[:2] + [9, 10, 11]), 3, SamplingConfig(), None)
+    third = catch_up(drafter, again)
+    assert third is not None and third.fresh  # its prompt's read is prefill, not a catch-up to price
+    later = time.perf_counter()
+    drafter.propose(torch.tensor(PROMPT[:2] + [9, 10, 11, 12]), 3, SamplingConfig(), None)
+    assert not catch_up(drafter, later).fresh
 
 
 def test_free_verification_and_sure_drafts_verify_everything() -> None:

@@ -47,7 +47,7 @@ verify curve (a shared CPU's load drifts) are learned as moving averages of the 
 forward drafts any length (DFlash's block, ``DrafterFacts.one_forward_draft``) is priced per draft instead, so deeper
 drafts cost it nothing more to draft. A draft model's first forward of a step reads every token committed since it
 last drafted (after a run of copy or plain steps, several), so it is learned apart, as a cost per drafting step
-(:class:`~specdraft.drafters.base.CatchUp`; the read of a new sequence's whole prompt is prefill and not learned):
+(:class:`~specdraft.drafters.base.CatchUp`; the read of a new sequence's prompt is prefill and not learned):
 priced per token, it made a 1-token draft look as dear per token as the forward itself and priced deeper drafts
 out. The per-depth
 acceptance that ``budget`` prices before drafting, the drafting cost per token and the verified nodes per depth are

@@ -225,8 +225,10 @@ def confident_tree(tokens: list[int], parents: list[int], scores: list[float], l
 @dataclass(frozen=True)
 class CatchUp:
     """A draft model's first forward of a draft: it reads the context the drafter has not seen (the prompt, or the
-    tokens committed since it last drafted) and gives the first draft token. ``fresh``: it read the whole context
-    (a new sequence). Adaptive speculation prices it as a cost per drafting step, apart from the tokens after it."""
+    tokens committed since it last drafted) and gives the first draft token. ``fresh``: it read a new sequence's
+    prompt (its first forward since ``begin``: the whole context, or all of it past a prefix the previous sequence
+    shared, such as a chat template's system turn). Adaptive speculation prices it as a cost per drafting step,
+    apart from the tokens after it, unless it is fresh: a prompt's read is prefill."""
 
     started: float  # time.perf_counter() when the forward began
     seconds: float

@@ -91,6 +91,7 @@ class DraftModelDrafter:
         self._cache: KVCache | None = None
         self._cached = torch.empty(0, dtype=torch.long)  # (L,) ids whose keys/values are in the cache
         self.last_catch_up: CatchUp | None = None  # the first forward of the last chain (drafters.base.catch_up)
+        self._new_sequence = True  # no forward since ``begin``: the next one reads the sequence's prompt
 
     @property
     def vocab_keep(self) -> torch.Tensor | None:
@@ -140,7 +141,8 @@ class DraftModelDrafter:
         if self.tree_branching:
             raise SpecdraftError("a draft model in tree mode (tree_branching) drafts trees, not chains")
         pending = list(self._crop(context, num_draft_tokens))  # uncached tokens, fed when the model next drafts
-        fresh, first = len(pending) == context.shape[0], True  # the whole context unread: a new sequence
+        # a new sequence: its prompt is read now, whole or past a prefix the last sequence shared (a chat template's)
+        fresh, first = self._new_sequence or len(pending) == context.shape[0], True
         tokens, probs, confidence, source, alternatives = [], [], [], [], []
         running = context  # (N + i,) the context and the tokens drafted so far, for ``fill``
         for i in range(num_draft_tokens):
@@ -162,6 +164,7 @@ class DraftModelDrafter:
                     token = self._pick(logits, sampling, generator, (probs, confidence, alternatives), runners_up)
                 if first:  # the forward that read what the drafter had not seen (speculation prices it apart)
                     self.last_catch_up, first = CatchUp(started, time.perf_counter() - started, fresh), False
+                    self._new_sequence = False
             tokens.append(token)
             source.append(kind)
             if filled is None and self.confidence_threshold and self._unsure(token, probs, confidence, sampling):
@@ -280,7 +283,7 @@ class DraftModelDrafter:
         return confident_tree(tokens, parents, scores, self.tree_nodes, None if greedy else torch.stack(q_rows))
 
     def begin(self, target, cache) -> None:
-        pass
+        self._new_sequence = True
 
     def observe(self, result: VerifyResult) -> None:
         pass
