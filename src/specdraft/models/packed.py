@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 import specdraft.models.rowgemm as rowgemm
+from specdraft.models.hugepages import huge_page_copies
 
 _ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off, "rows" or "onednn" asks for that path (comparisons, exactness)
 UPCAST_MIN_ROWS = 6  # without either kernel, a bf16 product of this many rows or more uses the fp32 oneDNN copy
@@ -81,6 +83,14 @@ def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight | None:
         if kind == "rows" or not enabled():
             return None
         return _onednn(weight) or _onednn(weight.float())
+
+
+def in_huge_pages(weights: Sequence[PackedWeight | None]) -> list[PackedWeight | None]:
+    """``weights`` with the row kernel's packed copies moved into transparent huge pages
+    (:mod:`specdraft.models.hugepages`: a step streams them all); oneDNN's opaque tensors and None stay."""
+    rows = [weight for weight in weights if weight is not None and weight.kind == "rows"]
+    moved = {id(weight): copy for weight, copy in zip(rows, huge_page_copies([w.tensor for w in rows]), strict=True)}
+    return [replace(weight, tensor=moved[id(weight)]) if id(weight) in moved else weight for weight in weights]
 
 
 @functools.cache

@@ -34,6 +34,7 @@ from torch import nn
 import specdraft.models.packed as packing
 import specdraft.models.quantized as quantization
 from specdraft.errors import SpecdraftError
+from specdraft.models.hugepages import huge_page_copies
 from specdraft.models.native_llama import DecoderLayer, NativeLlama, check_supported, rope_table, supports
 
 _LAYOUT_VERSION = 1  # bump when pack_blocks' layout changes: cached packs of another version are rebuilt
@@ -72,6 +73,7 @@ class QuantizedLlama(NativeLlama):
                  norms: dict[str, torch.Tensor], biases: dict[str, torch.Tensor] | None = None) -> None:
         nn.Module.__init__(self)
         check_supported(config, name)
+        weights = _in_huge_pages(weights)  # every step streams them: 2 MiB pages spare a page walk per 4 KiB
         self.config, self.name, self.dtype = config, name, torch.float32
         self.kv_dtype = kv_cache_dtype()  # the KV cache's format (activations stay float32)
         self.vocab_size, self.max_context = config.vocab_size, config.max_position_embeddings
@@ -142,7 +144,7 @@ class QuantizedLlama(NativeLlama):
         for source, blocks in self._row_heads:
             if source is weight:
                 return blocks
-        blocks = quantization.quantize(weight, self.head_quantized.kind)
+        blocks = _in_huge_pages({"rows": quantization.quantize(weight, self.head_quantized.kind)})["rows"]
         self._row_heads = [(weight, blocks), *self._row_heads[:3]]  # a drafter keeps one table: a few suffice
         return blocks
 
@@ -283,6 +285,14 @@ class QuantizedLlama(NativeLlama):
                 _save_cached(tensors, cached)
         weights, norms, biases = _split_tensors(tensors)
         return cls(config, name, weights, norms, biases)
+
+
+def _in_huge_pages(weights: dict[str, quantization.QuantizedWeight]) -> dict[str, quantization.QuantizedWeight]:
+    """``weights`` with their packed blocks copied into transparent huge pages (:mod:`specdraft.models.hugepages`),
+    a weight named twice (a tied table) copied once; as they are where huge pages are not available."""
+    unique = list({id(weight.packed): weight.packed for weight in weights.values()}.values())
+    moved = {id(old): new for old, new in zip(unique, huge_page_copies(unique), strict=True)}
+    return {name: replace(weight, packed=moved[id(weight.packed)]) for name, weight in weights.items()}
 
 
 def _fingerprint(path: Path) -> str:
