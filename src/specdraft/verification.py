@@ -70,8 +70,9 @@ def verify(
     gamma = tokens.shape[0]
     if parents is None:
         if sampling.greedy:
-            log_p = torch.log_softmax(target_logits[:gamma].float(), -1)  # (γ, V)
-            return verify_greedy(tokens, target_logits, within_rollback(tokens, log_p, rollback))
+            tolerated = None if rollback is None else within_rollback(
+                tokens, torch.log_softmax(target_logits[:gamma].float(), -1), rollback)  # log p: (γ, V)
+            return verify_greedy(tokens, target_logits, tolerated)
         p = warp(target_logits, sampling)  # (γ + 1, V)
         return verify_sampling(tokens, q, p, generator, within_rollback(tokens, p[:gamma].log(), rollback))
     if sampling.greedy:
