@@ -215,7 +215,7 @@ class SequenceState:
     def _cut_refused(self, draft: Draft) -> Draft:
         """``draft`` without what the processor forbids outright (a grammar), where dropping it is exact
         (:func:`specdraft.grammar.grammar_cut`)."""
-        if len(draft) == 0 or not isinstance(self.processor, DraftChecker):
+        if len(draft) == 0 or self.processor is None or not isinstance(self.processor, DraftChecker):
             return draft
         allowed = self.processor.allowed_nodes(self.context[self.prompt.shape[0]:], draft.tokens, draft.parents)
         keep = grammar_cut(allowed, draft.parents, self.config.sampling.greedy or draft.q is None)  # (n,)
