@@ -2,7 +2,7 @@
 
 import json
 
-from specdraft.costs import CostCurve, cost_curve, curve_path, describe, machine, measure
+from specdraft.costs import CostCurve, cost_curve, curve_path, describe, machine, measure, monotone
 from specdraft.models.native_llama import NativeLlama
 from toys import tiny_llama
 
@@ -20,6 +20,16 @@ def test_measure_covers_every_size_and_context() -> None:
     assert curve.machine["isa"] == machine()["isa"] and curve.model["num_hidden_layers"] == 2
     assert len(describe(curve)) == 2 + 3
     assert curve.clock == "cpu"  # one torch thread (conftest): CPU time, robust to other processes
+    assert curve.table == monotone(curve.table)
+
+
+def test_a_point_dearer_than_a_larger_one_is_lowered_to_it() -> None:
+    """Noise only adds time: a 3-token forward measured dearer than the 4-token one, or than itself after more
+    cached tokens, takes the larger point's time; a monotone table is left as it is."""
+    noisy = ((1.0, 1.32, 1.13, 1.5), (1.2, 1.1, 1.4, 1.6))  # contexts (short, long) x sizes (1, 2, 3, 4)
+    assert monotone(noisy) == ((1.0, 1.1, 1.13, 1.5), (1.1, 1.1, 1.4, 1.6))
+    clean = ((1.0, 1.1, 1.2), (1.5, 1.6, 1.9))
+    assert monotone(clean) == clean
 
 
 def test_curve_is_cached_beside_the_checkpoints_and_reloaded(tmp_path) -> None:

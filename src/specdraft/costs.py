@@ -7,7 +7,10 @@ torch build. Nothing here assumes: :func:`measure` times the model's forward for
 long, a long document: attention over the cache makes each extra new token dearer as the context grows),
 the fastest of a few interleaved repeats (the least disturbed by other processes on a shared CPU), in seconds of
 this process's CPU time when torch runs one thread (what a forward needs, whatever else the CPU is doing), else
-of wall time.
+of wall time. A point measured dearer than a larger one (more new tokens, or as many after more cached tokens) is
+lowered to it (:func:`monotone`): the larger forward does all of the smaller one's work, and other processes only
+ever add time. On a shared 2-core machine three repeats left, for example, 3 new tokens at 1.32x a step and 4 at
+1.13x, which a policy would read as a 4-token verify being cheaper than a 3-token one.
 The curve is measured once per model, dtype and machine and cached as JSON beside the converted checkpoints
 (``<cache>/costs/``, written beside then renamed), keyed by the model's identity and :func:`machine` (CPU model,
 ISA torch dispatches to, threads, torch version).
@@ -36,7 +39,7 @@ from specdraft.models.base import CausalLM
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20)  # new tokens per forward: chains of up to 19 draft tokens, trees
 CONTEXTS = (64, 512, 2048)  # context lengths measured; others are interpolated (beyond the last, its slope)
 REPEATS = 3  # timed repeats per point (after one warm-up sweep); the fastest is kept
-FORMAT = 5  # bumped when the measurement changes, so old cached curves are remeasured
+FORMAT = 6  # bumped when the measurement changes, so old cached curves are remeasured
 
 
 def machine() -> dict:
@@ -62,7 +65,8 @@ def model_identity(model: CausalLM) -> dict:
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Median seconds of one forward: ``table[c][s]`` for ``contexts[c]`` cached tokens and ``sizes[s]`` new ones."""
+    """Seconds of one forward (the fastest of the repeats, made :func:`monotone`): ``table[c][s]`` for
+    ``contexts[c]`` cached tokens and ``sizes[s]`` new ones."""
 
     sizes: tuple[int, ...]
     contexts: tuple[int, ...]
@@ -152,8 +156,21 @@ def measure(model: CausalLM, sizes: Sequence[int] = SIZES, contexts: Sequence[in
                 if sweep:
                     times[size].append(clock() - tick)
         table.insert(0, tuple(min(times[size]) for size in sizes))
-    return CostCurve(tuple(sizes), tuple(contexts), tuple(table), model_identity(model), machine(),
+    return CostCurve(tuple(sizes), tuple(contexts), monotone(table), model_identity(model), machine(),
                      time.perf_counter() - started, "cpu" if cpu else "wall")
+
+
+def monotone(table: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+    """``table[c][s]`` (contexts, then sizes, both increasing) with each point lowered to the cheapest point at
+    least as large in both: non-decreasing along sizes and along contexts. Larger forwards do more work, so a point
+    measured dearer than a larger one was disturbed; the larger one bounds it."""
+    rows = [list(row) for row in table]
+    for row in rows:  # along sizes, from the largest down
+        for s in range(len(row) - 2, -1, -1):
+            row[s] = min(row[s], row[s + 1])
+    for c in range(len(rows) - 2, -1, -1):  # along contexts, from the longest down (each row stays non-decreasing)
+        rows[c] = [min(a, b) for a, b in zip(rows[c], rows[c + 1], strict=True)]
+    return tuple(tuple(row) for row in rows)
 
 
 def costs_dir() -> Path:
