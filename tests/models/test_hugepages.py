@@ -67,3 +67,16 @@ def test_a_weight_named_twice_is_copied_once(huge):
     assert moved["embed"].packed is moved["lm_head"].packed
     assert moved["embed"].packed.data_ptr() != weight.packed.data_ptr()
     assert torch.equal(moved["embed"].packed, weight.packed) and moved["embed"].kind == weight.kind
+
+
+@pytest.mark.skipif(not rowgemm.available(), reason="no AVX2/F16C CPU or C++ compiler for the kernels")
+def test_a_dense_models_packed_weights_give_the_same_logits_from_either_kind_of_page(huge, monkeypatch):
+    in_huge = NativeLlama.from_hf(tiny_llama(0, std=0.1))
+    in_huge.prepack("rows")
+    monkeypatch.setattr(hugepages, "enabled", lambda: False)
+    in_small = NativeLlama.from_hf(tiny_llama(0, std=0.1))
+    in_small.prepack("rows")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert in_huge.packed_head.tensor.data_ptr() != in_small.packed_head.tensor.data_ptr()
+    assert torch.equal(in_huge.packed_head.tensor, in_small.packed_head.tensor)
+    assert torch.equal(in_huge(ids, in_huge.new_cache(16)), in_small(ids, in_small.new_cache(16)))

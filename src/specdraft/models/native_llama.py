@@ -401,10 +401,9 @@ class NativeLlama(nn.Module):
             layer.prepack(kind)
         self.packed_head = packing.pack(self.lm_head_weight, kind)
         named = [(layer, name) for layer in self.layers for name in layer.packed]
-        moved = packing.in_huge_pages([layer.packed[name] for layer, name in named] + [self.packed_head])
-        for (layer, name), weight in zip(named, moved, strict=False):
+        *moved, self.packed_head = packing.in_huge_pages([layer.packed[n] for layer, n in named] + [self.packed_head])
+        for (layer, name), weight in zip(named, moved, strict=True):  # a step streams them all: 2 MiB pages
             layer.packed[name] = weight
-        self.packed_head = moved[-1]
         return self.packed_head is not None or any(layer.packed for layer in self.layers)
 
     @property
