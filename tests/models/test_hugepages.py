@@ -80,3 +80,15 @@ def test_a_dense_models_packed_weights_give_the_same_logits_from_either_kind_of_
     assert in_huge.packed_head.tensor.data_ptr() != in_small.packed_head.tensor.data_ptr()
     assert torch.equal(in_huge.packed_head.tensor, in_small.packed_head.tensor)
     assert torch.equal(in_huge(ids, in_huge.new_cache(16)), in_small(ids, in_small.new_cache(16)))
+
+
+def test_a_refused_advice_still_gives_equal_copies(huge, monkeypatch):
+    """A kernel without THP (or a sandbox) refuses MADV_HUGEPAGE: the copies are made in ordinary pages."""
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(hugepages.mmap, "mmap", Refusing)
+    tensor = torch.randn(5, 7)
+    assert torch.equal(hugepages.huge_page_copies([tensor])[0], tensor)

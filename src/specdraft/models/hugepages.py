@@ -48,7 +48,10 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     # private: a shared anonymous mapping is shmem, which THP leaves alone; one huge page more for the alignment
     region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: faults then map whole 2 MiB pages
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: faults then map whole 2 MiB pages
+    except OSError:  # a kernel without THP, or a sandbox that refuses the advice: ordinary pages, same copies
+        pass
     arena = torch.frombuffer(region, dtype=torch.uint8)  # (total + HUGE_PAGE,), keeps ``region`` alive
     start = -arena.data_ptr() % HUGE_PAGE
     copies = []
