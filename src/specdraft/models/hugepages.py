@@ -16,12 +16,15 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes in an x86 transparent huge page
 ALIGN = 64  # each tensor starts on a cache line
 _ENV = "SPECDRAFT_HUGE_PAGES"  # "0": leave tensors in ordinary pages (comparisons)
+Holder = TypeVar("Holder")
 
 
 def enabled() -> bool:
@@ -60,3 +63,11 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         copy = arena[start + offset : start + offset + size].view(tensor.dtype).view(tensor.shape)
         copies.append(copy.copy_(tensor))
     return copies
+
+
+def with_huge_page_copies(holders: Sequence[Holder], field: str) -> list[Holder]:
+    """The dataclasses ``holders`` with their tensor ``field`` replaced by its :func:`huge_page_copies` copy, a tensor
+    that several hold (a tied table) copied once."""
+    tensors = list({id(getattr(h, field)): getattr(h, field) for h in holders}.values())
+    moved = {id(tensor): copy for tensor, copy in zip(tensors, huge_page_copies(tensors), strict=True)}
+    return [replace(h, **{field: moved[id(getattr(h, field))]}) for h in holders]

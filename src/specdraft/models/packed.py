@@ -21,13 +21,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import specdraft.models.rowgemm as rowgemm
-from specdraft.models.hugepages import huge_page_copies
+from specdraft.models.hugepages import with_huge_page_copies
 
 _ENV = "SPECDRAFT_PREPACK"  # "0" turns packing off, "rows" or "onednn" asks for that path (comparisons, exactness)
 UPCAST_MIN_ROWS = 6  # without either kernel, a bf16 product of this many rows or more uses the fp32 oneDNN copy
@@ -89,8 +89,8 @@ def in_huge_pages(weights: Sequence[PackedWeight | None]) -> list[PackedWeight |
     """``weights`` with the row kernel's packed copies moved into transparent huge pages
     (:mod:`specdraft.models.hugepages`: a step streams them all); oneDNN's opaque tensors and None stay."""
     rows = [weight for weight in weights if weight is not None and weight.kind == "rows"]
-    moved = {id(weight): copy for weight, copy in zip(rows, huge_page_copies([w.tensor for w in rows]), strict=True)}
-    return [replace(weight, tensor=moved[id(weight)]) if id(weight) in moved else weight for weight in weights]
+    moved = dict(zip(map(id, rows), with_huge_page_copies(rows, "tensor"), strict=True))
+    return [moved.get(id(weight), weight) for weight in weights]
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from torch import nn
 import specdraft.models.packed as packing
 import specdraft.models.quantized as quantization
 from specdraft.errors import SpecdraftError
-from specdraft.models.hugepages import huge_page_copies
+from specdraft.models.hugepages import with_huge_page_copies
 from specdraft.models.native_llama import DecoderLayer, NativeLlama, check_supported, rope_table, supports
 
 _LAYOUT_VERSION = 1  # bump when pack_blocks' layout changes: cached packs of another version are rebuilt
@@ -144,7 +144,7 @@ class QuantizedLlama(NativeLlama):
         for source, blocks in self._row_heads:
             if source is weight:
                 return blocks
-        blocks = _in_huge_pages({"rows": quantization.quantize(weight, self.head_quantized.kind)})["rows"]
+        blocks = with_huge_page_copies([quantization.quantize(weight, self.head_quantized.kind)], "packed")[0]
         self._row_heads = [(weight, blocks), *self._row_heads[:3]]  # a drafter keeps one table: a few suffice
         return blocks
 
@@ -290,9 +290,7 @@ class QuantizedLlama(NativeLlama):
 def _in_huge_pages(weights: dict[str, quantization.QuantizedWeight]) -> dict[str, quantization.QuantizedWeight]:
     """``weights`` with their packed blocks copied into transparent huge pages (:mod:`specdraft.models.hugepages`),
     a weight named twice (a tied table) copied once; as they are where huge pages are not available."""
-    unique = list({id(weight.packed): weight.packed for weight in weights.values()}.values())
-    moved = {id(old): new for old, new in zip(unique, huge_page_copies(unique), strict=True)}
-    return {name: replace(weight, packed=moved[id(weight.packed)]) for name, weight in weights.items()}
+    return dict(zip(weights, with_huge_page_copies(list(weights.values()), "packed"), strict=True))
 
 
 def _fingerprint(path: Path) -> str:
