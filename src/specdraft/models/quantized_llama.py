@@ -378,9 +378,9 @@ def _split_tensors(tensors: dict[str, torch.Tensor]):
             kind, out_features, in_features = (int(v) for v in tensors[f"{name}.shape"])
             weights[name] = quantization.QuantizedWeight(kind, tensor, out_features, in_features)
         elif key.endswith(".bias"):
-            biases[key.removesuffix(".bias")] = tensor
+            biases[key.removesuffix(".bias")] = tensor.clone()  # small: not a view that keeps the whole file mapped
         elif not key.endswith(".shape"):
-            norms[key] = tensor
+            norms[key] = tensor.clone()
     return weights, norms, biases
 
 
