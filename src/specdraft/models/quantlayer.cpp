@@ -8,8 +8,6 @@
 //   x = x + down(silu(gate) * up)                              with gate, up = gate_up(rmsnorm(x, mlp_norm))
 #include "quantkernels.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
-
 #include <cstring>
 
 namespace {
@@ -101,15 +99,6 @@ void write_cache(const float* qkv, int64_t T, int64_t width, int64_t heads, int6
     }
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                     double scale, int64_t mode) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdraft_rowgemm::attention", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const c10::optional<at::Tensor>&, double, int64_t)>();
-  return op.call(q, k, v, mask, scale, mode);
-}
-
 // The layer for B sequences of T new tokens each (rows of a batched cache, padded to a common T): hidden (B, T, D)
 // fp32 -> (B, T, D). Sequence b's tokens are written into slots starts[b] .. starts[b] + T - 1 of cache row rows[b]
 // of keys / values (R, KV, S, hd), fp32, fp16 or bf16 (the model's cache format), and attend that row's slots up to
@@ -174,19 +163,23 @@ at::Tensor layer_rows(const at::Tensor& hidden, at::TensorList weights, at::IntA
   }
   if (kv_only) return hidden;
   std::vector<float> attended(N * heads * hd);
+  at::Tensor visible;  // (B, T, >= S) bool, rows contiguous
+  if (mask.has_value()) visible = mask->contiguous();
+  const int64_t es = static_cast<int64_t>(keys.element_size());
+  const int64_t kv_strides[3] = {row_elems, S * hd, hd};
   for (int64_t b = 0; b < B; ++b) {
-    const at::Tensor queries = at::from_blob(qkv.data() + b * T * width, {1, T, heads, hd}, {T * width, width, hd, 1},
-                                             at::TensorOptions().dtype(at::kFloat));  // a strided view of the q rows
     const int64_t seen_slots = starts[b] + T;
-    const at::Tensor seen = keys.narrow(0, rows[b], 1).narrow(2, 0, seen_slots);
-    const at::Tensor vals = values.narrow(0, rows[b], 1).narrow(2, 0, seen_slots);
-    c10::optional<at::Tensor> visible;
-    if (mask.has_value()) {
-      TORCH_CHECK(mask->size(2) >= seen_slots, "quantlayer: the mask must cover each sequence's slots");
-      visible = mask->select(0, b).narrow(1, 0, seen_slots).contiguous();  // (T, starts[b] + T)
+    const bool* mp = nullptr;
+    if (visible.defined()) {
+      TORCH_CHECK(visible.size(2) >= seen_slots, "quantlayer: the mask must cover each sequence's slots");
+      mp = visible.data_ptr<bool>() + b * visible.stride(0);
     }
-    const at::Tensor out = attention(queries.contiguous(), seen, vals, visible, std::pow(hd, -0.5), amode);
-    std::memcpy(attended.data() + b * T * heads * hd, out.contiguous().data_ptr<float>(), T * heads * hd * sizeof(float));
+    specdraft_rows::attend_rows(qkv.data() + b * T * width, width,
+                                static_cast<const char*>(keys.data_ptr()) + rows[b] * row_elems * es,
+                                static_cast<const char*>(values.data_ptr()) + rows[b] * row_elems * es, kv_type,
+                                kv_strides, kv_strides, mp, mp ? visible.stride(1) : 0, T, heads, kv_heads,
+                                seen_slots, hd, static_cast<float>(std::pow(hd, -0.5)), amode,
+                                attended.data() + b * T * heads * hd);
   }
   specdraft_quant::multiply(attended.data(), N, heads * hd, weights[1], kinds[1], D, delta.data(), vnni);
   for (int64_t i = 0; i < N * D; ++i) xp[i] += delta[i];

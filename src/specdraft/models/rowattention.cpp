@@ -130,17 +130,18 @@ inline __m256 vsum8(const V* d) {  // vsum of 8 vectors: lane u is vsum(d[u])
 
 // Any head dimension that is a multiple of 8, one score and one slot at a time (the fallback of attend_fixed).
 template <typename T, typename O>
-void attend(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs, const bool* mask,
-            int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, int64_t hd, float scale, O* out) {
+void attend(const float* q, int64_t q_row, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
+            const bool* mask, int64_t m_row, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, int64_t hd,
+            float scale, O* out) {
   const int64_t groups = H / KV;
   at::parallel_for(0, B * Tn * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score(S), acc(hd);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Tn * H), t = item / H % Tn, h = item % H, kvh = h / groups;
-      const float* qv = q + item * hd;
+      const float* qv = q + (item / H) * q_row + h * hd;
       const T* kb = keys + b * ks[0] + kvh * ks[1];
       const T* vb = values + b * vs[0] + kvh * vs[1];
-      const bool* visible = mask ? mask + t * S : nullptr;
+      const bool* visible = mask ? mask + t * m_row : nullptr;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < S; ++s) {
         if (visible && !visible[s]) continue;
@@ -165,9 +166,31 @@ void attend(const float* q, const T* keys, const T* values, const int64_t* ks, c
   });
 }
 
+// The kernel for head dimension hd (16-lane where `wide`), fixed per model and process: the variant never depends on
+// the number of queries.
+template <typename T, typename O>
+void dispatch(const float* q, int64_t q_row, const T* k, const T* v, const int64_t* ks, const int64_t* vs,
+              const bool* mask, int64_t m_row, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, int64_t hd,
+              float scale, bool wide, O* out) {
+  if (wide) switch (hd) {
+      case 16: return lanes16::attend_fixed<2>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+      case 32: return lanes16::attend_fixed<4>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+      case 64: return lanes16::attend_fixed<8>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+      case 128: return lanes16::attend_fixed<16>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+      default: break;
+    }
+  switch (hd) {
+    case 8: return lanes8::attend_fixed<1>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+    case 16: return lanes8::attend_fixed<2>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+    case 32: return lanes8::attend_fixed<4>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+    case 64: return lanes8::attend_fixed<8>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+    case 128: return lanes8::attend_fixed<16>(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, scale, out);
+    default: return attend(q, q_row, k, v, ks, vs, mask, m_row, B, Tn, H, KV, S, hd, scale, out);
+  }
+}
+
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                      const c10::optional<at::Tensor>& mask, double scale, int64_t mode) {
-  const bool wide = mode >= 1;
   TORCH_CHECK(queries.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rowgemm: attention takes 4-d tensors");
   const int64_t B = queries.size(0), Tn = queries.size(1), H = queries.size(2), hd = queries.size(3);
   const int64_t KV = keys.size(1), S = keys.size(2);
@@ -191,29 +214,12 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   const int64_t vs[3] = {values.stride(0), values.stride(1), values.stride(2)};
   const bool* mp = m.defined() ? m.data_ptr<bool>() : nullptr;
   const float sc = static_cast<float>(scale);
+  const float* qp = q.data_ptr<float>();
   auto run = [&](auto* k, auto* v) {
-    auto to = [&](auto* o) {
-      const float* qp = q.data_ptr<float>();
-      if (wide) switch (hd) {  // fixed per model and process: the variant never depends on the number of queries
-          case 16: return lanes16::attend_fixed<2>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-          case 32: return lanes16::attend_fixed<4>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-          case 64: return lanes16::attend_fixed<8>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-          case 128: return lanes16::attend_fixed<16>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-          default: break;
-        }
-      switch (hd) {
-        case 8: return lanes8::attend_fixed<1>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 16: return lanes8::attend_fixed<2>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 32: return lanes8::attend_fixed<4>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 64: return lanes8::attend_fixed<8>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        case 128: return lanes8::attend_fixed<16>(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, sc, o);
-        default: return attend(qp, k, v, ks, vs, mp, B, Tn, H, KV, S, hd, sc, o);
-      }
-    };
     if (out.scalar_type() == at::kBFloat16)
-      to(out.data_ptr<c10::BFloat16>());
+      dispatch(qp, H * hd, k, v, ks, vs, mp, S, B, Tn, H, KV, S, hd, sc, mode >= 1, out.data_ptr<c10::BFloat16>());
     else
-      to(out.data_ptr<float>());
+      dispatch(qp, H * hd, k, v, ks, vs, mp, S, B, Tn, H, KV, S, hd, sc, mode >= 1, out.data_ptr<float>());
   };
   if (keys.scalar_type() == at::kBFloat16)
     run(keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
@@ -225,5 +231,25 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
 }
 
 }  // namespace
+
+namespace specdraft_rows {
+
+void attend_rows(const float* q, int64_t q_row, const void* keys, const void* values, at::ScalarType kv_type,
+                 const int64_t* ks, const int64_t* vs, const bool* mask, int64_t m_row, int64_t Tn, int64_t H,
+                 int64_t KV, int64_t S, int64_t hd, float scale, int64_t mode, float* out) {
+  TORCH_CHECK(hd % 8 == 0 && H % KV == 0, "rowgemm: attention shapes do not match");
+  const bool wide = mode >= 1;
+  if (kv_type == at::kBFloat16)
+    dispatch(q, q_row, static_cast<const c10::BFloat16*>(keys), static_cast<const c10::BFloat16*>(values), ks, vs,
+             mask, m_row, 1, Tn, H, KV, S, hd, scale, wide, out);
+  else if (kv_type == at::kHalf)
+    dispatch(q, q_row, static_cast<const c10::Half*>(keys), static_cast<const c10::Half*>(values), ks, vs, mask,
+             m_row, 1, Tn, H, KV, S, hd, scale, wide, out);
+  else
+    dispatch(q, q_row, static_cast<const float*>(keys), static_cast<const float*>(values), ks, vs, mask, m_row, 1,
+             Tn, H, KV, S, hd, scale, wide, out);
+}
+
+}  // namespace specdraft_rows
 
 TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) { m.impl("attention", &attention); }

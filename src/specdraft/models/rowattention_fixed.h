@@ -8,7 +8,8 @@
 // alone: its query and output accumulate in registers; a score is vector FMAs over the head dimension in order, then
 // vsum (8 slots at a time, 8 independent chains, their 8 sums formed together by vsum8 in vsum's own order); the
 // softmax sum is :func:`visible_sum`'s and the values run over the visible slots in slot order. How rows are grouped
-// (by thread count, by the number of queries) therefore never changes a result.
+// (by thread count, by the number of queries) therefore never changes a result. Token t's queries start at
+// q + t * q_row (heads hd apart) and its mask row at mask + t * m_row; the output is (B, Tn, H, hd).
 // Values of R rows of one query (the heads that read one KV head: the same visible slots) over one block: each
 // output element accumulates p * v in slot order over the visible prefix, then over the visible slots after it
 // (``visible``: a tree's mask from the block's first slot, or null), exactly as a row alone does. C vectors of the
@@ -38,8 +39,9 @@ inline void values_tile(const float* const* sc, float* const* a, const float* vp
 }
 
 template <int HD8, typename T, typename O>
-void attend_fixed(const float* q, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
-                  const bool* mask, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale, O* out) {
+void attend_fixed(const float* q, int64_t q_row, const T* keys, const T* values, const int64_t* ks, const int64_t* vs,
+                  const bool* mask, int64_t m_row, int64_t B, int64_t Tn, int64_t H, int64_t KV, int64_t S, float scale,
+                  O* out) {
   constexpr int64_t hd = HD8 * 8;
   constexpr int NV = hd / kLanes;  // vectors per head
   constexpr int64_t kBlock = 64;  // slots per block: 16 KB of fp32 keys (or values), in L1
@@ -55,7 +57,7 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
   // run over whole vectors there; only other masks (token trees) look slot by slot, after their longest prefix.
   std::vector<int64_t> prefix(Tn, S);
   if (mask)
-    for (int64_t t = 0; t < Tn; ++t) prefix[t] = visible_prefix(mask + t * S, S);
+    for (int64_t t = 0; t < Tn; ++t) prefix[t] = visible_prefix(mask + t * m_row, S);
   at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kbuf(kBlock * hd), vbuf(kBlock * hd), score, acc, total;
     for (int64_t item = begin; item < end;) {
@@ -69,7 +71,7 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       total.assign(n_rows, 0.0f);
       const T* kb = keys + b * ks[0] + kvh * ks[1];
       const T* vb = values + b * vs[0] + kvh * vs[1];
-      auto query = [&](int64_t r) { return q + ((b * Tn + r / groups) * H + kvh * groups + r % groups) * hd; };
+      auto query = [&](int64_t r) { return q + (b * Tn + r / groups) * q_row + (kvh * groups + r % groups) * hd; };
       auto slot_score = [&](const float* qv, const float* kv) {  // one slot: the FMA chain, vsum, the scale
         V dot = vzero();
         for (int i = 0; i < NV; ++i) dot = vfma(vload(qv + i * kLanes), vload(kv + i * kLanes), dot);
@@ -159,7 +161,7 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
       for (int64_t r = r0; r < r1; ++r) {
         float* sc = &score[(r - r0) * (S + 8)];
         const int64_t t = r / groups, lead = prefix[t];
-        const bool* visible = mask && lead < S ? mask + t * S : nullptr;
+        const bool* visible = mask && lead < S ? mask + t * m_row : nullptr;
         const __m256 shift = _mm256_set1_ps(visible_max(sc, visible, lead, S));
         const int64_t upto = visible ? S : lead;
         for (int64_t s = 0; s < upto; s += 8) _mm256_storeu_ps(&sc[s], exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[s]), shift)));
@@ -175,7 +177,7 @@ void attend_fixed(const float* q, const T* keys, const T* values, const int64_t*
           const int64_t t = r / groups, lead = prefix[t];
           int64_t m = 1;  // rows r .. r + m - 1: the same query t
           while (m < 3 && r + m < r1 && (r + m) / groups == t) ++m;
-          const bool* visible = mask && lead < S ? mask + t * S + s0 : nullptr;
+          const bool* visible = mask && lead < S ? mask + t * m_row + s0 : nullptr;
           const int64_t whole = std::min(n, std::max<int64_t>(0, lead - s0));  // slots of the visible prefix here
           if (visible || whole > 0) {
             const float* sc[3];

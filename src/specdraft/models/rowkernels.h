@@ -16,6 +16,14 @@
 
 namespace specdraft_rows {
 
+// Attention of Tn new queries of one sequence over S cached slots (rowattention.cpp, the kernel behind the
+// ``attention`` op, called directly by the fused layer): token t's H query heads at q + t * q_row (hd apart); keys and
+// values of the cache's element type (kv_type: float32, float16 or bfloat16) with strides ks, vs (batch, KV head,
+// slot); mask (Tn rows m_row apart, S visible flags each) or null; out (Tn, H * hd) float32.
+void attend_rows(const float* q, int64_t q_row, const void* keys, const void* values, at::ScalarType kv_type,
+                 const int64_t* ks, const int64_t* vs, const bool* mask, int64_t m_row, int64_t Tn, int64_t H,
+                 int64_t KV, int64_t S, int64_t hd, float scale, int64_t mode, float* out);
+
 inline float hsum(__m256 v) {  // one fixed order: (lo + hi), then pairs, then the last two
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
