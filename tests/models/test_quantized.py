@@ -241,6 +241,53 @@ def test_the_fused_layer_call_equals_the_layer_by_layer_path_closely():
     torch.testing.assert_close(fused, layered, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_one_call_runs_every_layer_as_the_calls_one_by_one_do(scheme):
+    model = QuantizedLlama.from_dense(_dense(), scheme)
+    stack = Q.FusedStack.of(model._fused)
+    assert stack is not None and len(stack.weights) == 4 * len(model.layers)
+    one, each = model.new_cache(64), model.new_cache(64)
+    model(torch.tensor([PROMPT]), one)
+    model(torch.tensor([PROMPT]), each)
+    start = len(PROMPT)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    three = torch.tensor([[5, 9, 11]])
+    for tokens, local in ((torch.tensor([[5]]), None), (three, None), (three, tree)):
+        step = model._step(start, tokens.shape[1]) if local is None else \
+            model._tree_step(start, tokens.shape[1], start + torch.tensor([0, 1, 1]), local)
+        mask = None if step.mask is None else step.mask[: tokens.shape[1]]  # (T, S)
+        hidden = model.embed_tokens(tokens)  # (1, T, D)
+        together = Q.fused_layers(hidden, stack, one.keys, one.values, start, step.cos, step.sin, mask)
+        alone = hidden
+        for index, layer in enumerate(model._fused):
+            alone = Q.fused_layer(alone, layer, each.keys[index], each.values[index], start, step.cos, step.sin, mask)
+        assert torch.equal(together, alone)
+        for index in range(len(model.layers)):
+            assert torch.equal(one.keys[index], each.keys[index]) and torch.equal(one.values[index], each.values[index])
+
+
+def test_a_decode_step_makes_one_call_for_its_layers(monkeypatch):
+    model = QuantizedLlama.from_dense(_dense(), "int8")
+    cache = model.new_cache(64)
+    model(torch.tensor([PROMPT]), cache)
+    expected = model(torch.tensor([[5, 9]]), cache)
+    cache.crop(len(PROMPT))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a layer called alone")
+
+    monkeypatch.setattr(Q, "fused_layer", refuse)
+    assert torch.equal(model(torch.tensor([[5, 9]]), cache), expected)
+    kept, model._fused = model._fused, [None, *model._fused[1:]]  # a layer not fused: the layers go one by one
+    try:
+        assert Q.FusedStack.of(model._fused) is None
+        cache.crop(len(PROMPT))
+        with pytest.raises(AssertionError, match="alone"):
+            model(torch.tensor([[5, 9]]), cache)
+    finally:
+        model._fused = kept
+
+
 def test_quantized_tables_serve_drafters_and_exports():
     dense = _dense()
     model = QuantizedLlama.from_dense(dense, "int8")

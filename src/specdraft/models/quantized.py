@@ -179,6 +179,49 @@ class FusedLayer:
                    layer.num_kv_heads)
 
 
+@dataclass(frozen=True)
+class FusedStack:
+    """A model's fused layers flattened for one :func:`fused_layers` call: their weights and kinds in layer order, four
+    per layer, and their norms (q_norms and k_norms empty in a Llama)."""
+
+    weights: list[torch.Tensor]
+    kinds: list[int]
+    attn_norms: list[torch.Tensor]
+    mlp_norms: list[torch.Tensor]
+    q_norms: list[torch.Tensor]
+    k_norms: list[torch.Tensor]
+    eps: float
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def of(cls, layers: list[FusedLayer | None]) -> FusedStack | None:
+        """The stack of ``layers``; None where one call cannot run them all (a layer not fused, layers that differ in
+        eps or heads, q and k norms on only some)."""
+        if not layers or any(layer is None for layer in layers):
+            return None
+        first = layers[0]
+        if any((layer.eps, layer.heads, layer.kv_heads, layer.q_norm is None, layer.k_norm is None)
+               != (first.eps, first.heads, first.kv_heads, first.q_norm is None, first.k_norm is None)
+               for layer in layers) or (first.q_norm is None) != (first.k_norm is None):
+            return None
+        normed = first.q_norm is not None
+        return cls([w for layer in layers for w in layer.weights], [k for layer in layers for k in layer.kinds],
+                   [layer.attn_norm for layer in layers], [layer.mlp_norm for layer in layers],
+                   [layer.q_norm for layer in layers] if normed else [],
+                   [layer.k_norm for layer in layers] if normed else [], first.eps, first.heads, first.kv_heads)
+
+
+def fused_layers(hidden: torch.Tensor, stack: FusedStack, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 start: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fused_layer` for every layer of ``stack`` in turn, in one call (one dispatch instead of one per layer):
+    hidden (1, T, D) float32 -> (1, T, D), layer l writing into ``keys[l]`` / ``values[l]`` (1, KV, S, hd). Equal bit
+    for bit to the calls one by one."""
+    return _ops().qlayers(hidden, stack.weights, stack.kinds, stack.attn_norms, stack.mlp_norms, stack.eps, keys,
+                          values, start, cos, sin, mask, stack.heads, stack.kv_heads, mode(), rowgemm.mode(),
+                          stack.q_norms, stack.k_norms)
+
+
 def fused_layer_rows(hidden: torch.Tensor, layer: FusedLayer, keys: torch.Tensor, values: torch.Tensor,
                      rows: list[int], starts: list[int], cos: torch.Tensor, sin: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor:

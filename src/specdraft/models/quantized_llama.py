@@ -98,6 +98,8 @@ class QuantizedLlama(NativeLlama):
         self._row_heads: list[tuple[torch.Tensor, quantization.QuantizedWeight]] = []  # logits_weight -> blocks
         self._fused = [None if any(getattr(layer, f"{name}_bias") is not None for name in _PROJECTIONS)
                        else quantization.FusedLayer.of(layer) for layer in self.layers]
+        self._stack_of: list | None = None  # the list of fused layers self._stack was made from
+        self._stack: quantization.FusedStack | None = None
         self.eval()
 
     # ---- what differs from the dense model
@@ -192,11 +194,23 @@ class QuantizedLlama(NativeLlama):
 
     def _run_layers(self, hidden: torch.Tensor, cache, step, taps=(), aux: list[torch.Tensor] | None = None
                     ) -> torch.Tensor:
+        stack = self._fused_stack()
+        if not taps and step.rowwise and stack is not None and hidden.shape[0] == 1:  # a decode step, verify or tree
+            mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
+            return quantization.fused_layers(hidden, stack, cache.keys, cache.values, step.start, step.cos, step.sin,
+                                             mask)
         for index in range(len(self._fused)):
             if index in taps:
                 aux.append(hidden)  # (B, T, D)
             hidden = self._layer(index, hidden, cache, step)  # (B, T, D)
         return hidden
+
+    def _fused_stack(self) -> quantization.FusedStack | None:
+        """Every fused layer flattened for one call (None where they are not all fused), made again when
+        :attr:`_fused` is replaced."""
+        if getattr(self, "_stack_of", None) is not self._fused:
+            self._stack, self._stack_of = quantization.FusedStack.of(self._fused), self._fused
+        return self._stack
 
     def _run_layer_subset(self, hidden: torch.Tensor, cache, step, layers: list[int]) -> torch.Tensor:
         for index in layers:

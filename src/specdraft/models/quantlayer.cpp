@@ -217,6 +217,31 @@ at::Tensor layer(const at::Tensor& hidden, at::TensorList weights, at::IntArrayR
                     kv_only);
 }
 
+// Every layer of a batch-1 forward in one call: layer() for layers 0 .. L - 1 in turn, layer l on weights and kinds
+// 4 l .. 4 l + 3, the l-th norms and the l-th cache tensors, returning what those calls one by one return, bit for
+// bit. One dispatch instead of one per layer (30 for SmolLM2, from Python). q_norms and k_norms: empty (Llama) or one
+// per layer (Qwen3).
+at::Tensor layers(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef kinds, at::TensorList attn_norms,
+                  at::TensorList mlp_norms, double eps, at::TensorList keys, at::TensorList values, int64_t start,
+                  const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask, int64_t heads,
+                  int64_t kv_heads, int64_t qmode, int64_t amode, at::TensorList q_norms, at::TensorList k_norms) {
+  const size_t L = attn_norms.size();
+  TORCH_CHECK(weights.size() == 4 * L && kinds.size() == 4 * L && mlp_norms.size() == L && keys.size() == L &&
+                  values.size() == L && (q_norms.empty() || q_norms.size() == L) && k_norms.size() == q_norms.size(),
+              "quantlayer: four weights and kinds, two norms and a cache per layer");
+  at::Tensor x = hidden;
+  for (size_t l = 0; l < L; ++l) {
+    c10::optional<at::Tensor> q_norm, k_norm;
+    if (!q_norms.empty()) {
+      q_norm = q_norms[l];
+      k_norm = k_norms[l];
+    }
+    x = layer(x, weights.slice(4 * l, 4), kinds.slice(4 * l, 4), attn_norms[l], mlp_norms[l], eps, keys[l], values[l],
+              start, cos, sin, mask, heads, kv_heads, qmode, amode, q_norm, k_norm, false);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
@@ -226,9 +251,13 @@ TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
   m.def("qlayer_rows(Tensor hidden, Tensor[] weights, int[] kinds, Tensor attn_norm, Tensor mlp_norm, float eps, "
         "Tensor keys, Tensor values, int[] rows, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int heads, "
         "int kv_heads, int qmode, int amode, Tensor? q_norm=None, Tensor? k_norm=None, bool kv_only=False) -> Tensor");
+  m.def("qlayers(Tensor hidden, Tensor[] weights, int[] kinds, Tensor[] attn_norms, Tensor[] mlp_norms, float eps, "
+        "Tensor[] keys, Tensor[] values, int start, Tensor cos, Tensor sin, Tensor? mask, int heads, int kv_heads, "
+        "int qmode, int amode, Tensor[] q_norms, Tensor[] k_norms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
   m.impl("qlayer", &layer);
   m.impl("qlayer_rows", &layer_rows);
+  m.impl("qlayers", &layers);
 }
