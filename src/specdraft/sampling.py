@@ -256,5 +256,5 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise a clear error for NaN/inf logits instead of sampling garbage. One sum answers for finite rows (a NaN or
     inf makes it non-finite); only a non-finite sum, which huge finite logits could also give, reads every entry."""
-    if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
+    if not math.isfinite(logits.sum().item()) and not bool(torch.isfinite(logits).all()):
         raise SpecdraftError(f"non-finite logits (NaN or inf) from the {who} model")
