@@ -69,7 +69,7 @@ import torch
 from specdraft.costs import CostCurve
 from specdraft.drafters.base import EMPTY_DRAFT, CatchUp, Draft, Drafter, catch_up, draft_kind
 from specdraft.sampling import SamplingConfig
-from specdraft.trees import chain_parents, depths, keep_nodes
+from specdraft.trees import chain_parents, depth_list, depths, keep_nodes
 from specdraft.verification import VerifyResult
 
 _PRIOR_WEIGHT = 2.0  # pseudo-observations behind each bucket's prior
@@ -154,7 +154,7 @@ class AcceptanceMap:
 def _node_keys(draft: Draft) -> tuple[list[tuple], torch.Tensor]:
     """Each node's bucket and the tree's parents (N,)."""
     parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
-    node_depths = depths(parents).tolist()
+    node_depths = depth_list(parents)
     confidence = draft.confidence.tolist() if draft.confidence is not None else [math.nan] * len(draft)
     source = draft.source.tolist() if draft.source is not None else [0] * len(draft)
     return [_key(s, c, d) for s, c, d in zip(source, confidence, node_depths, strict=True)], parents
@@ -295,7 +295,7 @@ class AdaptivePolicy:
         """Per-depth acceptance of the deepest reached level (what ``budget`` prices before drafting)."""
         if len(draft) == 0:
             return
-        node_depths = depths(parents).tolist()
+        node_depths = depth_list(parents)
         deepest = max((node_depths[n] for n in accepted), default=0)
         for depth in range(1, min(max(node_depths), deepest + 1) + 1):
             self.acceptance.update(depth_key(depth, self._kind), depth <= deepest)

@@ -39,12 +39,17 @@ def check_tree(tokens: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | No
         raise SpecdraftError(f"tree q must be (N, V) with N = {tokens.shape[0]}, got {tuple(q.shape)}")
 
 
+def depth_list(parents: torch.Tensor) -> list[int]:
+    """Depth of every node as a list; children of the root have depth 1 (parents come before their children)."""
+    depth: list[int] = []
+    for parent in parents.tolist():
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return depth
+
+
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of every node; children of the root have depth 1. (N,) long."""
-    depth = torch.zeros(parents.shape[0], dtype=torch.long)
-    for i, parent in enumerate(parents.tolist()):
-        depth[i] = 1 if parent < 0 else depth[parent] + 1
-    return depth
+    return torch.tensor(depth_list(parents), dtype=torch.long)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
