@@ -95,9 +95,14 @@ def within_rollback(draft_tokens: torch.Tensor, log_p: torch.Tensor, rollback: f
     return distance <= rollback
 
 
+def _leading(flags: list[bool]) -> int:
+    """Length of the run of True at the start of ``flags``."""
+    return next((i for i, flag in enumerate(flags) if not flag), len(flags))
+
+
 def _leading_true(mask: torch.Tensor) -> int:
-    """Length of the run of True at the start of a 1-D bool tensor."""
-    return int(mask.long().cumprod(0).sum())
+    """Length of the run of True at the start of a 1-D bool tensor (γ entries: a list is cheaper than tensor ops)."""
+    return _leading(mask.tolist())
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
@@ -109,11 +114,13 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
         draft_tokens: (γ,) drafted ids.
         target_logits: (γ + 1, V) target logits at the positions predicting each draft token and the one after.
     """
-    target_tokens = argmax(target_logits)  # (γ + 1,)
-    gamma = draft_tokens.shape[0]
-    kept = draft_tokens == target_tokens[:gamma]  # (γ,)
-    num_accepted = _leading_true(kept if tolerated is None else kept | tolerated)
-    return VerifyResult(gamma, num_accepted, int(target_tokens[num_accepted]))
+    target_tokens = argmax(target_logits).tolist()  # γ + 1 ids
+    drafted = draft_tokens.tolist()
+    kept = [a == b for a, b in zip(drafted, target_tokens, strict=False)]  # γ flags
+    if tolerated is not None:
+        kept = [k or t for k, t in zip(kept, tolerated.tolist(), strict=True)]
+    num_accepted = _leading(kept)
+    return VerifyResult(len(drafted), num_accepted, target_tokens[num_accepted])
 
 
 def point_mass(draft_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
