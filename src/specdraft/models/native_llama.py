@@ -220,9 +220,9 @@ def causal_mask(start: int, steps: int, groups: int, device: torch.device) -> to
     """
     if steps == 1 or start == 0:
         return None
-    positions = start + torch.arange(steps, device=device)  # (T,)
-    mask = torch.arange(start + steps, device=device)[None, :] <= positions[:, None]  # (T, S)
-    return mask.repeat(groups, 1)  # (G*T, S)
+    # per group, row t keeps slots s <= start + t: a lower triangle shifted right by start (two ops, not six)
+    mask = torch.ones(groups, steps, start + steps, dtype=torch.bool, device=device).tril_(start)  # (G, T, S)
+    return mask.view(groups * steps, start + steps)  # (G*T, S)
 
 
 def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: LayerStep) -> torch.Tensor:
