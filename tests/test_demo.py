@@ -76,3 +76,24 @@ def test_demo_on_quantized_weights_checks_identity_in_the_same_run(tmp_path, mon
     assert all(r["identical"] == "2/2" for r in rows)
     assert any("identical to plain: int8 blocks, this run" in line for line in lines)
     assert not any("float32 check" in line for line in lines)
+
+
+def test_the_methods_answer_each_prompt_in_turn(monkeypatch):
+    """The demo interleaves: every method answers a prompt before the next prompt, the order rotated per prompt."""
+    from types import SimpleNamespace
+
+    import specdraft.demo as demo
+
+    calls = []
+
+    def fake_generate(target, ids, drafter, gen, generator, policy=None):
+        calls.append((ids, drafter))
+        return SimpleNamespace(stats=SimpleNamespace(new_tokens=1, tokens_per_second=1.0, block_efficiency=1.0))
+
+    monkeypatch.setattr(demo, "generate", fake_generate)
+    monkeypatch.setattr(demo, "speculation_policy", lambda gen, target, drafter: None)
+    methods = {"plain": "p", "a": "a", "b": "b"}
+    results = demo._answer_all(None, methods, ["x", "y", "z"], None, lambda line: None)
+    assert calls == [("x", "p"), ("x", "a"), ("x", "b"), ("y", "a"), ("y", "b"), ("y", "p"),
+                     ("z", "b"), ("z", "p"), ("z", "a")]
+    assert {name: len(rs) for name, rs in results.items()} == {"plain": 3, "a": 3, "b": 3}

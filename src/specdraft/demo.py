@@ -98,13 +98,16 @@ def _load_methods(config: DemoConfig, precision: Precision, out) -> tuple[object
 
 def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, out,
                 label: str = "") -> dict[str, list[GenerationResult]]:
-    """Every method answers every prompt; a policy per method learns across its prompts."""
-    results: dict[str, list[GenerationResult]] = {}
-    for name, drafter in methods.items():
-        policy = speculation_policy(gen, target, drafter)
-        results[name] = []
-        for i, x in enumerate(ids):
-            results[name].append(generate(target, x, drafter, gen, torch.Generator().manual_seed(0), policy=policy))
+    """Every method answers every prompt, interleaved: each prompt by every method in turn, the order rotated from one
+    prompt to the next, so that a shared machine's drift over the run falls on all methods alike (as ``bench``). A
+    policy per method learns across its prompts."""
+    policies = {name: speculation_policy(gen, target, drafter) for name, drafter in methods.items()}
+    results: dict[str, list[GenerationResult]] = {name: [] for name in methods}
+    names = list(methods)
+    for i, x in enumerate(ids):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            results[name].append(generate(target, x, methods[name], gen, torch.Generator().manual_seed(0),
+                                          policy=policies[name]))
             s = results[name][-1].stats
             out(f"  {label}{name}: prompt {i + 1}/{len(ids)}, {s.new_tokens} tokens at {s.tokens_per_second:.1f} "
                 f"tokens/s, block efficiency {s.block_efficiency:.2f}")
