@@ -96,13 +96,8 @@ def within_rollback(draft_tokens: torch.Tensor, log_p: torch.Tensor, rollback: f
 
 
 def _leading(flags: list[bool]) -> int:
-    """Length of the run of True at the start of ``flags``."""
+    """Length of the run of True at the start of ``flags`` (γ entries: a list is cheaper than tensor ops)."""
     return next((i for i, flag in enumerate(flags) if not flag), len(flags))
-
-
-def _leading_true(mask: torch.Tensor) -> int:
-    """Length of the run of True at the start of a 1-D bool tensor (γ entries: a list is cheaper than tensor ops)."""
-    return _leading(mask.tolist())
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
@@ -173,7 +168,7 @@ def verify_sampling(
         q = point_mass(draft_tokens, p.shape[-1])
     uniforms = torch.rand(gamma, generator=generator)  # (γ,)
     kept = uniforms < acceptance_probabilities(draft_tokens, p, q)  # (γ,)
-    num_accepted = _leading_true(kept if tolerated is None else kept | tolerated)
+    num_accepted = _leading((kept if tolerated is None else kept | tolerated).tolist())
     if num_accepted < gamma:
         next_token = sample(residual_distribution(p[num_accepted], q[num_accepted]), generator)
     else:

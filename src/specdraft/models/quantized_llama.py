@@ -208,7 +208,7 @@ class QuantizedLlama(NativeLlama):
     def _fused_stack(self) -> quantization.FusedStack | None:
         """Every fused layer flattened for one call (None where they are not all fused), made again when
         :attr:`_fused` is replaced."""
-        if getattr(self, "_stack_of", None) is not self._fused:
+        if self._stack_of is not self._fused:
             self._stack, self._stack_of = quantization.FusedStack.of(self._fused), self._fused
         return self._stack
 
