@@ -3,6 +3,7 @@ with it on (greedy token for token, sampling by chi-square)."""
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdraft.drafters.base import Draft, NoDrafter
 from specdraft.sampling import SamplingConfig
 from specdraft.sequence import GenerationConfig, speculation_policy
-from specdraft.speculation import AdaptivePolicy, FixedPolicy, depth_key, sequential_stop
+from specdraft.speculation import AdaptivePolicy, FixedPolicy, Line, depth_key, sequential_stop
 from specdraft.verification import VerifyResult
 from toys import PatternDrafter, hf_target, random_bigram
 
@@ -71,7 +72,7 @@ def test_draft_kinds_are_priced_apart() -> None:
         policy.observe(draft, result, 0.0 if kind == "copy" else 0.008 * depth, 0.01)
     assert policy.budget(100, 4, "copy") >= 3
     assert policy.budget(100, 4, "model") == 0
-    assert policy.kinds["model"].draft_seconds_per_token > policy.kinds["copy"].draft_seconds_per_token == 0.0
+    assert policy._drafting_seconds(policy.kinds["model"], 2) > policy._drafting_seconds(policy.kinds["copy"], 2) == 0
 
 
 def test_a_draft_models_catch_up_forward_is_priced_per_step_not_per_token() -> None:
@@ -94,7 +95,7 @@ def test_a_draft_models_catch_up_forward_is_priced_per_step_not_per_token() -> N
         return policy
 
     apart, pooled = learn(True), learn(False)
-    assert apart.kinds["model"].catch_up_seconds == pytest.approx(0.007, rel=0.05)
+    assert apart.kinds["model"].catch_up.intercept == pytest.approx(0.007, rel=0.05)
     assert apart.kinds["model"].draft_seconds_per_token == pytest.approx(0.001, rel=0.05)
     assert pooled.kinds["model"].draft_seconds_per_token == pytest.approx(0.008, rel=0.05)
     assert apart.budget(100, 4, "model") > pooled.budget(100, 4, "model")
@@ -102,8 +103,73 @@ def test_a_draft_models_catch_up_forward_is_priced_per_step_not_per_token() -> N
     fresh.budget(100, 1, "model")
     fresh.note_catch_up(CatchUp(0.0, 0.077, fresh=True))  # a new sequence's prompt, read by the first forward
     fresh.observe(Draft(torch.arange(1), source=torch.zeros(1, dtype=torch.long)), VerifyResult(1, 1, 0), 0.078, 0.01)
-    assert fresh.kinds["model"].catch_up_seconds == 0.0
+    assert fresh.kinds["model"].catch_up.intercept == 0.0
     assert fresh.kinds["model"].draft_seconds_per_token == pytest.approx(0.0001)
+
+
+def test_the_tokens_a_catch_up_reads_are_not_priced_into_the_next_draft() -> None:
+    """A catch-up forward that read the tokens of a run of plain steps costs more than one that read a token; those
+    tokens are read whenever the model drafts next, so the policy prices a drafting step at the line's one-token
+    cost (here 2 ms + 0.5 ms a further token), not at the average catch-up (about 4.5 ms), and drafts where that
+    pays."""
+    from specdraft.drafters.base import CatchUp
+
+    policy = AdaptivePolicy(_curve(0.05), 4)
+    for depth in range(1, 5):  # the model's drafts accepted 45% of the time at every depth
+        for trial in range(40):
+            policy.acceptance.update(depth_key(depth, "model"), trial % 20 < 9)
+    for read in [1, 9, 3, 12, 1, 7, 5, 10] * 5:
+        policy.budget(100, 1, "model")
+        policy.note_catch_up(CatchUp(0.0, 0.002 + 0.0005 * (read - 1), fresh=False, tokens=read))
+        policy.observe(Draft(torch.arange(1), source=torch.zeros(1, dtype=torch.long)), VerifyResult(1, 0, 0),
+                       0.002 + 0.0005 * (read - 1), 0.0105)
+    state = policy.kinds["model"]
+    assert state.catch_up.intercept == pytest.approx(0.002, rel=0.02)
+    assert state.catch_up.slope == pytest.approx(0.0005, rel=0.02)
+    assert policy.budget(100, 4, "model") > 0
+    averaged = AdaptivePolicy(_curve(0.05), 4)  # the same reads, each priced whole: drafting never pays
+    averaged.acceptance = policy.acceptance
+    averaged.kinds["model"] = replace(state, catch_up=Line(0.0045, 0.0))
+    assert averaged.budget(100, 4, "model") == 0
+
+
+def test_drafting_is_priced_by_a_line_in_the_depth() -> None:
+    """A draft model's first token comes with its catch-up forward and each further one costs a forward: drafting
+    beyond the catch-up is 0.3 ms + 1.4 ms a token after the first. Priced per token on average, mostly 1-token
+    drafts make a 1-token draft look dearer and a 3-token one cheaper than they are; the line prices both."""
+    policy = AdaptivePolicy(_curve(0.05), 4)
+    for depth in range(1, 5):  # drafts that are always right: the policy drafts as deep as it is allowed
+        for _ in range(40):
+            policy.acceptance.update(depth_key(depth, "model"), True)
+    for step in range(60):
+        depth = 2 if step % 5 == 0 else 1
+        assert policy.budget(100, depth, "model") == depth
+        draft = Draft(torch.arange(depth), source=torch.zeros(depth, dtype=torch.long))
+        policy.observe(draft, VerifyResult(depth, 0, 0), 0.0003 + 0.0014 * (depth - 1), 0.0105)
+    state = policy.kinds["model"]
+    assert policy._drafting_seconds(state, 1) == pytest.approx(0.0003, rel=0.02)
+    assert policy._drafting_seconds(state, 3) == pytest.approx(0.0031, rel=0.02)
+    assert state.draft_seconds_per_token > 1.1 * 0.0003 and 3 * state.draft_seconds_per_token < 0.5 * 0.0031  # average
+
+
+def test_the_verify_slope_is_learned_apart_from_the_scale() -> None:
+    """A machine whose plain step costs 1.5x the curve's but whose extra tokens cost half the curve's extra: the
+    scale follows the plain steps, the slope the verifies, and the prices of both match what was measured."""
+    curve = _curve(0.3)
+    policy = AdaptivePolicy(curve, 4)
+
+    def measured(tokens: int) -> float:
+        return 1.5 * (curve.seconds(1, 100) + 0.5 * (curve.seconds(tokens, 100) - curve.seconds(1, 100)))
+
+    for step in range(1000):  # the two estimates depend on each other: some hundreds of steps to settle
+        depth = step % 4  # plain steps and verifies of 1 to 3 draft tokens
+        policy.budget(100, depth, "model")
+        draft = Draft(torch.arange(depth), source=torch.zeros(depth, dtype=torch.long))
+        policy.observe(draft, VerifyResult(depth, 0, 0), 0.0, measured(1 + depth))
+    assert policy.verify_scale == pytest.approx(1.5, rel=0.02)
+    assert policy.verify_slope == pytest.approx(0.5, rel=0.05)
+    for tokens in (1, 2, 4):
+        assert policy._verify_seconds(tokens, 100) == pytest.approx(measured(tokens), rel=0.02)
 
 
 def test_a_draft_model_records_its_catch_up_forward() -> None:
@@ -168,11 +234,12 @@ def test_tree_trim_keeps_an_ancestor_closed_subset() -> None:
 def test_acceptance_is_learned_per_source() -> None:
     """A copy kind that is always right and one that is always wrong end up far apart."""
     policy = AdaptivePolicy(_curve(0.2), 4)
+    verify = policy.costs.seconds(4)  # each 3-token verify measured as the curve prices it
     for _ in range(50):
         good = Draft(torch.arange(3), source=torch.full((3,), 3))
-        policy.observe(good, VerifyResult(3, 3, 9), 0.0, 0.01)
+        policy.observe(good, VerifyResult(3, 3, 9), 0.0, verify)
         bad = Draft(torch.arange(3), source=torch.full((3,), 1))
-        policy.observe(bad, VerifyResult(3, 0, 9), 0.0, 0.01)
+        policy.observe(bad, VerifyResult(3, 0, 9), 0.0, verify)
     assert policy.acceptance.rate((3, "depth", 2)) > 0.95 > 0.05 > policy.acceptance.rate((1, "depth", 1))
     assert len(policy.trim(Draft(torch.arange(3), source=torch.full((3,), 3)), 100, 1, 0.0, True)) == 3
     assert len(policy.trim(Draft(torch.arange(3), source=torch.full((3,), 1)), 100, 1, 0.0, True)) == 0

@@ -42,14 +42,22 @@ is learned from the batch's measured forwards. ``max_sequences`` (both policies)
 
 The confidence-to-acceptance map is learned online: counts of accepted / reached nodes per (source, confidence
 decile) or, for nodes without a confidence (prompt lookup, REST, Lookahead, heads), per (source, depth), with a
-Beta prior at the confidence itself (or 0.5). The drafter's cost per requested token and a scale on the measured
-verify curve (a shared CPU's load drifts) are learned as moving averages of the loop's timings; a drafter whose one
-forward drafts any length (DFlash's block, ``DrafterFacts.one_forward_draft``) is priced per draft instead, so deeper
-drafts cost it nothing more to draft. A draft model's first forward of a step reads every token committed since it
-last drafted (after a run of copy or plain steps, several), so it is learned apart, as a cost per drafting step
-(:class:`~specdraft.drafters.base.CatchUp`; the read of a new sequence's prompt is prefill and not learned):
-priced per token, it made a 1-token draft look as dear per token as the forward itself and priced deeper drafts
-out. The per-depth
+Beta prior at the confidence itself (or 0.5). What drafting costs besides a draft model's catch-up is learned from
+the loop's timings as a line in the depth (:class:`Line`: a draft model's first token comes with its catch-up, each
+further one costs a forward, so an average per token overprices short drafts and underprices long ones), as the
+average per requested token until the depths drafted vary; a drafter whose one forward drafts any length (DFlash's
+block, ``DrafterFacts.one_forward_draft``) is priced per draft instead, so deeper drafts cost it nothing more. The
+measured verify curve is corrected by two learned factors: a scale on the whole forward (a shared CPU's load
+drifts) and a slope on what tokens beyond a plain step's add (a calibration taken once on a noisy machine can price
+them far from what the loop then measures: on a 2-core AMD EPYC Zen 3 its curve had a 3-token forward at 1.27x a
+step where the loop's forwards took 1.12-1.15x, and the policy verified too little). A draft model's first forward
+of a step reads every token committed since it last drafted (after a run of copy or plain steps, several), so it is
+learned apart (:class:`~specdraft.drafters.base.CatchUp`; the read of a new sequence's prompt is prefill and not
+learned): priced per token, it made a 1-token draft look as dear per token as the forward itself and priced deeper
+drafts out. It is learned as a line in the tokens it read, and a drafting step is priced at the line's one-token
+catch-up: the tokens behind are read whenever the model drafts next, so they are no cost of drafting now. Priced at
+the average catch-up, the tokens read after runs of plain steps made drafting look dearer, which made the runs
+longer. The per-depth
 acceptance that ``budget`` prices before drafting, the drafting cost per token and the verified nodes per depth are
 learned per draft kind: a draft model whose context holds a long prompt-lookup match copies at no drafting cost and
 is usually right, while its own chain costs a forward a token and, on a summary of a long article, is mostly wrong;
@@ -61,7 +69,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -77,6 +85,7 @@ _MAX_WEIGHT = 200.0  # counts are halved beyond this, so the map follows drift
 _MAX_DEPTH_KEY = 8  # depths beyond this share a bucket
 _EMA = 0.1  # weight of the newest timing in the moving averages
 _EXPLORE_EVERY = 8  # after this many plain steps in a row, one cheap draft keeps the estimates alive
+_MIN_SPREAD = 0.05  # the least variance of x (tokens) over which a Line fits a slope
 
 
 @runtime_checkable
@@ -166,11 +175,30 @@ def depth_key(depth: int, kind: Hashable) -> tuple:
 
 
 @dataclass
+class Line:
+    """y = intercept + slope x through recent observations: a least-squares line over moving sums of 1, x, y, x²
+    and xy (their ratios are the weighted means); ``slope`` stays None while the x seen barely vary."""
+
+    intercept: float = 0.0
+    slope: float | None = None
+    sums: tuple[float, ...] = (0.0,) * 5
+
+    def add(self, x: float, y: float) -> None:
+        self.sums = tuple(m + _EMA * (v - m) for m, v in zip(self.sums, (1.0, x, y, x * x, x * y), strict=True))
+        mx, my, mxx, mxy = (value / self.sums[0] for value in self.sums[1:])
+        spread = mxx - mx * mx
+        if spread > _MIN_SPREAD:  # never negative, never so steep that the intercept would be
+            self.slope = min(max((mxy - mx * my) / spread, 0.0), my / mx)
+        self.intercept = max(my - (self.slope or 0.0) * mx, 0.0)
+
+
+@dataclass
 class _KindState:
     """What :class:`AdaptivePolicy` learns per draft kind besides acceptance."""
 
     draft_seconds_per_token: float = 0.0  # moving average, per requested token (per draft: one_forward_draft)
-    catch_up_seconds: float = 0.0  # moving average of a draft model's first forward per drafting step
+    drafting: Line = field(default_factory=Line)  # drafting seconds beyond the catch-up against depth - 1
+    catch_up: Line = field(default_factory=Line)  # a draft model's first forward against the tokens it read - 1
     nodes_per_depth: float = 1.0  # moving average of verified nodes per requested depth
     plain_run: int = 0  # plain steps in a row (exploration, _EXPLORE_EVERY)
 
@@ -191,6 +219,8 @@ class AdaptivePolicy:
         self.initial_draft_seconds = draft_seconds_per_token
         self.kinds: dict[Hashable, _KindState] = {}  # per draft kind: drafting cost, nodes per depth, plain run
         self.verify_scale = 1.0  # moving average of measured / predicted verify seconds
+        self.verify_slope = 1.0  # the measured cost of tokens beyond a plain step's, against the curve's (learned)
+        self._excess = self._extra = 0.0  # moving sums of the measured and the curve's cost of those tokens
         self._asked = 0
         self._context = 0
         self._sequences = 1
@@ -205,7 +235,27 @@ class AdaptivePolicy:
     def _verify_seconds(self, new_tokens: int, context_length: int, sequences: int = 1) -> float:
         """Predicted seconds of this sequence's share of a verify forward in which each of ``sequences`` rows feeds
         ``new_tokens`` (module docstring)."""
-        return self.verify_scale * self.costs.seconds(sequences * new_tokens, context_length) / sequences
+        return self._forward_seconds(sequences * new_tokens, sequences, context_length) / sequences
+
+    def _curve_parts(self, tokens: int, rows: int, context_length: int) -> tuple[float, float]:
+        """The curve's price of a plain step of ``rows`` sequences, and what a forward of ``tokens`` adds to it."""
+        plain = self.costs.seconds(rows, context_length)
+        return plain, max(self.costs.seconds(tokens, context_length) - plain, 0.0)
+
+    def _drafting_seconds(self, state: _KindState, depth: int) -> float:
+        """Drafting seconds of a ``depth``-token draft besides the catch-up: the line through the depths drafted so
+        far, or while they have not varied, the average per requested token (per draft: one_forward_draft)."""
+        if self.one_forward_draft:
+            return state.draft_seconds_per_token
+        if state.drafting.slope is None:
+            return state.draft_seconds_per_token * depth
+        return state.drafting.intercept + state.drafting.slope * (depth - 1)
+
+    def _forward_seconds(self, tokens: int, rows: int, context_length: int) -> float:
+        """Predicted seconds of a forward of ``tokens`` new tokens over ``rows`` sequences: the curve's plain step and
+        its extra tokens, the extra tokens at the learned slope, all at the learned scale (module docstring)."""
+        plain, extra = self._curve_parts(tokens, rows, context_length)
+        return self.verify_scale * (plain + self.verify_slope * extra)
 
     def budget(self, context_length: int, limit: int, kind: Hashable = None, sequences: int = 1) -> int:
         """The depth with the best expected rate under the per-depth acceptance seen so far for this ``kind``."""
@@ -218,7 +268,7 @@ class AdaptivePolicy:
             reach *= self.acceptance.rate(depth_key(depth, kind))
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
-            drafting = state.catch_up_seconds + state.draft_seconds_per_token * (1 if self.one_forward_draft else depth)
+            drafting = state.catch_up.intercept + self._drafting_seconds(state, depth)
             seconds = drafting + self._verify_seconds(1 + nodes, context_length, sequences)
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
@@ -275,16 +325,30 @@ class AdaptivePolicy:
             caught = self._catch_up
             if caught is not None:  # the first forward apart: a cost per step, the rest per token
                 if not caught.fresh:  # a new sequence's first forward reads its whole prompt: prefill, not drafting
-                    state.catch_up_seconds += _EMA * (caught.seconds - state.catch_up_seconds)
+                    state.catch_up.add(caught.tokens - 1, caught.seconds)
                 draft_seconds = max(draft_seconds - caught.seconds, 0.0)
             per = draft_seconds if self.one_forward_draft else draft_seconds / self._asked
             state.draft_seconds_per_token += _EMA * (per - state.draft_seconds_per_token)
+            state.drafting.add(0 if self.one_forward_draft else self._asked - 1, draft_seconds)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
-        predicted = self.costs.seconds(self._sequences * (1 + len(draft)), self._context)  # the whole forward
-        if predicted > 0 and verify_seconds > 0:
-            ratio = min(max(verify_seconds / predicted, 0.5), 3.0)
-            self.verify_scale += _EMA * (ratio - self.verify_scale)
+        self._learn_verify(self._sequences * (1 + len(draft)), verify_seconds)
         self._catch_up = None
+
+    def _learn_verify(self, tokens: int, seconds: float) -> None:
+        """The scale from every step's measured forward (the whole forward, every row), the slope from the steps
+        that fed more tokens than a plain step: what they cost beyond the scaled plain step, against the curve's
+        extra."""
+        plain, extra = self._curve_parts(tokens, self._sequences, self._context)
+        predicted = plain + self.verify_slope * extra
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = min(max(seconds / predicted, 0.5), 3.0)
+        self.verify_scale += _EMA * (ratio - self.verify_scale)
+        if extra > 0.02 * plain:  # a ratio of moving sums: a verify of more tokens (a larger extra) weighs more
+            excess = min(max(seconds / self.verify_scale - plain, 0.0), 4.0 * extra)
+            self._excess, self._extra = (old + _EMA * (new - old) for old, new in
+                                         ((self._excess, excess), (self._extra, extra)))
+            self.verify_slope = self._excess / self._extra
 
     def note_catch_up(self, record: CatchUp | None) -> None:
         """This step's draft-model catch-up forward (:func:`~specdraft.drafters.base.catch_up`), read by

@@ -228,11 +228,13 @@ class CatchUp:
     tokens committed since it last drafted) and gives the first draft token. ``fresh``: it read a new sequence's
     prompt (its first forward since ``begin``: the whole context, or all of it past a prefix the previous sequence
     shared, such as a chat template's system turn). Adaptive speculation prices it as a cost per drafting step,
-    apart from the tokens after it, unless it is fresh: a prompt's read is prefill."""
+    apart from the tokens after it, unless it is fresh: a prompt's read is prefill. ``tokens``: how many it read
+    (after a run of plain or copy steps, several)."""
 
     started: float  # time.perf_counter() when the forward began
     seconds: float
     fresh: bool
+    tokens: int = 1
 
 
 def catch_up(drafter, since: float) -> CatchUp | None:

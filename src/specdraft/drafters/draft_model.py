@@ -163,7 +163,8 @@ class DraftModelDrafter:
                     logits = self._forward(ids, logits_to_keep=1)[0, -1]  # (V,)
                     token = self._pick(logits, sampling, generator, (probs, confidence, alternatives), runners_up)
                 if first:  # the forward that read what the drafter had not seen (speculation prices it apart)
-                    self.last_catch_up, first = CatchUp(started, time.perf_counter() - started, fresh), False
+                    self.last_catch_up = CatchUp(started, time.perf_counter() - started, fresh, ids.shape[1])
+                    first = False
                     self._new_sequence = False
             tokens.append(token)
             source.append(kind)
