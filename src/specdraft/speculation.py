@@ -58,7 +58,7 @@ drafts out. It is learned as a line in the tokens it read, and a drafting step i
 catch-up: the tokens behind are read whenever the model drafts next, so they are no cost of drafting now. Priced at
 the average catch-up, the tokens read after runs of plain steps made drafting look dearer, which made the runs
 longer. The per-depth
-acceptance that ``budget`` prices before drafting, the drafting cost per token and the verified nodes per depth are
+acceptance that ``budget`` prices before drafting, the drafting costs and the verified nodes per depth are
 learned per draft kind: a draft model whose context holds a long prompt-lookup match copies at no drafting cost and
 is usually right, while its own chain costs a forward a token and, on a summary of a long article, is mostly wrong;
 pooled, the copy steps would talk the policy into paying for chains that do not pay.
@@ -176,8 +176,8 @@ def depth_key(depth: int, kind: Hashable) -> tuple:
 
 @dataclass
 class Line:
-    """y = intercept + slope x through recent observations: a least-squares line over moving sums of 1, x, y, x²
-    and xy (their ratios are the weighted means); ``slope`` stays None while the x seen barely vary."""
+    """y = intercept + slope x (x >= 0) through recent observations: a least-squares line over moving sums of 1, x, y,
+    x² and xy (their ratios are the weighted means); ``slope`` stays None while the x seen barely vary."""
 
     intercept: float = 0.0
     slope: float | None = None
@@ -196,7 +196,8 @@ class Line:
 class _KindState:
     """What :class:`AdaptivePolicy` learns per draft kind besides acceptance."""
 
-    draft_seconds_per_token: float = 0.0  # moving average, per requested token (per draft: one_forward_draft)
+    draft_seconds_per_token: float = 0.0  # moving average per requested token (per draft: one_forward_draft); the
+    # price of drafting until the depths drafted vary
     drafting: Line = field(default_factory=Line)  # drafting seconds beyond the catch-up against depth - 1
     catch_up: Line = field(default_factory=Line)  # a draft model's first forward against the tokens it read - 1
     nodes_per_depth: float = 1.0  # moving average of verified nodes per requested depth
