@@ -185,11 +185,11 @@ def test_a_draft_model_records_its_catch_up_forward() -> None:
     start = time.perf_counter()
     drafter.propose(torch.tensor(PROMPT), 3, SamplingConfig(), None)
     first = catch_up(drafter, start)
-    assert first is not None and first.fresh and first.seconds > 0
+    assert first is not None and first.fresh and first.seconds > 0 and first.tokens == len(PROMPT)  # read it all
     later = time.perf_counter()
     drafter.propose(torch.tensor(PROMPT + [7, 8]), 3, SamplingConfig(), None)
     second = catch_up(drafter, later)
-    assert second is not None and not second.fresh
+    assert second is not None and not second.fresh and second.tokens in (1, 2)  # the new tokens its cache lacks
     assert catch_up(drafter, time.perf_counter()) is None
     drafter.begin(hf_target(seed=1), None)  # a new sequence whose prompt starts as the last one's (a chat template)
     again = time.perf_counter()
