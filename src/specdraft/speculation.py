@@ -220,8 +220,7 @@ class AdaptivePolicy:
         self.initial_draft_seconds = draft_seconds_per_token
         self.kinds: dict[Hashable, _KindState] = {}  # per draft kind: drafting cost, nodes per depth, plain run
         self.verify_scale = 1.0  # moving average of measured / predicted verify seconds
-        self.verify_slope = 1.0  # the measured cost of tokens beyond a plain step's, against the curve's (learned)
-        self._excess = self._extra = 0.0  # moving sums of the measured and the curve's cost of those tokens
+        self._excess = self._extra = 0.0  # moving sums: measured and curve cost of tokens beyond a plain step's
         self._asked = 0
         self._context = 0
         self._sequences = 1
@@ -232,6 +231,12 @@ class AdaptivePolicy:
         if kind not in self.kinds:
             self.kinds[kind] = _KindState(self.initial_draft_seconds)
         return self.kinds[kind]
+
+    @property
+    def verify_slope(self) -> float:
+        """What tokens beyond a plain step's cost, measured, against what the curve says they cost (1 until a verify
+        of more tokens than a plain step has been measured)."""
+        return self._excess / self._extra if self._extra > 0 else 1.0
 
     def _verify_seconds(self, new_tokens: int, context_length: int, sequences: int = 1) -> float:
         """Predicted seconds of this sequence's share of a verify forward in which each of ``sequences`` rows feeds
@@ -330,7 +335,8 @@ class AdaptivePolicy:
                 draft_seconds = max(draft_seconds - caught.seconds, 0.0)
             per = draft_seconds if self.one_forward_draft else draft_seconds / self._asked
             state.draft_seconds_per_token += _EMA * (per - state.draft_seconds_per_token)
-            state.drafting.add(0 if self.one_forward_draft else self._asked - 1, draft_seconds)
+            if not self.one_forward_draft:  # priced per draft by the average: no line to learn
+                state.drafting.add(self._asked - 1, draft_seconds)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
         self._learn_verify(self._sequences * (1 + len(draft)), verify_seconds)
         self._catch_up = None
@@ -347,9 +353,8 @@ class AdaptivePolicy:
         self.verify_scale += _EMA * (ratio - self.verify_scale)
         if extra > 0.02 * plain:  # a ratio of moving sums: a verify of more tokens (a larger extra) weighs more
             excess = min(max(seconds / self.verify_scale - plain, 0.0), 4.0 * extra)
-            self._excess, self._extra = (old + _EMA * (new - old) for old, new in
-                                         ((self._excess, excess), (self._extra, extra)))
-            self.verify_slope = self._excess / self._extra
+            self._excess += _EMA * (excess - self._excess)
+            self._extra += _EMA * (extra - self._extra)
 
     def note_catch_up(self, record: CatchUp | None) -> None:
         """This step's draft-model catch-up forward (:func:`~specdraft.drafters.base.catch_up`), read by
