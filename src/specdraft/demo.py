@@ -16,6 +16,7 @@ import torch
 
 import specdraft.models.rowgemm as rowgemm
 from specdraft import hardware
+from specdraft.bench.runner import rotated
 from specdraft.costs import CostCurve, cost_curve
 from specdraft.decoding import generate
 from specdraft.drafters import NAMED_DRAFTERS
@@ -103,9 +104,8 @@ def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, out,
     policy per method learns across its prompts."""
     policies = {name: speculation_policy(gen, target, drafter) for name, drafter in methods.items()}
     results: dict[str, list[GenerationResult]] = {name: [] for name in methods}
-    names = list(methods)
     for i, x in enumerate(ids):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in rotated(list(methods), i):
             results[name].append(generate(target, x, methods[name], gen, torch.Generator().manual_seed(0),
                                           policy=policies[name]))
             s = results[name][-1].stats

@@ -58,14 +58,20 @@ def environment() -> dict:
     }
 
 
+def rotated(items: Sequence, shift: int) -> list:
+    """``items`` from index ``shift`` (modulo their number) round to the start: the order a round of interleaved
+    methods runs in, rotated from one round to the next so a shared machine's drift falls on all of them alike."""
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
+
+
 def schedule(questions: Sequence[Question], methods: Sequence[Method], repeats: int,
              done: set[tuple]) -> list[tuple[Question, Method, int]]:
     """(question, method, repeat) still to answer, interleaved with the method order rotated every round."""
     todo = []
     for i, question in enumerate(questions):
         for repeat in range(repeats):
-            shift = (i * repeats + repeat) % len(methods)
-            for method in [*methods[shift:], *methods[:shift]]:
+            for method in rotated(methods, i * repeats + repeat):
                 if (question.question_id, method.name, repeat) not in done:
                     todo.append((question, method, repeat))
     return todo

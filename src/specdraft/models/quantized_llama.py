@@ -196,9 +196,8 @@ class QuantizedLlama(NativeLlama):
                     ) -> torch.Tensor:
         stack = self._fused_stack()
         if not taps and step.rowwise and stack is not None and hidden.shape[0] == 1:  # a decode step, verify or tree
-            mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
             return quantization.fused_layers(hidden, stack, cache.keys, cache.values, step.start, step.cos, step.sin,
-                                             mask)
+                                             _rows_mask(step, hidden))
         for index in range(len(self._fused)):
             if index in taps:
                 aux.append(hidden)  # (B, T, D)
@@ -223,9 +222,8 @@ class QuantizedLlama(NativeLlama):
         than ROWS_MAX nodes, biases)."""
         fused = self._fused[index]
         if step.rowwise and fused is not None and hidden.shape[0] == 1:  # a decode step, verify or tree
-            mask = None if step.mask is None else step.mask[: hidden.shape[1]]  # (T, S)
             return quantization.fused_layer(hidden, fused, cache.keys[index], cache.values[index], step.start,
-                                            step.cos, step.sin, mask)
+                                            step.cos, step.sin, _rows_mask(step, hidden))
         if fused is None or hidden.shape[0] != 1 or step.chunks is None:
             return self.layers[index](hidden, cache, index, step)
         return self._chunked_layer(fused, hidden, cache, index, step)
@@ -299,6 +297,11 @@ class QuantizedLlama(NativeLlama):
                 _save_cached(tensors, cached)
         weights, norms, biases = _split_tensors(tensors)
         return cls(config, name, weights, norms, biases)
+
+
+def _rows_mask(step, hidden: torch.Tensor) -> torch.Tensor | None:
+    """A row-wise step's mask over its (1, T, D) ``hidden`` rows: its first T rows, (T, S), or None."""
+    return None if step.mask is None else step.mask[: hidden.shape[1]]
 
 
 def _in_huge_pages(weights: dict[str, quantization.QuantizedWeight]) -> dict[str, quantization.QuantizedWeight]:
