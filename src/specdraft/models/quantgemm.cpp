@@ -354,11 +354,14 @@ void multiply(const float* x, int64_t M, int64_t K, const at::Tensor& packed, in
               bool vnni) {
   check_packed(packed, kind, K, N);
   const int64_t nb = K / kBlock;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), ds(M * nb);
-  std::vector<int32_t> s(M * nb);
-  quantize_rows(x, M, K, q.data(), d.data(), ds.data(), s.data());
-  const Rows a{q.data(), d.data(), ds.data(), s.data(), K, nb};
+  const auto q = specdraft_rows::scratch<int8_t>(M * K);
+  const auto d = specdraft_rows::scratch<float>(M * nb), ds = specdraft_rows::scratch<float>(M * nb);
+  const auto s = specdraft_rows::scratch<int32_t>(M * nb);
+  specdraft_rows::over_rows(M, [&](int64_t begin, int64_t end) {
+    quantize_rows(x + begin * K, end - begin, K, q.get() + begin * K, d.get() + begin * nb, ds.get() + begin * nb,
+                  s.get() + begin * nb);
+  });
+  const Rows a{q.get(), d.get(), ds.get(), s.get(), K, nb};
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (kind == kQ4_1)
     product<kQ4_1>(w, a, M, N, out, vnni);

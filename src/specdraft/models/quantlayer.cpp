@@ -136,33 +136,56 @@ at::Tensor layer_rows(const at::Tensor& hidden, at::TensorList weights, at::IntA
   const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
   const at::Tensor an = attn_norm.to(at::kFloat).contiguous(), mn = mlp_norm.to(at::kFloat).contiguous();
   const bool vnni = qmode >= 1;
-  std::vector<float> normed(N * D), qkv(N * width), delta(N * D), gate_up(N * 2 * ffn), act(N * ffn);
+  using specdraft_rows::over_rows;
+  const auto normed = specdraft_rows::scratch<float>(N * D), qkv = specdraft_rows::scratch<float>(N * width);
+  const auto delta = specdraft_rows::scratch<float>(N * D), gate_up = specdraft_rows::scratch<float>(N * 2 * ffn);
+  const auto act = specdraft_rows::scratch<float>(N * ffn);
+  auto norm_rows = [&](const at::Tensor& weight) {  // normed = rmsnorm(x, weight), row by row
+    over_rows(N, [&](int64_t begin, int64_t end) {
+      rms_norm(xp + begin * D, end - begin, D, weight.data_ptr<float>(), static_cast<float>(eps),
+               normed.get() + begin * D);
+    });
+  };
+  auto add_delta = [&]() {  // the residual stream x += delta
+    over_rows(N, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * D; i < end * D; ++i) xp[i] += delta[i];
+    });
+  };
 
-  rms_norm(xp, N, D, an.data_ptr<float>(), static_cast<float>(eps), normed.data());
-  specdraft_quant::multiply(normed.data(), N, D, weights[0], kinds[0], width, qkv.data(), vnni);
+  norm_rows(an);
+  specdraft_quant::multiply(normed.get(), N, D, weights[0], kinds[0], width, qkv.get(), vnni);
   for (const auto& [norm, first, count] : {std::tuple{&q_norm, int64_t{0}, heads}, std::tuple{&k_norm, heads, kv_heads}})
     if (norm->has_value()) {
       TORCH_CHECK((*norm)->numel() == hd, "quantlayer: q_norm and k_norm hold head_dim weights");
       const at::Tensor w = (*norm)->to(at::kFloat).contiguous();
-      head_norm(qkv.data(), N, width, first, count, hd, w.data_ptr<float>(), static_cast<float>(eps));
+      over_rows(N, [&](int64_t begin, int64_t end) {
+        head_norm(qkv.get() + begin * width, end - begin, width, first, count, hd, w.data_ptr<float>(),
+                  static_cast<float>(eps));
+      });
     }
-  rotate(qkv.data(), N, width, 0, heads + kv_heads, hd, c.data_ptr<float>(), s.data_ptr<float>());
+  over_rows(N, [&](int64_t begin, int64_t end) {
+    rotate(qkv.get() + begin * width, end - begin, width, 0, heads + kv_heads, hd,
+           c.data_ptr<float>() + begin * (hd / 2), s.data_ptr<float>() + begin * (hd / 2));
+  });
   const int64_t row_elems = kv_heads * S * hd;
   for (int64_t b = 0; b < B; ++b) {
-    const float* src = qkv.data() + b * T * width;
-    if (kv_type == at::kHalf)
-      write_cache(src, T, width, heads, kv_heads, hd, S, starts[b], keys.data_ptr<c10::Half>() + rows[b] * row_elems,
-                  values.data_ptr<c10::Half>() + rows[b] * row_elems);
-    else if (kv_type == at::kBFloat16)
-      write_cache(src, T, width, heads, kv_heads, hd, S, starts[b],
-                  keys.data_ptr<c10::BFloat16>() + rows[b] * row_elems,
-                  values.data_ptr<c10::BFloat16>() + rows[b] * row_elems);
-    else
-      write_cache(src, T, width, heads, kv_heads, hd, S, starts[b], keys.data_ptr<float>() + rows[b] * row_elems,
-                  values.data_ptr<float>() + rows[b] * row_elems);
+    over_rows(T, [&](int64_t t0, int64_t t1) {
+      const float* src = qkv.get() + (b * T + t0) * width;
+      const int64_t first = starts[b] + t0;
+      if (kv_type == at::kHalf)
+        write_cache(src, t1 - t0, width, heads, kv_heads, hd, S, first,
+                    keys.data_ptr<c10::Half>() + rows[b] * row_elems, values.data_ptr<c10::Half>() + rows[b] * row_elems);
+      else if (kv_type == at::kBFloat16)
+        write_cache(src, t1 - t0, width, heads, kv_heads, hd, S, first,
+                    keys.data_ptr<c10::BFloat16>() + rows[b] * row_elems,
+                    values.data_ptr<c10::BFloat16>() + rows[b] * row_elems);
+      else
+        write_cache(src, t1 - t0, width, heads, kv_heads, hd, S, first, keys.data_ptr<float>() + rows[b] * row_elems,
+                    values.data_ptr<float>() + rows[b] * row_elems);
+    });
   }
   if (kv_only) return hidden;
-  std::vector<float> attended(N * heads * hd);
+  const auto attended = specdraft_rows::scratch<float>(N * heads * hd);
   at::Tensor visible;  // (B, T, >= S) bool, rows contiguous
   if (mask.has_value()) visible = mask->contiguous();
   const int64_t es = static_cast<int64_t>(keys.element_size());
@@ -174,21 +197,23 @@ at::Tensor layer_rows(const at::Tensor& hidden, at::TensorList weights, at::IntA
       TORCH_CHECK(visible.size(2) >= seen_slots, "quantlayer: the mask must cover each sequence's slots");
       mp = visible.data_ptr<bool>() + b * visible.stride(0);
     }
-    specdraft_rows::attend_rows(qkv.data() + b * T * width, width,
+    specdraft_rows::attend_rows(qkv.get() + b * T * width, width,
                                 static_cast<const char*>(keys.data_ptr()) + rows[b] * row_elems * es,
                                 static_cast<const char*>(values.data_ptr()) + rows[b] * row_elems * es, kv_type,
                                 kv_strides, kv_strides, mp, mp ? visible.stride(1) : 0, T, heads, kv_heads,
                                 seen_slots, hd, static_cast<float>(std::pow(hd, -0.5)), amode,
-                                attended.data() + b * T * heads * hd);
+                                attended.get() + b * T * heads * hd);
   }
-  specdraft_quant::multiply(attended.data(), N, heads * hd, weights[1], kinds[1], D, delta.data(), vnni);
-  for (int64_t i = 0; i < N * D; ++i) xp[i] += delta[i];
+  specdraft_quant::multiply(attended.get(), N, heads * hd, weights[1], kinds[1], D, delta.get(), vnni);
+  add_delta();
 
-  rms_norm(xp, N, D, mn.data_ptr<float>(), static_cast<float>(eps), normed.data());
-  specdraft_quant::multiply(normed.data(), N, D, weights[2], kinds[2], 2 * ffn, gate_up.data(), vnni);
-  silu_mul(gate_up.data(), N, ffn, act.data());
-  specdraft_quant::multiply(act.data(), N, ffn, weights[3], kinds[3], D, delta.data(), vnni);
-  for (int64_t i = 0; i < N * D; ++i) xp[i] += delta[i];
+  norm_rows(mn);
+  specdraft_quant::multiply(normed.get(), N, D, weights[2], kinds[2], 2 * ffn, gate_up.get(), vnni);
+  over_rows(N, [&](int64_t begin, int64_t end) {
+    silu_mul(gate_up.get() + begin * 2 * ffn, end - begin, ffn, act.get() + begin * ffn);
+  });
+  specdraft_quant::multiply(act.get(), N, ffn, weights[3], kinds[3], D, delta.get(), vnni);
+  add_delta();
   return x;
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace specdraft_rows {
@@ -23,6 +24,22 @@ namespace specdraft_rows {
 void attend_rows(const float* q, int64_t q_row, const void* keys, const void* values, at::ScalarType kv_type,
                  const int64_t* ks, const int64_t* vs, const bool* mask, int64_t m_row, int64_t Tn, int64_t H,
                  int64_t KV, int64_t S, int64_t hd, float scale, int64_t mode, float* out);
+
+// Work over n independent rows: fn(begin, end) split between the threads when there are more than kRowsGrain rows (a
+// prompt's prefill), else run where it is called (a decode step or verify, where waking a thread costs more than the
+// work). Each row's arithmetic is its own, so how the rows are split never changes a result.
+constexpr int64_t kRowsGrain = 16;
+template <typename F>
+inline void over_rows(int64_t n, const F& fn) {
+  at::parallel_for(0, n, kRowsGrain, fn);
+}
+
+// Scratch for n elements, left uninitialized (every caller writes each element before reading it): zeroing the
+// buffers of a 64-row chunk costs more than some of the work that fills them.
+template <typename T>
+inline std::unique_ptr<T[]> scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
 
 inline float hsum(__m256 v) {  // one fixed order: (lo + hi), then pairs, then the last two
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
