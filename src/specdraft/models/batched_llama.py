@@ -297,7 +297,7 @@ def batched_forward(model, cache: BatchedKVCache, input_ids: torch.Tensor, num_n
         else:
             hidden = _layer(layer, hidden, cache, index, rope, mask, rowwise)
     cache.end_forward(num_new)
-    hidden = F.rms_norm(hidden, model.norm_weight.shape, model.norm_weight, model.eps)  # (n, T, D)
+    hidden = model.final_norm(hidden)  # (n, T, D)
     head_in = hidden[torch.arange(batch), torch.tensor(num_new) - 1][:, None] if last_only else hidden  # (n, 1|T, D)
     logits = model.lm_head(head_in, logits_weight, prepacked=False) if want_logits else None  # (n, 1 or T, V)
     if not return_hidden:

@@ -531,12 +531,16 @@ class NativeLlama(nn.Module):
         else:
             hidden = self._run_layer_subset(hidden, cache, step, self._check_layers(layers))
         cache.advance(steps)
-        hidden = F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)  # (B, T, D)
+        hidden = self.final_norm(hidden)  # (B, T, D)
         rows = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden  # (B, k, D) or (B, T, D)
         logits = self.lm_head(rows, logits_weight)  # (B, T or k, V) or (B, T or k, N)
         if aux:
             hidden = torch.cat(aux, dim=-1)  # (B, T, k*D)
         return (logits, hidden) if return_hidden else logits
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The norm before the LM head: (..., D) -> (..., D)."""
+        return F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: ids (...) -> (..., D) in the model's dtype."""

@@ -130,6 +130,12 @@ def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return _ops().qlinear(x, weight.packed, weight.kind, weight.out_features, mode())
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., D) float32 times ``weight`` (D,), each row with the fused layer's arithmetic (one
+    left-to-right sum of squares per row): (..., D) float32."""
+    return _ops().qnorm(x, weight, eps)
+
+
 class Int8Linear(torch.nn.Module):
     """An ``nn.Linear`` (no bias) whose product runs on Q8_0 blocks of its weight (:func:`linear`): (..., K) ->
     (..., N) in x's dtype. ``weight`` stays the dense weight, for callers that read its shape or dtype."""

@@ -108,6 +108,11 @@ class QuantizedLlama(NativeLlama):
         """The KV cache's format, :attr:`kv_dtype` (fixed when the model is built)."""
         return self.kv_dtype
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The norm before the LM head in one C++ call (``quantlayer.cpp``), each row with the decoder layers' norm
+        arithmetic: (..., D) -> (..., D)."""
+        return quantization.rms_norm(hidden, self.norm_weight, self.eps)
+
     def prepack(self, kind: str | None = None) -> bool:
         """Nothing to do: the blocks are packed at load."""
         return True

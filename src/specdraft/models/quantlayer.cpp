@@ -217,6 +217,24 @@ at::Tensor layer_rows(const at::Tensor& hidden, at::TensorList weights, at::IntA
   return x;
 }
 
+// y = rmsnorm(x) * weight over the last dimension of x (..., D) float32, each row with rms_norm's arithmetic (one
+// left-to-right sum of squares): the final norm before the LM head, one call where torch's composite makes six small
+// ones, and each row's result that of the row alone.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "quantlayer: norm input must be (..., D) float32");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "quantlayer: norm weight must hold D values");
+  const at::Tensor in = x.contiguous(), w = weight.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(in);
+  const int64_t N = D ? in.numel() / D : 0;
+  const float* xp = in.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  specdraft_rows::over_rows(N, [&](int64_t begin, int64_t end) {
+    rms_norm(xp + begin * D, end - begin, D, w.data_ptr<float>(), static_cast<float>(eps), yp + begin * D);
+  });
+  return out;
+}
+
 // hidden (1, T, D) fp32 -> (1, T, D); writes this layer's keys and values of the T new positions into slots
 // start .. start + T - 1 of keys / values (1, KV, S, hd), fp32, fp16 or bf16 (the model's cache format). weights:
 // the packed qkv, o, gate_up, down blocks, kinds their ggml types; cos, sin (T, hd/2); mask (T, start + T) bool or
@@ -276,6 +294,7 @@ TORCH_LIBRARY_FRAGMENT(specdraft_rowgemm, m) {
   m.def("qlayer_rows(Tensor hidden, Tensor[] weights, int[] kinds, Tensor attn_norm, Tensor mlp_norm, float eps, "
         "Tensor keys, Tensor values, int[] rows, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int heads, "
         "int kv_heads, int qmode, int amode, Tensor? q_norm=None, Tensor? k_norm=None, bool kv_only=False) -> Tensor");
+  m.def("qnorm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("qlayers(Tensor hidden, Tensor[] weights, int[] kinds, Tensor[] attn_norms, Tensor[] mlp_norms, float eps, "
         "Tensor[] keys, Tensor[] values, int start, Tensor cos, Tensor sin, Tensor? mask, int heads, int kv_heads, "
         "int qmode, int amode, Tensor[] q_norms, Tensor[] k_norms) -> Tensor");
@@ -285,4 +304,5 @@ TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
   m.impl("qlayer", &layer);
   m.impl("qlayer_rows", &layer_rows);
   m.impl("qlayers", &layers);
+  m.impl("qnorm", &norm);
 }
