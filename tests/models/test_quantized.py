@@ -100,6 +100,19 @@ def test_bad_shapes_are_clear_errors():
         Q.linear(torch.randn(2, 32), weight)
 
 
+def test_the_final_norm_is_rmsnorm_row_by_row_and_row_invariant():
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 37, 96) * 3, torch.randn(96)  # 74 rows: split between threads
+    out = Q.rms_norm(x, weight, 1e-5)
+    expected = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    assert out.shape == x.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    alone = torch.stack([torch.stack([Q.rms_norm(x[b, t], weight, 1e-5) for t in range(37)]) for b in range(2)])
+    assert torch.equal(out, alone)  # each row's result is the row alone's, bit for bit
+    with pytest.raises(RuntimeError, match="D values"):
+        Q.rms_norm(x, torch.randn(95), 1e-5)
+
+
 def _dense(seed: int = 0) -> NativeLlama:
     return NativeLlama.from_hf(tiny_llama(seed, std=0.1))
 
