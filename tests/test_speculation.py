@@ -201,6 +201,31 @@ def test_a_draft_model_records_its_catch_up_forward() -> None:
     assert not catch_up(drafter, later).fresh
 
 
+def test_auxiliary_tokens_a_kind_feeds_are_priced_before_drafting() -> None:
+    """A drafter whose drafts also feed 15 auxiliary tokens (Lookahead's window) at a verify cost of 0.1 step a
+    token: once the policy has seen them, budget prices the window with the nodes and a 2-node draft accepted half
+    the time stops paying; priced by its nodes alone it still looked worth drafting."""
+    from specdraft.trees import AuxBranch
+
+    aux = AuxBranch(torch.arange(15), torch.arange(1, 16), torch.ones(15, 15, dtype=torch.bool).tril())
+    policy = AdaptivePolicy(_curve(0.1), 4)
+    assert policy.budget(100, 4, "window") > 0
+    for step in range(60):
+        depth = policy.budget(100, 4, "window")
+        if depth == 0:
+            continue
+        draft = Draft(torch.arange(depth), source=torch.full((depth,), 3), aux=aux)
+        accepted = int(step % 2 == 0)
+        result = VerifyResult(num_draft_tokens=depth, num_accepted=accepted, next_token=0)
+        policy.observe(draft, result, 0.0, 0.01 * (1 + 0.1 * (depth + 15)))
+    state = policy.kinds["window"]
+    assert 5 < state.aux_tokens <= 15  # learned from the steps it drafted, until it stopped drafting
+    state.plain_run = 0  # no exploration step in the two calls below
+    assert policy.budget(100, 4, "window") == 0
+    state.aux_tokens, state.plain_run = 0.0, 0  # the same acceptance without the window: drafting pays
+    assert policy.budget(100, 4, "window") > 0
+
+
 def test_free_verification_and_sure_drafts_verify_everything() -> None:
     policy = AdaptivePolicy(_curve(0.0), 5)
     assert policy.budget(100, 10) == 5 and policy.budget(100, 3) == 3

@@ -61,7 +61,12 @@ longer. The per-depth
 acceptance that ``budget`` prices before drafting, the drafting costs and the verified nodes per depth are
 learned per draft kind: a draft model whose context holds a long prompt-lookup match copies at no drafting cost and
 is usually right, while its own chain costs a forward a token and, on a summary of a long article, is mostly wrong;
-pooled, the copy steps would talk the policy into paying for chains that do not pay.
+pooled, the copy steps would talk the policy into paying for chains that do not pay. A drafter whose drafts carry
+auxiliary tokens (Lookahead's Jacobi window, fed in the verify forward whatever is kept of the nodes) has their
+number learned per kind too and priced into ``budget``: priced by its nodes alone, a Lookahead step of 2-3 nodes
+looked like a 3-4-token forward while it fed 15 more (its default window), and a calibration that happened to
+price large forwards low turned a policy that mostly declined Lookahead into one that drafted it every other step,
+at 3.5 plain steps each.
 """
 
 from __future__ import annotations
@@ -201,6 +206,8 @@ class _KindState:
     drafting: Line = field(default_factory=Line)  # drafting seconds beyond the catch-up against depth - 1
     catch_up: Line = field(default_factory=Line)  # a draft model's first forward against the tokens it read - 1
     nodes_per_depth: float = 1.0  # moving average of verified nodes per requested depth
+    aux_tokens: float = 0.0  # moving average of the auxiliary tokens its drafts feed beside their nodes (Lookahead's
+    # Jacobi window), fed whatever the policy keeps of the nodes
     plain_run: int = 0  # plain steps in a row (exploration, _EXPLORE_EVERY)
 
 
@@ -275,7 +282,7 @@ class AdaptivePolicy:
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
             drafting = state.catch_up.intercept + self._drafting_seconds(state, depth)
-            seconds = drafting + self._verify_seconds(1 + nodes, context_length, sequences)
+            seconds = drafting + self._verify_seconds(1 + nodes + round(state.aux_tokens), context_length, sequences)
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
@@ -338,6 +345,8 @@ class AdaptivePolicy:
             if not self.one_forward_draft:  # priced per draft by the average: no line to learn
                 state.drafting.add(self._asked - 1, draft_seconds)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
+            aux = 0 if draft.aux is None else draft.aux.tokens.shape[0]
+            state.aux_tokens += _EMA * (aux - state.aux_tokens)
         self._learn_verify(self._sequences * (1 + len(draft)), verify_seconds)
         self._catch_up = None
 
