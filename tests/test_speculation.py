@@ -219,11 +219,26 @@ def test_auxiliary_tokens_a_kind_feeds_are_priced_before_drafting() -> None:
         result = VerifyResult(num_draft_tokens=depth, num_accepted=accepted, next_token=0)
         policy.observe(draft, result, 0.0, 0.01 * (1 + 0.1 * (depth + 15)))
     state = policy.kinds["window"]
-    assert 5 < state.aux_tokens <= 15  # learned from the steps it drafted, until it stopped drafting
+    assert 2 < state.aux_tokens <= 15  # learned from the steps it drafted, until it stopped drafting
     state.plain_run = 0  # no exploration step in the two calls below
     assert policy.budget(100, 4, "window") == 0
     state.aux_tokens, state.plain_run = 0.0, 0  # the same acceptance without the window: drafting pays
     assert policy.budget(100, 4, "window") > 0
+
+
+def test_a_dear_exploring_step_waits_as_many_more_plain_steps_as_it_costs() -> None:
+    """Drafts that never pay: a 1-token draft step still comes after 8 plain steps in a row times what it costs in
+    plain steps: on this curve 1.1 for a chain (every 9th), 2.6 where it also feeds a 15-token window (every 21st)."""
+    plain_runs = {}
+    for kind, window in (("chain", 0.0), ("window", 15.0)):
+        policy = AdaptivePolicy(_curve(0.1), 4)
+        for depth in range(1, 5):
+            policy.acceptance.counts[depth_key(depth, kind)] = [0.0, 150.0]
+        policy._state(kind).aux_tokens = window
+        calls = [policy.budget(100, 4, kind) for _ in range(60)]
+        plain_runs[kind] = calls.index(1) + 1
+        assert calls[plain_runs[kind]:].index(1) + 1 == plain_runs[kind]  # and again as many steps later
+    assert plain_runs == {"chain": 9, "window": 21}
 
 
 def test_free_verification_and_sure_drafts_verify_everything() -> None:

@@ -89,7 +89,8 @@ _PRIOR_WEIGHT = 2.0  # pseudo-observations behind each bucket's prior
 _MAX_WEIGHT = 200.0  # counts are halved beyond this, so the map follows drift
 _MAX_DEPTH_KEY = 8  # depths beyond this share a bucket
 _EMA = 0.1  # weight of the newest timing in the moving averages
-_EXPLORE_EVERY = 8  # after this many plain steps in a row, one cheap draft keeps the estimates alive
+_EXPLORE_EVERY = 8  # after this many plain steps in a row (times what a 1-token draft step costs against a plain
+# step), one draft keeps the estimates alive
 _MIN_SPREAD = 0.05  # the least variance of x (tokens) over which a Line fits a slope
 
 
@@ -276,18 +277,22 @@ class AdaptivePolicy:
         if self.max_sequences and sequences > self.max_sequences:
             limit = 0
         state = self._state(kind)
-        best, best_rate, expected, reach = 0, 1.0 / self._verify_seconds(1, context_length, sequences), 1.0, 1.0
+        plain = self._verify_seconds(1, context_length, sequences)
+        best, best_rate, expected, reach, first = 0, 1.0 / plain, 1.0, 1.0, plain
         for depth in range(1, limit + 1):
             reach *= self.acceptance.rate(depth_key(depth, kind))
             expected += reach
             nodes = max(depth, round(state.nodes_per_depth * depth))
             drafting = state.catch_up.intercept + self._drafting_seconds(state, depth)
             seconds = drafting + self._verify_seconds(1 + nodes + round(state.aux_tokens), context_length, sequences)
+            first = seconds if depth == 1 else first
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
             state.plain_run += 1
-            if state.plain_run >= _EXPLORE_EVERY:
+            # a fixed share of the time, not of the steps: a dear exploring step (a window of auxiliary tokens) waits
+            # as many more plain steps as it costs more than one
+            if state.plain_run >= _EXPLORE_EVERY * max(first / plain, 1.0):
                 best, state.plain_run = 1, 0
         else:
             state.plain_run = 0
