@@ -285,7 +285,8 @@ class AdaptivePolicy:
             nodes = max(depth, round(state.nodes_per_depth * depth))
             drafting = state.catch_up.intercept + self._drafting_seconds(state, depth)
             seconds = drafting + self._verify_seconds(1 + nodes + round(state.aux_tokens), context_length, sequences)
-            first = seconds if depth == 1 else first
+            if depth == 1:
+                first = seconds  # the exploring step's price
             if expected / seconds > best_rate:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
@@ -308,7 +309,7 @@ class AdaptivePolicy:
         reach = []
         for node, parent in enumerate(parents.tolist()):
             reach.append(rates[node] * (reach[parent] if parent >= 0 else 1.0))
-        extra = 0 if draft.aux is None else draft.aux.tokens.shape[0]
+        extra = draft.aux_size
 
         def rate(size: int, expected: float) -> float:
             return expected / (draft_seconds + self._verify_seconds(tail + size + extra, context_length, sequences))
@@ -350,8 +351,7 @@ class AdaptivePolicy:
             if not self.one_forward_draft:  # priced per draft by the average: no line to learn
                 state.drafting.add(self._asked - 1, draft_seconds)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
-            aux = 0 if draft.aux is None else draft.aux.tokens.shape[0]
-            state.aux_tokens += _EMA * (aux - state.aux_tokens)
+            state.aux_tokens += _EMA * (draft.aux_size - state.aux_tokens)
         self._learn_verify(self._sequences * (1 + len(draft)), verify_seconds)
         self._catch_up = None
 

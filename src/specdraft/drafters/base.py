@@ -98,6 +98,11 @@ class Draft:
         return int(self.tokens.shape[0])
 
     @property
+    def aux_size(self) -> int:
+        """How many auxiliary tokens the step feeds beside the nodes (0 without an auxiliary branch)."""
+        return 0 if self.aux is None else int(self.aux.tokens.shape[0])
+
+    @property
     def is_tree(self) -> bool:
         """Whether the decoding loop must take the tree path (a tree, or an auxiliary branch)."""
         return self.parents is not None or self.aux is not None
