@@ -45,6 +45,7 @@ MARGIN = MIB // 2  # kept free of the limit (files that appear in the checkout m
 OUT_FILES, OUT_FILE, OUT_TOTAL = 8, 16 * MIB, 64 * MIB  # what a call sends back from $OUT
 PIECE = 15 * MIB  # the exports' pieces in $OUT
 MEMBERS = ("target.gguf", "target", "prompts.jsonl.gz", "question.jsonl")  # in the bundle: the target, a file or folder
+TRAINING = ("answers", "prompts")  # the training inputs: answers made elsewhere (read, not generated), or prompts
 TESTS_PID = "tests.pid"
 SITE = "gguf.zip"  # the gguf package, which the device's Python lacks (pure Python: imported from the zip)
 
@@ -94,9 +95,11 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def bundle(target: Path, prompts: Path, questions: Path, carried: Path, room: int, xz: bool = False) -> dict:
+def bundle(target: Path, prompts: Path, questions: Path, carried: Path, room: int, xz: bool = False,
+           kind: str = "prompts") -> dict:
     """Write ``carried/call-K/part-K`` (K = 1 .. N) and ``carried/call-1/{manifest.json, gguf.zip}``; return the
-    manifest. ``room``: the bytes one call may carry."""
+    manifest. ``room``: the bytes one call may carry; ``kind``: ``prompts`` (the training prompts) or ``answers``
+    (the target's answers made elsewhere, which the recipe reads instead of generating)."""
     import importlib.util
 
     if carried.exists():
@@ -117,13 +120,13 @@ def bundle(target: Path, prompts: Path, questions: Path, carried: Path, room: in
     with tarfile.open(archive, "w:xz" if xz else "w") as tar:
         tar.add(target, arcname="target" if target.is_dir() else "target.gguf")
         if xz and prompts.suffix == ".gz":  # xz packs the text a fifth smaller than gzip did
-            plain = carried / "prompts.jsonl"
+            plain = carried / f"{kind}.jsonl"
             with gzip.open(prompts, "rb") as source, open(plain, "wb") as copy:
                 shutil.copyfileobj(source, copy)
-            tar.add(plain, arcname="prompts.jsonl")
+            tar.add(plain, arcname=plain.name)
             plain.unlink()
         else:
-            tar.add(prompts, arcname="prompts.jsonl.gz" if prompts.suffix == ".gz" else "prompts.jsonl")
+            tar.add(prompts, arcname=f"{kind}.jsonl.gz" if prompts.suffix == ".gz" else f"{kind}.jsonl")
         tar.add(questions, arcname="question.jsonl")
     size = archive.stat().st_size
     parts, offset = [], 0
@@ -210,9 +213,10 @@ def unbundle(manifest: dict, work: Path) -> Path:
 def recipe_command(work: Path, budget: float, extra: list[str], bundle_folder: Path | None = None) -> list[str]:
     folder = bundle_folder or work / "bundle"
     target = next((folder / m for m in MEMBERS[:2] if (folder / m).exists()), folder / "target.gguf")
-    prompts = next((folder / m for m in ("prompts.jsonl.gz", "prompts.jsonl") if (folder / m).exists()), "-")
-    return [sys.executable, str(ROOT / "benchmarks" / "gpu_recipe.py"), "--target", str(target), "--prompts",
-            str(prompts), "--questions", str(folder / "question.jsonl"), "--out", str(work / "out"), "--work",
+    inputs = [(kind, folder / f"{kind}.jsonl{gz}") for kind in TRAINING for gz in (".gz", "")]
+    kind, path = next(((k, p) for k, p in inputs if p.exists()), ("prompts", "-"))
+    return [sys.executable, str(ROOT / "benchmarks" / "gpu_recipe.py"), "--target", str(target), f"--{kind}",
+            str(path), "--questions", str(folder / "question.jsonl"), "--out", str(work / "out"), "--work",
             str(work / "run"), "--budget", str(budget), *extra]
 
 
@@ -360,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("bundle", help="here: cut the target, prompts and questions into one part per call")
-    make.add_argument("--prompts", required=True, help="the training prompts (benchmarks/gpu_prompts.py)")
+    training = make.add_mutually_exclusive_group(required=True)
+    training.add_argument("--prompts", help="the training prompts (benchmarks/gpu_prompts.py)")
+    training.add_argument("--answers", help="the target's answers made elsewhere (prompt and answer_ids a line): the "
+                                            "recipe's data phase reads them instead of generating")
     make.add_argument("--questions", required=True, help="Spec-Bench's question.jsonl (the held-out questions)")
     make.add_argument("--target", help="the target's GGUF or checkpoint folder (default: the built-in's GGUF)")
     make.add_argument("--room", type=int, help="bytes a call may carry (default: 64 MiB less this checkout's "
@@ -389,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         check_ignored(Path(args.carried))
         room = args.room or TREE_LIMIT - travelling_bytes() - MARGIN
         target = Path(args.target) if args.target else builtin_gguf()
-        manifest = bundle(target, Path(args.prompts), Path(args.questions), Path(args.carried), room, args.xz)
+        kind = "answers" if args.answers else "prompts"
+        manifest = bundle(target, Path(args.answers or args.prompts), Path(args.questions), Path(args.carried), room,
+                          args.xz, kind)
         print(json.dumps({k: manifest[k] for k in ("archive", "room", "calls")}))
         print_calls(manifest, Path(args.carried))
         return 0

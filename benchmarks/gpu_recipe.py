@@ -22,6 +22,7 @@ safetensors and tokenizers (and ``gguf`` only to convert a .gguf target).
     python benchmarks/gpu_recipe.py ... --tiny --device cpu --shipped DRAFTER   # the whole path at toy sizes
     python benchmarks/gpu_recipe.py ... --phases check,bench-native,profile     # the data engine alone
     python benchmarks/gpu_recipe.py ... --phases tests                          # tests/training, tests/heads
+    python benchmarks/gpu_recipe.py --target TARGET --answers answers.jsonl.gz ...  # answers made elsewhere
 
 ``TARGET``: a transformers checkpoint folder of SmolLM2-135M-Instruct, or its GGUF file, converted once into
 ``--work``.
@@ -231,7 +232,12 @@ def write_recipe(args, spec: dict, work: Path, box: float, line: str | None = No
     if args.refill:
         spec["heldout_data"]["refill"] = spec["distill_data"]["refill"] = True
     spec["heldout_data"]["prompts"] = str(Path(args.questions).resolve())
-    spec["distill_data"]["prompts"] = str(Path(args.prompts).resolve())
+    if args.answers:  # answers made elsewhere: read, not generated (distill-data --answers)
+        for key in ("prompts", "engine", "refill"):
+            spec["distill_data"].pop(key, None)
+        spec["distill_data"]["answers"] = str(Path(args.answers).resolve())
+    else:
+        spec["distill_data"]["prompts"] = str(Path(args.prompts).resolve())
     copy = spec["init_drafter"]["out"]
     for section in [spec[s] for s in ("heldout_data", "distill_data", "init_drafter", "heads")] + finetune_phases(spec):
         section["out"] = str(work / section["out"])
@@ -455,7 +461,10 @@ def finish(args, spec: dict, work: Path, out: Path, summary: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="SmolLM2-135M-Instruct: a checkpoint folder or its GGUF")
-    parser.add_argument("--prompts", required=True, help="training prompts (benchmarks/gpu_prompts.py)")
+    parser.add_argument("--prompts", help="training prompts (benchmarks/gpu_prompts.py); with --answers, their "
+                                          "prompts by default")
+    parser.add_argument("--answers", help="the target's answers made elsewhere (JSON Lines of prompt and answer_ids, "
+                                          "distill-data --answers): the data phase reads them instead of generating")
     parser.add_argument("--questions", required=True, help="Spec-Bench's question.jsonl: the held-out questions")
     parser.add_argument("--out", required=True, help="where the logs, curves, summary and exports go")
     parser.add_argument("--work", default="/tmp/specdraft-gpu", help="where the runs are made")
@@ -476,7 +485,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few prompts and steps (a CPU test)")
     parser.add_argument("--no-exports", action="store_true", help="do not copy the exports into --out")
     parser.add_argument("--pack", help="after every phase, the results packed into this folder (gpu_device.py)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.prompts is None:
+        if args.answers is None:
+            parser.error("--prompts or --answers is required")
+        args.prompts = args.answers  # each record holds its prompt
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -191,3 +191,36 @@ def test_a_device_run_survives_a_kill_and_continues_where_it_was(script, tmp_pat
     assert set(lines) == {"shipped", "copy"} and all(1.0 <= t["greedy_tau@4"] <= 5.0 for t in lines.values())
     assert summary["verdicts"]["greedy_tau_shipped"]["greedy_tau@4"] >= 1.0
     assert [int(row["step"]) for row in summary["curves"]["shipped-fkl"]] == [2, 4]  # the learning curve
+
+
+def test_answers_made_elsewhere_travel_instead_of_prompts_and_are_trained_on_as_they_are(script, tmp_path):
+    import gzip
+
+    from specdraft.cli import main
+
+    toy = tmp_path / "toy"
+    save_tiny_checkpoint(toy / "target", seed=0, layers=4, hidden=32)
+    _, _, questions = _inputs(toy)
+    rng = random.Random(2)
+    answers = [{"prompt": f"w{i} w{rng.randrange(60)}", "answer_ids": [rng.randrange(3, 61) for _ in range(6)]}
+               for i in range(30)]
+    packed = toy / "answers.jsonl.gz"
+    packed.write_bytes(gzip.compress("".join(json.dumps(a) + "\n" for a in answers).encode()))
+    assert main(["init-drafter", "--target", str(toy / "target"), "--layers", "0", "--out", str(toy / "shipped")]) == 0
+    carried, work = tmp_path / ".gpu", tmp_path / "work"
+    manifest = script.bundle(toy / "target", packed, questions, carried, 10_000_000, kind="answers")
+    assert manifest["calls"] == 1
+    command = _device(_only(carried, 1, tmp_path), work, tmp_path / "out", toy, "--tests-s", "0")
+    command[command.index("data,drafter,tau")] = "data,drafter-shipped,tau"
+    run = subprocess.run(command, env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "--answers" in run.stdout and "--prompts" not in run.stdout
+    summary = json.loads((work / "out" / "summary.json").read_text())
+    assert {name: r["status"] for name, r in summary["phases"].items()} == dict.fromkeys(
+        ["target", "data", "drafter-shipped", "tau"], "ok")
+    records = [json.loads(line) for shard in sorted((work / "run" / "runs" / "data").glob("shard-*.jsonl"))
+               for line in shard.read_text().splitlines()]
+    assert [r["response_token_ids"] for r in records] == [a["answer_ids"] for a in answers[:len(records)]]
+    assert len(records) == 24  # --tiny reads the first 24
+    assert summary["verdicts"]["greedy_tau_by_line"]["shipped"]["greedy_tau@4"] >= 1.0
