@@ -25,6 +25,7 @@ run, and runs the recipe's phases (``gpu_recipe.py``) within ``--budget`` second
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -233,7 +234,8 @@ def start_tests(work: Path, seconds: float, extra: list[str], env: dict) -> None
 
 
 def stop_tests(work: Path, wait: float) -> None:
-    """Wait up to ``wait`` seconds for the background tests, then end them (they write what they have)."""
+    """Wait up to ``wait`` seconds for the background tests, then end them (they write what they have), their
+    process group whole: pytest's workers, which outlive their parent, would share the machine with the recipe."""
     try:
         pid = int((work / TESTS_PID).read_text())
     except (OSError, ValueError):
@@ -241,13 +243,26 @@ def stop_tests(work: Path, wait: float) -> None:
     deadline = time.monotonic() + wait
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    for signum, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
-        if _alive(pid):
-            os.kill(pid, signum)
+    for signum, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        if _group_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signum)
             end = time.monotonic() + grace
-            while _alive(pid) and time.monotonic() < end:
+            while _group_alive(pid) and time.monotonic() < end:
                 time.sleep(0.2)
     (work / TESTS_PID).write_text("ended")
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of the process group ``group`` other than a zombie is left."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
 
 
 def _alive(pid: int) -> bool:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from specdraft.draft_vocab import draft_subset
+from specdraft.hardware import resolve_device
 from specdraft.models.registry import resolve
 from specdraft.training.data.batches import DistillDataset, collate_distill
 from specdraft.training.data.records import load_distill_records
@@ -92,7 +93,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N records")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--target-dtype", default="bfloat16")
-    parser.add_argument("--device", default="cpu", help="where the drafter and the target run: cpu, cuda, cuda:N")
+    parser.add_argument("--device", default="cpu", help="where the drafter and the target run: cpu, cuda, cuda:N, "
+                                                        "auto (CUDA when visible)")
     parser.add_argument("--out", default=None, help="append one JSON line per drafter here")
     parser.add_argument("--num-draft-tokens", default="3,4,5",
                         help="γ values of the exact greedy τ (only for the target's greedy responses)")
@@ -102,6 +104,10 @@ def main() -> None:
                         help="prompt + response tokens the drafter sees per answer (a longer prompt loses its start; "
                              "copies always read the whole prompt, as in decoding)")
     args = parser.parse_args()
+    try:
+        args.device = str(resolve_device(args.device).device)
+    except ValueError as exc:
+        parser.error(str(exc))
     records = load_distill_records(args.data, allow_incomplete=True)[: args.limit]
     setup = json.loads((Path(args.data) / "distill_config.json").read_text())
     greedy = setup.get("temperature") == 0 and setup.get("policy", "target") == "target"

@@ -19,12 +19,14 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from specdraft.bench.methods import BuildContext, build_methods
 from specdraft.bench.questions import conversation_ids, load_questions
 from specdraft.bench.records import read_run_info
 from specdraft.bench.replay import replay
 from specdraft.errors import SpecdraftError
-from specdraft.models.registry import load_model, load_tokenizer, parse_dtype
+from specdraft.models.registry import choose_precision, load_model, load_tokenizer
 
 
 def replay_methods(run: Path, specs: list[str], num_draft_tokens: int | None = None,
@@ -35,11 +37,12 @@ def replay_methods(run: Path, specs: list[str], num_draft_tokens: int | None = N
     if config.get("temperature", 0.0) != 0.0:
         raise SpecdraftError("replay needs a greedy run")
     tokenizer = load_tokenizer(config["target"])
-    dtype = parse_dtype(config["dtype"])
-    target = load_model(config["target"], dtype)
+    quantize = config.get("quantize", "none")  # as the run chose its precision (bench: --dtype auto, its GGUF blocks)
+    precision = choose_precision(config["target"], config["dtype"], quantize, torch.bfloat16)
+    target = load_model(config["target"], precision.dtype, quantize=precision.quantize)
     questions = {q.question_id: q for q in load_questions(config["questions"])}
     answers = [json.loads(line) for line in (run / "answers" / "ar.jsonl").open(encoding="utf-8")]
-    ctx = BuildContext(target, tokenizer, config["target"], dtype)
+    ctx = BuildContext(target, tokenizer, config["target"], precision.draft_dtype)
     gamma = num_draft_tokens or config["num_draft_tokens"]
     methods = [m for m in build_methods(ctx, specs, (gamma,), False) if m.drafter is not None]
     results = {}

@@ -212,6 +212,7 @@ def test_answers_made_elsewhere_travel_instead_of_prompts_and_are_trained_on_as_
     assert manifest["calls"] == 1
     command = _device(_only(carried, 1, tmp_path), work, tmp_path / "out", toy, "--tests-s", "0")
     command[command.index("data,drafter,tau")] = "data,drafter-shipped,tau"
+    command[command.index("cpu")] = "auto"  # the device run's default: CUDA where visible, here the CPU
     run = subprocess.run(command, env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:]
@@ -224,3 +225,14 @@ def test_answers_made_elsewhere_travel_instead_of_prompts_and_are_trained_on_as_
     assert [r["response_token_ids"] for r in records] == [a["answer_ids"] for a in answers[:len(records)]]
     assert len(records) == 24  # --tiny reads the first 24
     assert summary["verdicts"]["greedy_tau_by_line"]["shipped"]["greedy_tau@4"] >= 1.0
+
+
+def test_the_background_tests_are_ended_with_every_process_they_started(script, tmp_path):
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    (tmp_path / script.TESTS_PID).write_text(str(shell.pid))
+    time.sleep(0.3)
+    assert script._group_alive(shell.pid)
+    script.stop_tests(tmp_path, 0)
+    shell.wait(timeout=10)
+    assert not script._group_alive(shell.pid)  # the workers too, not the parent alone
+    assert (tmp_path / script.TESTS_PID).read_text() == "ended"
