@@ -423,3 +423,48 @@ def test_chain_copy_when_sampling_is_a_point_mass_row_and_options_are_checked():
         draft_model_drafter(hf_target(1), chain_copy=-1)
     with pytest.raises(SpecdraftError, match=r"chain_copy must be >= 0 .* with tree_branching"):
         draft_model_drafter(hf_target(1), chain_copy=2, tree_branching=2)
+
+
+def test_context_window_reads_the_sinks_and_the_last_tokens_of_a_long_prompt_then_what_follows():
+    """context_window=W: a prompt longer than W is read as its first SINK_TOKENS tokens and the W - SINK_TOKENS last
+    ones, positions contiguous; the draft is what a fresh drafter drafts after that view, and the cache follows the
+    answer's tokens (rollbacks too) without reading the prompt again."""
+    from specdraft.drafters.draft_model import SINK_TOKENS
+
+    model, reference = hf_target(1, max_positions=2048), hf_target(1, max_positions=2048)  # equal weights
+    window = 24
+    drafter = DraftModelDrafter(model, context_window=window)
+    prompt = torch.arange(100) % 60 + 3  # (100,)
+    view = torch.cat([prompt[:SINK_TOKENS], prompt[100 - (window - SINK_TOKENS):]])  # (W,)
+    drafter.begin(None, None)
+    context, fed = prompt, []
+    forward = drafter.model.forward
+    drafter.model.forward = lambda ids, *a, **k: fed.append(ids.shape[1]) or forward(ids, *a, **k)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        draft = drafter.propose(context, 3, SamplingConfig(), None).tokens
+        suffix = context[100:]
+        alone = DraftModelDrafter(reference).propose(torch.cat([view, suffix]), 3, SamplingConfig(), None).tokens
+        assert torch.equal(draft, alone), step
+        context = torch.cat([context, draft[: step % 3], torch.randint(3, 60, (1,), generator=generator)])
+    assert fed[0] == window and max(fed[1:]) <= 4  # the prompt once, as its window; then the tokens committed
+    drafter.begin(None, None)  # a new sequence: its window is placed anew
+    short = torch.tensor([3, 4, 5, 6])
+    assert torch.equal(drafter.propose(short, 3, SamplingConfig(), None).tokens,
+                       DraftModelDrafter(reference).propose(short, 3, SamplingConfig(), None).tokens)
+
+
+def test_context_window_is_lossless_and_checked():
+    import pytest
+
+    from specdraft.decoding import generate
+    from specdraft.errors import SpecdraftError
+    from specdraft.sequence import GenerationConfig
+
+    target, prompt = hf_target(0), [int(t) for t in torch.arange(40) % 50 + 3]
+    plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
+    drafter = draft_model_drafter(hf_target(1), context_window=8, prompt_lookup=2)
+    assert generate(target, prompt, drafter, GenerationConfig(24, 4)).token_ids == plain
+    for bad in ({"context_window": 4}, {"context_window": 16, "tree_branching": 2}):
+        with pytest.raises(SpecdraftError, match="context_window"):
+            draft_model_drafter(hf_target(1), **bad)

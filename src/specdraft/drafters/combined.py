@@ -188,13 +188,13 @@ class WithSiblings(Combination):
 def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                         confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
                         prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, merge_ngram: int = 0,
-                        *, keep: torch.Tensor | None = None) -> Drafter:
+                        context_window: int = 0, *, keep: torch.Tensor | None = None) -> Drafter:
     """The drafter the draft-model options name: a :class:`DraftModelDrafter` (``tree_branching``, ``tree_nodes``,
-    ``confidence_threshold``, ``keep``; with ``merge_ngram`` = n > 0 its tree grown as a graph whose nodes with equal
-    last n tokens merge, :class:`~specdraft.drafters.graph.GraphDrafter`), inside :class:`WithChainCopies`
-    (``chain_copy`` = m > 0), then
-    :class:`WithSiblings` (``siblings`` = k > 0), then :class:`WithPromptLookup` (``prompt_lookup`` = n > 0, down to
-    ``prompt_lookup_min``, alone from ``prompt_lookup_alone`` tokens). The combinations apply to chains only."""
+    ``confidence_threshold``, ``context_window``, ``keep``; with ``merge_ngram`` = n > 0 its tree grown as a graph
+    whose nodes with equal last n tokens merge, :class:`~specdraft.drafters.graph.GraphDrafter`), inside
+    :class:`WithChainCopies` (``chain_copy`` = m > 0), then :class:`WithSiblings` (``siblings`` = k > 0), then
+    :class:`WithPromptLookup` (``prompt_lookup`` = n > 0, down to ``prompt_lookup_min``, alone from
+    ``prompt_lookup_alone`` tokens). The combinations apply to chains only."""
     if prompt_lookup < 0:
         raise SpecdraftError(f"prompt_lookup must be >= 0 (0 = off), got {prompt_lookup}")
     if prompt_lookup and tree_branching:
@@ -212,7 +212,8 @@ def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching
     if merge_ngram:
         drafter = GraphDrafter(model, name, tree_branching, tree_nodes, merge_ngram, keep=keep)
     else:
-        drafter = DraftModelDrafter(model, name, tree_branching, tree_nodes, confidence_threshold, keep=keep)
+        drafter = DraftModelDrafter(model, name, tree_branching, tree_nodes, confidence_threshold, context_window,
+                                    keep=keep)
     if chain_copy:
         drafter = WithChainCopies(drafter, chain_copy)
     if siblings:
