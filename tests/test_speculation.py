@@ -220,6 +220,7 @@ def test_auxiliary_tokens_a_kind_feeds_are_priced_before_drafting() -> None:
         policy.observe(draft, result, 0.0, 0.01 * (1 + 0.1 * (depth + 15)))
     state = policy.kinds["window"]
     assert 2 < state.aux_tokens <= 15  # learned from the steps it drafted, until it stopped drafting
+    assert policy.verify_scale == pytest.approx(1.0)  # each verify as the curve prices every token it fed
     state.plain_run = 0  # no exploration step in the two calls below
     assert policy.budget(100, 4, "window") == 0
     state.aux_tokens, state.plain_run = 0.0, 0  # the same acceptance without the window: drafting pays

@@ -352,7 +352,7 @@ class AdaptivePolicy:
                 state.drafting.add(self._asked - 1, draft_seconds)
             state.nodes_per_depth += _EMA * (len(draft) / self._asked - state.nodes_per_depth)
             state.aux_tokens += _EMA * (draft.aux_size - state.aux_tokens)
-        self._learn_verify(self._sequences * (1 + len(draft)), verify_seconds)
+        self._learn_verify(self._sequences * (1 + len(draft) + draft.aux_size), verify_seconds)  # every token fed
         self._catch_up = None
 
     def _learn_verify(self, tokens: int, seconds: float) -> None:
