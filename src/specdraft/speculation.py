@@ -89,8 +89,9 @@ _PRIOR_WEIGHT = 2.0  # pseudo-observations behind each bucket's prior
 _MAX_WEIGHT = 200.0  # counts are halved beyond this, so the map follows drift
 _MAX_DEPTH_KEY = 8  # depths beyond this share a bucket
 _EMA = 0.1  # weight of the newest timing in the moving averages
-_EXPLORE_EVERY = 8  # after this many plain steps in a row (times what a 1-token draft step costs against a plain
-# step), one draft keeps the estimates alive
+_EXPLORE_EVERY = 8  # after at least this many plain steps in a row, one draft keeps the estimates alive
+_EXPLORE_LOSS = 0.02  # ... and no sooner than where the exploring step's excess over a plain step is this share of the
+# time: a draft that never pays costs at most this much
 _MIN_SPREAD = 0.05  # the least variance of x (tokens) over which a Line fits a slope
 
 
@@ -291,9 +292,10 @@ class AdaptivePolicy:
                 best, best_rate = depth, expected / seconds
         if best == 0 and limit > 0:
             state.plain_run += 1
-            # a fixed share of the time, not of the steps: a dear exploring step (a window of auxiliary tokens) waits
-            # as many more plain steps as it costs more than one
-            if state.plain_run >= _EXPLORE_EVERY * max(first / plain, 1.0):
+            # a bounded share of the time lost, not of the steps: a dear exploring step (a window of auxiliary
+            # tokens) waits until its excess over a plain step is _EXPLORE_LOSS of the run's time
+            excess = max(first / plain, 1.0) - 1.0  # in plain steps
+            if state.plain_run >= max(_EXPLORE_EVERY, excess / _EXPLORE_LOSS - excess - 1.0):
                 best, state.plain_run = 1, 0
         else:
             state.plain_run = 0
