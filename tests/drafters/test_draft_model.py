@@ -429,17 +429,17 @@ def test_context_window_reads_the_sinks_and_the_last_tokens_of_a_long_prompt_the
     """context_window=W: a prompt longer than W is read as its first SINK_TOKENS tokens and the W - SINK_TOKENS last
     ones, positions contiguous; the draft is what a fresh drafter drafts after that view, and the cache follows the
     answer's tokens (rollbacks too) without reading the prompt again."""
-    from specdraft.drafters.draft_model import SINK_TOKENS
+    from specdraft.drafters.combined import SINK_TOKENS, WithContextWindow
 
     model, reference = hf_target(1, max_positions=2048), hf_target(1, max_positions=2048)  # equal weights
     window = 24
-    drafter = DraftModelDrafter(model, context_window=window)
+    drafter = WithContextWindow(DraftModelDrafter(model), window)
     prompt = torch.arange(100) % 60 + 3  # (100,)
     view = torch.cat([prompt[:SINK_TOKENS], prompt[100 - (window - SINK_TOKENS):]])  # (W,)
     drafter.begin(None, None)
     context, fed = prompt, []
-    forward = drafter.model.forward
-    drafter.model.forward = lambda ids, *a, **k: fed.append(ids.shape[1]) or forward(ids, *a, **k)
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: fed.append(ids.shape[1]) or forward(ids, *a, **k)
     generator = torch.Generator().manual_seed(0)
     for step in range(6):
         draft = drafter.propose(context, 3, SamplingConfig(), None).tokens
@@ -465,6 +465,6 @@ def test_context_window_is_lossless_and_checked():
     plain = generate(target, prompt, None, GenerationConfig(24)).token_ids
     drafter = draft_model_drafter(hf_target(1), context_window=8, prompt_lookup=2)
     assert generate(target, prompt, drafter, GenerationConfig(24, 4)).token_ids == plain
-    for bad in ({"context_window": 4}, {"context_window": 16, "tree_branching": 2}):
+    for bad in ({"context_window": 4}, {"context_window": -1}, {"context_window": 16, "tree_branching": 2}):
         with pytest.raises(SpecdraftError, match="context_window"):
             draft_model_drafter(hf_target(1), **bad)

@@ -19,6 +19,12 @@
   stay a stopping time of the drafting process: greedy, the copy is a deterministic token; sampling, its q row is a
   point mass on it (accepted with probability p(token), the rest resampled from the residual), which is lossless
   under speculative sampling's rule.
+- :class:`WithContextWindow`: the model reads a sequence's first :data:`SINK_TOKENS` tokens and, from where its
+  prompt's last W - :data:`SINK_TOKENS` tokens began, the rest (W tokens of a long prompt, growing with the answer),
+  as StreamingLLM keeps attention sinks and recent tokens (Xiao et al. 2024, arXiv 2309.17453); the tokens between
+  are never fed and positions stay contiguous in the draft cache. A long prompt's read by the draft model, about
+  0.15 ms a token for the shipped drafter on a 2-core AMD EPYC, costs W tokens' instead. The combinations outside it
+  (copies, prompt lookup) read the whole context.
 - :class:`WithSiblings`: greedy, at every depth the chain reaches, the k next most likely draft tokens join the tree
   as leaves beside the chain's token (a top-k first level, as Medusa's and EAGLE's trees have, at every depth). They
   come from logits the chain computed anyway, so they cost no draft forward, only k more tokens in the verify; with
@@ -49,6 +55,8 @@ from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig
 from specdraft.trees import chain_parents, insert_path, is_chain
 from specdraft.verification import VerifyResult
+
+SINK_TOKENS = 4  # the first tokens a context window keeps (attention sinks)
 
 
 class ChainDrafter(Drafter, Protocol):
@@ -157,6 +165,44 @@ class WithChainCopies(Combination):
         return ("chain_copy", size) if size else draft_kind(self.inner, context, sampling)
 
 
+class WithContextWindow(Combination):
+    """``inner``'s chain drafted from what a window of ``window`` tokens keeps of the context (module docstring);
+    ``fill`` still reads the whole context."""
+
+    def __init__(self, inner: ChainDrafter, window: int) -> None:
+        if window <= SINK_TOKENS:
+            raise SpecdraftError(f"context_window must be 0 (the whole context) or above {SINK_TOKENS}, got {window}")
+        super().__init__(inner)
+        self.window = window
+        self._start: int | None = None  # where this sequence's window begins in its context
+
+    def begin(self, target: CausalLM, cache: KVCache) -> None:
+        self._start = None
+        self.inner.begin(target, cache)
+
+    def view(self, context: torch.Tensor) -> torch.Tensor:
+        """What the model reads of ``context`` (N,): its first :data:`SINK_TOKENS` tokens and everything from where
+        the window began when the sequence's prompt was read (all of a short one). (M,), M <= N."""
+        if self._start is None:
+            self._start = max(SINK_TOKENS, context.shape[0] - (self.window - SINK_TOKENS))
+        if self._start <= SINK_TOKENS:
+            return context
+        return torch.cat([context[:SINK_TOKENS], context[self._start:]])
+
+    def chain(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
+              generator: torch.Generator | None, fill: Fill | None = None, runners_up: int = 0) -> Chain:
+        view = self.view(context)
+
+        def whole(running: torch.Tensor) -> tuple[torch.Tensor, int] | None:  # the drafted tokens after the context
+            return fill(torch.cat([context, running[view.shape[0]:]]))
+
+        return self.inner.chain(view, num_draft_tokens, sampling, generator, whole if fill else None, runners_up)
+
+    def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        return self.chain(context, num_draft_tokens, sampling, generator).draft
+
+
 class WithSiblings(Combination):
     """``inner``'s chain with its ``siblings`` runners-up as leaves beside every token (greedy; module docstring)."""
 
@@ -190,11 +236,11 @@ def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching
                         prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, merge_ngram: int = 0,
                         context_window: int = 0, *, keep: torch.Tensor | None = None) -> Drafter:
     """The drafter the draft-model options name: a :class:`DraftModelDrafter` (``tree_branching``, ``tree_nodes``,
-    ``confidence_threshold``, ``context_window``, ``keep``; with ``merge_ngram`` = n > 0 its tree grown as a graph
-    whose nodes with equal last n tokens merge, :class:`~specdraft.drafters.graph.GraphDrafter`), inside
-    :class:`WithChainCopies` (``chain_copy`` = m > 0), then :class:`WithSiblings` (``siblings`` = k > 0), then
-    :class:`WithPromptLookup` (``prompt_lookup`` = n > 0, down to ``prompt_lookup_min``, alone from
-    ``prompt_lookup_alone`` tokens). The combinations apply to chains only."""
+    ``confidence_threshold``, ``keep``; with ``merge_ngram`` = n > 0 its tree grown as a graph whose nodes with
+    equal last n tokens merge, :class:`~specdraft.drafters.graph.GraphDrafter`), inside :class:`WithContextWindow`
+    (``context_window`` = W > 0), then :class:`WithChainCopies` (``chain_copy`` = m > 0), then
+    :class:`WithSiblings` (``siblings`` = k > 0), then :class:`WithPromptLookup` (``prompt_lookup`` = n > 0, down to
+    ``prompt_lookup_min``, alone from ``prompt_lookup_alone`` tokens). The combinations apply to chains only."""
     if prompt_lookup < 0:
         raise SpecdraftError(f"prompt_lookup must be >= 0 (0 = off), got {prompt_lookup}")
     if prompt_lookup and tree_branching:
@@ -205,6 +251,9 @@ def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching
         if value < 0 or (value and tree_branching):
             raise SpecdraftError(f"{option} must be >= 0 (0 = off) and applies to chain drafts, got {value}"
                                  + (" with tree_branching" if tree_branching else ""))
+    if context_window < 0 or (context_window and tree_branching):
+        raise SpecdraftError(f"context_window must be >= 0 (0 = the whole context) and applies to chain drafts, got "
+                             f"{context_window}" + (" with tree_branching" if tree_branching else ""))
     if merge_ngram < 0 or (merge_ngram and (not tree_branching or confidence_threshold)):
         raise SpecdraftError(f"merge_ngram must be >= 0 (0 = off) and applies to tree drafts (tree_branching, no "
                              f"confidence_threshold), got {merge_ngram}")
@@ -212,8 +261,9 @@ def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching
     if merge_ngram:
         drafter = GraphDrafter(model, name, tree_branching, tree_nodes, merge_ngram, keep=keep)
     else:
-        drafter = DraftModelDrafter(model, name, tree_branching, tree_nodes, confidence_threshold, context_window,
-                                    keep=keep)
+        drafter = DraftModelDrafter(model, name, tree_branching, tree_nodes, confidence_threshold, keep=keep)
+    if context_window:
+        drafter = WithContextWindow(drafter, context_window)
     if chain_copy:
         drafter = WithChainCopies(drafter, chain_copy)
     if siblings:

@@ -46,7 +46,6 @@ from specdraft.trees import add_children, expansion_mask
 from specdraft.verification import VerifyResult
 
 MODEL, SIBLING, COPY = 0, 1, 10  # Draft.source of the model's chain, its siblings, and a copy (+ n-gram size)
-SINK_TOKENS = 4  # the first tokens a context_window keeps (attention sinks)
 
 Fill = Callable[[torch.Tensor], "tuple[torch.Tensor, int] | None"]  # running context -> (token, source) or None
 
@@ -69,14 +68,9 @@ class DraftModelDrafter:
     facts = DrafterFacts(replayable=True)  # with any of its options; chosen by its folder (--draft), not by name
 
     def __init__(self, model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
-                 confidence_threshold: float = 0.0, context_window: int = 0, *,
-                 keep: torch.Tensor | None = None) -> None:
+                 confidence_threshold: float = 0.0, *, keep: torch.Tensor | None = None) -> None:
         if tree_branching < 0 or tree_nodes < 1:
             raise SpecdraftError(f"tree_branching must be >= 0 and tree_nodes >= 1, got {tree_branching}, {tree_nodes}")
-        if context_window and (context_window <= SINK_TOKENS or tree_branching):
-            raise SpecdraftError(f"context_window must be 0 (the whole context) or above {SINK_TOKENS}, and applies "
-                                 f"to chain drafts; got {context_window}" + (" with tree_branching" if tree_branching
-                                                                              else ""))
         if not 0.0 <= confidence_threshold < 1.0:
             raise SpecdraftError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         if confidence_threshold and tree_branching:
@@ -98,8 +92,6 @@ class DraftModelDrafter:
         self._cached = torch.empty(0, dtype=torch.long)  # (L,) ids whose keys/values are in the cache
         self.last_catch_up: CatchUp | None = None  # the first forward of the last chain (drafters.base.catch_up)
         self._new_sequence = True  # no forward since ``begin``: the next one reads the sequence's prompt
-        self.context_window = context_window
-        self._window_start: int | None = None  # where this sequence's window begins in its context (context_window)
 
     @property
     def vocab_keep(self) -> torch.Tensor | None:
@@ -148,12 +140,11 @@ class DraftModelDrafter:
         tokens at every depth the model drafted."""
         if self.tree_branching:
             raise SpecdraftError("a draft model in tree mode (tree_branching) drafts trees, not chains")
-        running = context  # (N + i,) the context and the tokens drafted so far, for ``fill``
-        context = self._view(context)
         pending = list(self._crop(context, num_draft_tokens))  # uncached tokens, fed when the model next drafts
         # a new sequence: its prompt is read now, whole or past a prefix the last sequence shared (a chat template's)
         fresh, first = self._new_sequence or len(pending) == context.shape[0], True
         tokens, probs, confidence, source, alternatives = [], [], [], [], []
+        running = context  # (N + i,) the context and the tokens drafted so far, for ``fill``
         for i in range(num_draft_tokens):
             filled = fill(running) if fill is not None else None
             if filled is not None:  # a token from elsewhere: no draft forward
@@ -292,23 +283,8 @@ class DraftModelDrafter:
         """The ``tree_nodes`` most confident nodes, closed under ancestors, in node order."""
         return confident_tree(tokens, parents, scores, self.tree_nodes, None if greedy else torch.stack(q_rows))
 
-    def _view(self, context: torch.Tensor) -> torch.Tensor:
-        """What the model reads of ``context`` (N,): all of it, or with ``context_window`` = W its first
-        :data:`SINK_TOKENS` tokens and, from where the window began when the sequence's prompt was read, the rest
-        (W tokens then, growing with the answer). The tokens between are never fed: positions stay contiguous in the
-        draft cache, as in StreamingLLM's cache of attention sinks and recent tokens (Xiao et al. 2024, arXiv
-        2309.17453). (M,), M <= N."""
-        if not self.context_window:
-            return context
-        if self._window_start is None:
-            self._window_start = max(SINK_TOKENS, context.shape[0] - (self.context_window - SINK_TOKENS))
-        if self._window_start <= SINK_TOKENS:
-            return context
-        return torch.cat([context[:SINK_TOKENS], context[self._window_start:]])
-
     def begin(self, target, cache) -> None:
         self._new_sequence = True
-        self._window_start = None
 
     def observe(self, result: VerifyResult) -> None:
         pass
