@@ -234,8 +234,9 @@ def start_tests(work: Path, seconds: float, extra: list[str], env: dict) -> None
 
 
 def stop_tests(work: Path, wait: float) -> None:
-    """Wait up to ``wait`` seconds for the background tests, then end them (they write what they have), their
-    process group whole: pytest's workers, which outlive their parent, would share the machine with the recipe."""
+    """Wait up to ``wait`` seconds for the background tests, then end them (they write what they have): every
+    process of their group, not only its leader, so that none shares the machine with the recipe. (The recipe's
+    tests phase, ended by a signal, ends its pytest process group itself.)"""
     try:
         pid = int((work / TESTS_PID).read_text())
     except (OSError, ValueError):
