@@ -255,11 +255,11 @@ def fit_budget(stage: Stage, run, export: str, command: str | None, overwrite: b
     included), with ``stage.evals`` spread over them.
 
     A fresh run's first :data:`CALIBRATION_STEPS` steps are run and timed (a real run, stopped there: evaluated and
-    checkpointed). When the rest fits, the run continues from there; otherwise it starts again with the steps that
-    fit (the timed steps are lost: its schedule changed). A run already in the folder is continued as it is; unless
-    ``overwrite`` (the stage is to be redone where it changed), with the steps a budget gave it
-    (:func:`_fitted_run`): a recipe stopped part-way and run again picks up where it was, and a finished one is
-    reused."""
+    checkpointed; the rate is the later half's, :func:`_step_seconds`). When the rest fits, the run continues from
+    there; otherwise it starts again with the steps that fit (the timed steps are lost: its schedule changed). A run
+    already in the folder is continued as it is; unless ``overwrite`` (the stage is to be redone where it changed),
+    with the steps a budget gave it (:func:`_fitted_run`): a recipe stopped part-way and run again picks up where it
+    was, and a finished one is reused."""
     config = spread_evals(stage.config, stage.evals)
     if stage.budget_s is None:
         return config
@@ -267,11 +267,11 @@ def fit_budget(stage: Stage, run, export: str, command: str | None, overwrite: b
         return (None if overwrite else _fitted_run(stage, config, export)) or config
     probe = min(CALIBRATION_STEPS, config.steps)
     started = time.perf_counter()
-    run(replace(config, stop_after=probe, resume=False, overwrite=False), command=command)
+    run(replace(config, stop_after=probe, log_every=1, resume=False, overwrite=False), command=command)
     spent = time.perf_counter() - started
     if probe == config.steps:  # the timed steps were the whole run
         return config
-    per_step = _training_seconds(Path(config.out)) / probe
+    per_step = _step_seconds(Path(config.out), probe)
     fixed = max(spent - per_step * probe, 0.0)  # loading, evaluation and checkpoint: paid again by the next start
     evals = (stage.evals or 1) + 1
     if spent + fixed * (1 + evals / 4) + per_step * (config.steps - probe) <= stage.budget_s:
@@ -299,11 +299,17 @@ def _fitted_run(stage: Stage, config, export: str):
     return None
 
 
-def _training_seconds(folder: Path) -> float:
-    """The training wall time of a run so far (its ``train_log.csv``'s last ``wall_s``)."""
+def _step_seconds(folder: Path, probe: int) -> float:
+    """Seconds a training step of a run takes, from its ``train_log.csv`` over its first ``probe`` steps (logged each
+    step): the later half's, so that a first steps' warm-up (a CUDA device's first kernels, 15x a later step on an
+    H200) does not set the rate; the whole span's where the log has no row at the half."""
     try:
         with open(folder / "train_log.csv", newline="") as file:
-            rows = list(csv.DictReader(file))
-        return float(rows[-1]["wall_s"])
-    except (OSError, IndexError, KeyError, ValueError):
+            wall = {int(row["step"]): float(row["wall_s"]) for row in csv.DictReader(file)}
+        last = max(wall)
+    except (OSError, KeyError, ValueError):
         raise SpecdraftError(f"{folder}: no train_log.csv to time the first steps by") from None
+    half = last // 2
+    if half in wall and last > half:
+        return (wall[last] - wall[half]) / (last - half)
+    return wall[last] / last
