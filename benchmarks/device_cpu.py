@@ -3,7 +3,8 @@ the int8 kernels built and tested there, ``specdraft calibrate`` and a Spec-Benc
 the shipped drafter and prompt lookup, each pinned to 2 cores at 2 threads, the setting of the 2-core machines the
 figures elsewhere come from. The target's GGUF travels as ``gpu_device.py bundle`` cuts it (any prompts or answers
 file beside it is ignored); the same command runs in every call, and the call that brings the last part runs the
-checks within ``$BUDGET`` seconds, each under its own time box, writing its log to ``$OUT`` as it goes.
+checks within ``$BUDGET`` seconds, each under its own time box, its log in ``$OUT/logs`` and its status in
+``$OUT/summary.json`` as it goes (the recipe's phase runner, ``gpu_recipe.Phases``).
 
     python benchmarks/gpu_device.py bundle --prompts P --questions question.jsonl --no-xz   # here, once
     python3 benchmarks/device_cpu.py                                                         # there, every call
@@ -16,6 +17,7 @@ figures say what this code does on that processor, not what a dedicated 2-core m
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_device import SITE, stage, unbundle  # noqa: E402
+from gpu_recipe import Phases  # noqa: E402
 
 KERNEL_TESTS = ("tests/models/test_quantized.py", "tests/models/test_packed.py", "tests/models/test_rowgemm.py",
                 "tests/models/test_rowgemm_build.py")
@@ -41,26 +44,6 @@ def package_target(bundle: Path, site: Path) -> None:
     (package / "__init__.py").write_text("")
     if not (package / GGUF).exists():
         (package / GGUF).symlink_to(bundle / "target.gguf")
-
-
-def run(name: str, command: list[str], seconds: float, env: dict, out: Path) -> str:
-    """``command`` under a time box, its output in ``out/name.log``; returns its status."""
-    started = time.monotonic()
-    with open(out / f"{name}.log", "w") as log:
-        log.write(f"$ {' '.join(command)}\n# time box {seconds:.0f} s\n")
-        log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                   start_new_session=True)
-        try:
-            code = process.wait(timeout=max(seconds, 1.0))
-            status = "ok" if code == 0 else f"failed (exit {code})"
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
-            status = "stopped by its time box"
-        log.write(f"\n# {status} in {time.monotonic() - started:.1f} s\n")
-    print(f"[{name}] {status} in {time.monotonic() - started:.1f} s", flush=True)
-    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,19 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     def left(share: float) -> float:
         return share * (args.budget - (time.monotonic() - started))
 
+    (out / "logs").mkdir(exist_ok=True)
+    summary: dict = {"calls": 1, "phases": {}}
+    phases = Phases(out, work, env, summary, lambda: (out / "summary.json").write_text(json.dumps(summary, indent=1)))
     # the GGUF converted into the cache and the kernels built, on every core
-    run("build", [python, "-m", "specdraft.cli", "generate", "--target", "smollm2-135m-instruct", "--prompt", "Hello",
-                  "--max-new-tokens", "8"], left(0.45), env, out)
-    run("tests", [*pinned, python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS], left(0.2),
-        env, out)
-    run("calibrate", [*cli, "calibrate", "--target", "smollm2-135m-instruct"], left(0.3), env, out)
-    status = run("bench", [*cli, "bench", "--questions", questions, "--per-category", str(args.per_category),
-                           "--max-new-tokens", "128", "--methods",
-                           "ar,draft:smollm2-135m-instruct-drafter,prompt-lookup", "--out", str(work / "bench")],
-                 left(0.95), env, out)
+    phases.run("build", [python, "-m", "specdraft.cli", "generate", "--target", "smollm2-135m-instruct", "--prompt",
+                         "Hello", "--max-new-tokens", "8"], left(0.45))
+    phases.run("tests", [*pinned, python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+               left(0.2))
+    phases.run("calibrate", [*cli, "calibrate", "--target", "smollm2-135m-instruct"], left(0.3))
+    phases.run("bench", [*cli, "bench", "--questions", questions, "--per-category", str(args.per_category),
+                         "--max-new-tokens", "128", "--methods", "ar,draft:smollm2-135m-instruct-drafter,prompt-lookup",
+                         "--out", str(work / "bench")], left(0.95))
     if (work / "bench" / "summary.md").is_file():
         shutil.copy(work / "bench" / "summary.md", out / "bench-summary.md")
-    print(f"bench: {status}; files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}", flush=True)
+    print(f"files in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}", flush=True)
     return 0
 
 

@@ -45,8 +45,8 @@ TREE_LIMIT = 64 * MIB  # working tree sent with a call, carried folders included
 MARGIN = MIB // 2  # kept free of the limit (files that appear in the checkout meanwhile)
 OUT_FILES, OUT_FILE, OUT_TOTAL = 8, 16 * MIB, 64 * MIB  # what a call sends back from $OUT
 PIECE = 15 * MIB  # the exports' pieces in $OUT
-MEMBERS = ("target.gguf", "target", "prompts.jsonl.gz", "question.jsonl")  # in the bundle: the target, a file or folder
-TRAINING = ("answers", "prompts")  # the training inputs: answers made elsewhere (read, not generated), or prompts
+TARGETS = ("target.gguf", "target")  # the bundle's target: a GGUF file or a checkpoint folder
+TRAINING = ("answers", "prompts")  # its training inputs: answers made elsewhere (read, not generated), or prompts
 TESTS_PID = "tests.pid"
 SITE = "gguf.zip"  # the gguf package, which the device's Python lacks (pure Python: imported from the zip)
 
@@ -213,7 +213,7 @@ def unbundle(manifest: dict, work: Path) -> Path:
 
 def recipe_command(work: Path, budget: float, extra: list[str], bundle_folder: Path | None = None) -> list[str]:
     folder = bundle_folder or work / "bundle"
-    target = next((folder / m for m in MEMBERS[:2] if (folder / m).exists()), folder / "target.gguf")
+    target = next((folder / m for m in TARGETS if (folder / m).exists()), folder / "target.gguf")
     inputs = [(kind, folder / f"{kind}.jsonl{gz}") for kind in TRAINING for gz in (".gz", "")]
     kind, path = next(((k, p) for k, p in inputs if p.exists()), ("prompts", "-"))
     return [sys.executable, str(ROOT / "benchmarks" / "gpu_recipe.py"), "--target", str(target), f"--{kind}",
@@ -254,24 +254,23 @@ def stop_tests(work: Path, wait: float) -> None:
     (work / TESTS_PID).write_text("ended")
 
 
+def _stat(path: Path) -> list[str]:
+    """A process's ``/proc/PID/stat`` fields after its name (state first, process group third); [] when gone."""
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _group_alive(group: int) -> bool:
     """Whether a process of the process group ``group`` other than a zombie is left."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            return True
-    return False
+    return any(fields and int(fields[2]) == group and fields[0] != "Z"
+               for fields in map(_stat, Path("/proc").glob("[0-9]*/stat")))
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    fields = _stat(Path(f"/proc/{pid}/stat"))
+    return bool(fields) and fields[0] != "Z"
 
 
 def device(args, extra: list[str]) -> int:

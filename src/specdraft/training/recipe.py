@@ -271,7 +271,7 @@ def fit_budget(stage: Stage, run, export: str, command: str | None, overwrite: b
     spent = time.perf_counter() - started
     if probe == config.steps:  # the timed steps were the whole run
         return config
-    per_step = _step_seconds(Path(config.out), probe)
+    per_step = _step_seconds(Path(config.out))
     fixed = max(spent - per_step * probe, 0.0)  # loading, evaluation and checkpoint: paid again by the next start
     evals = (stage.evals or 1) + 1
     if spent + fixed * (1 + evals / 4) + per_step * (config.steps - probe) <= stage.budget_s:
@@ -299,9 +299,9 @@ def _fitted_run(stage: Stage, config, export: str):
     return None
 
 
-def _step_seconds(folder: Path, probe: int) -> float:
-    """Seconds a training step of a run takes, from its ``train_log.csv`` over its first ``probe`` steps (logged each
-    step): the later half's, so that a first steps' warm-up (a CUDA device's first kernels, 15x a later step on an
+def _step_seconds(folder: Path) -> float:
+    """Seconds a training step of a run takes, from the ``train_log.csv`` of its first steps (logged each step): the
+    later half's, so that a first steps' warm-up (a CUDA device's first kernels, 15x a later step on an
     H200) does not set the rate; the whole span's where the log has no row at the half."""
     try:
         with open(folder / "train_log.csv", newline="") as file:
