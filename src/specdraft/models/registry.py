@@ -216,10 +216,12 @@ class Precision:
     __hash__ = None
 
     def describe(self) -> str:
-        """e.g. ``gguf blocks (float32 activations), drafters bfloat16`` or ``bfloat16``."""
+        """e.g. ``gguf blocks (float32 activations), dense drafters bfloat16`` or ``bfloat16``: the dtype of
+        dense drafters only (the shipped drafter runs on int8 blocks where the int8 kernels do: its ``quantize``)."""
         if self.quantize is None:
             return str(self.dtype).removeprefix("torch.")
-        return f"{self.quantize} blocks (float32 activations), drafters {str(self.draft_dtype).removeprefix('torch.')}"
+        return (f"{self.quantize} blocks (float32 activations), dense drafters "
+                f"{str(self.draft_dtype).removeprefix('torch.')}")
 
 
 def gguf_file(name_or_path: str) -> Path | None:
