@@ -94,6 +94,18 @@ class Combination:
         return facts_of(self.inner)
 
 
+class ChainCombination(Combination):
+    """A combination that changes the inner chain (:meth:`chain`, which it defines): its draft is that chain's."""
+
+    def chain(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
+              generator: torch.Generator | None, fill: Fill | None = None, runners_up: int = 0) -> Chain:
+        raise NotImplementedError
+
+    def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        return self.chain(context, num_draft_tokens, sampling, generator).draft
+
+
 class WithPromptLookup(Combination):
     """``inner``'s draft with the copy ``lookup`` finds as a second branch, or the copy alone after a match of at
     least ``alone`` tokens (0: never alone); greedy only (module docstring)."""
@@ -132,7 +144,7 @@ class WithPromptLookup(Combination):
         return draft_kind(self.inner, context, sampling)
 
 
-class WithChainCopies(Combination):
+class WithChainCopies(ChainCombination):
     """``inner``'s chain with the continuation of a matched n-gram (``min_ngram`` or longer) at every depth that has
     one (module docstring)."""
 
@@ -155,17 +167,13 @@ class WithChainCopies(Combination):
 
         return self.inner.chain(context, num_draft_tokens, sampling, generator, copy_or_fill, runners_up)
 
-    def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
-        return self.chain(context, num_draft_tokens, sampling, generator).draft
-
     def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
         """("chain_copy", n) where the chain would start with a copy after a matched n-gram; else the inner kind."""
         size = self.lookup.match(context, 1)[0]
         return ("chain_copy", size) if size else draft_kind(self.inner, context, sampling)
 
 
-class WithContextWindow(Combination):
+class WithContextWindow(ChainCombination):
     """``inner``'s chain drafted from what a window of ``window`` tokens keeps of the context (module docstring);
     ``fill`` still reads the whole context."""
 
@@ -178,7 +186,7 @@ class WithContextWindow(Combination):
 
     def begin(self, target: CausalLM, cache: KVCache) -> None:
         self._start = None
-        self.inner.begin(target, cache)
+        super().begin(target, cache)
 
     def view(self, context: torch.Tensor) -> torch.Tensor:
         """What the model reads of ``context`` (N,): its first :data:`SINK_TOKENS` tokens and everything from where
@@ -197,10 +205,6 @@ class WithContextWindow(Combination):
             return fill(torch.cat([context, running[view.shape[0]:]]))
 
         return self.inner.chain(view, num_draft_tokens, sampling, generator, whole if fill else None, runners_up)
-
-    def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
-        return self.chain(context, num_draft_tokens, sampling, generator).draft
 
 
 class WithSiblings(Combination):
