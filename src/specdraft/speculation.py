@@ -167,13 +167,18 @@ class AcceptanceMap:
             counts[0], counts[1] = counts[0] / 2, counts[1] / 2
 
 
-def _node_keys(draft: Draft) -> tuple[list[tuple], torch.Tensor]:
-    """Each node's bucket and the tree's parents (N,)."""
-    parents = draft.parents if draft.parents is not None else chain_parents(len(draft))
-    node_depths = depth_list(parents)
-    confidence = draft.confidence.tolist() if draft.confidence is not None else [math.nan] * len(draft)
-    source = draft.source.tolist() if draft.source is not None else [0] * len(draft)
-    return [_key(s, c, d) for s, c, d in zip(source, confidence, node_depths, strict=True)], parents
+def _node_keys(draft: Draft) -> tuple[list[tuple], list[int], list[int]]:
+    """Each node's bucket, parent and depth, as lists (a chain's without building its parents: the policy asks
+    twice a step)."""
+    size = len(draft)
+    if draft.parents is None:
+        parents, node_depths = list(range(-1, size - 1)), list(range(1, size + 1))
+    else:
+        parents = draft.parents.tolist()
+        node_depths = depth_list(parents)
+    confidence = draft.confidence.tolist() if draft.confidence is not None else [math.nan] * size
+    source = draft.source.tolist() if draft.source is not None else [0] * size
+    return [_key(s, c, d) for s, c, d in zip(source, confidence, node_depths, strict=True)], parents, node_depths
 
 
 def depth_key(depth: int, kind: Hashable) -> tuple:
@@ -306,10 +311,10 @@ class AdaptivePolicy:
              sequences: int = 1) -> Draft:
         if len(draft) == 0 or (not greedy and draft.parents is not None):
             return draft  # sampled trees: cutting siblings by their draws would bias them (module docstring)
-        keys, parents = _node_keys(draft)
+        keys, parents, _ = _node_keys(draft)
         rates = [self.acceptance.rate(key) for key in keys]
         reach = []
-        for node, parent in enumerate(parents.tolist()):
+        for node, parent in enumerate(parents):
             reach.append(rates[node] * (reach[parent] if parent >= 0 else 1.0))
         extra = draft.aux_size
 
@@ -328,19 +333,21 @@ class AdaptivePolicy:
             return draft
         if best == 0 and draft.aux is None:
             return EMPTY_DRAFT
+        if draft.parents is None:  # a chain's nodes by reach are its prefix: reach never grows along it
+            return draft.select(torch.arange(best), None)
         keep = torch.zeros(len(draft), dtype=torch.bool)
         keep[order[:best]] = True
-        kept, new_parents = keep_nodes(parents, keep)
-        return draft.select(kept, None if draft.parents is None else new_parents)
+        kept, new_parents = keep_nodes(draft.parents, keep)
+        return draft.select(kept, new_parents)
 
     def observe(self, draft: Draft, result: VerifyResult, draft_seconds: float, verify_seconds: float) -> None:
         """Update the acceptance map from the nodes verification reached, and the timing averages."""
-        keys, parents = _node_keys(draft)
+        keys, parents, node_depths = _node_keys(draft)
         accepted = set(result.accepted_nodes)
-        for node, parent in enumerate(parents.tolist()):
+        for node, parent in enumerate(parents):
             if parent < 0 or parent in accepted:  # reached: its parent was accepted
                 self.acceptance.update(keys[node], node in accepted)
-        self._learn_depths(draft, parents, accepted)
+        self._learn_depths(node_depths, accepted)
         if self._asked > 0:
             state = self._state(self._kind)
             caught = self._catch_up
@@ -377,11 +384,11 @@ class AdaptivePolicy:
         :meth:`observe`."""
         self._catch_up = record
 
-    def _learn_depths(self, draft: Draft, parents: torch.Tensor, accepted: set[int]) -> None:
-        """Per-depth acceptance of the deepest reached level (what ``budget`` prices before drafting)."""
-        if len(draft) == 0:
+    def _learn_depths(self, node_depths: list[int], accepted: set[int]) -> None:
+        """Per-depth acceptance of the deepest reached level (what ``budget`` prices before drafting), from the
+        drafted nodes' depths."""
+        if not node_depths:
             return
-        node_depths = depth_list(parents)
         deepest = max((node_depths[n] for n in accepted), default=0)
         for depth in range(1, min(max(node_depths), deepest + 1) + 1):
             self.acceptance.update(depth_key(depth, self._kind), depth <= deepest)

@@ -39,10 +39,10 @@ def check_tree(tokens: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | No
         raise SpecdraftError(f"tree q must be (N, V) with N = {tokens.shape[0]}, got {tuple(q.shape)}")
 
 
-def depth_list(parents: torch.Tensor) -> list[int]:
+def depth_list(parents: torch.Tensor | list[int]) -> list[int]:
     """Depth of every node as a list; children of the root have depth 1 (parents come before their children)."""
     depth: list[int] = []
-    for parent in parents.tolist():
+    for parent in parents.tolist() if isinstance(parents, torch.Tensor) else parents:
         depth.append(1 if parent < 0 else depth[parent] + 1)
     return depth
 

@@ -207,7 +207,7 @@ class LayerStep:
     start: int
     cos: torch.Tensor  # (T, 1, hd/2)
     sin: torch.Tensor  # (T, 1, hd/2)
-    mask: torch.Tensor | None  # (G*T, start + T) bool, or None when no mask is needed
+    mask: torch.Tensor | None  # (G*T, start + T) bool (row-wise: at least its first T rows), or None when not needed
     explicit: bool = False  # the mask is given (tree step): never take the is_causal prefill path
     rowwise: bool = False  # attend each query on its own (rowgemm.attention): a k-token step = k 1-token steps
     chunks: tuple | None = None  # a long causal forward as row-wise steps: (begin, end, mask (end-begin, S)) each
@@ -558,8 +558,9 @@ class NativeLlama(nn.Module):
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         cos = self.rope_cos[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
         sin = self.rope_sin[start : start + steps].unsqueeze(1)  # (T, 1, hd/2)
-        return LayerStep(start, cos, sin, causal_mask(start, steps, groups, cos.device),
-                         rowwise=start > 0 and self._rowwise(steps))
+        rowwise = start > 0 and self._rowwise(steps)  # row-wise attention reads one group's rows: (T, S)
+        return LayerStep(start, cos, sin, causal_mask(start, steps, 1 if rowwise else groups, cos.device),
+                         rowwise=rowwise)
 
     def _tree_step(
         self, start: int, steps: int, positions: torch.Tensor | None, attention_mask: torch.Tensor | None
@@ -586,7 +587,8 @@ class NativeLlama(nn.Module):
         else:
             seen = torch.ones(steps, start + steps, dtype=torch.bool, device=device)  # (T, S): all cached slots
             seen[:, start:] = attention_mask.to(device)
-        return LayerStep(start, cos, sin, seen.repeat(groups, 1), explicit=True, rowwise=self._rowwise(steps))
+        rowwise = self._rowwise(steps)  # row-wise attention reads one group's rows: (T, S)
+        return LayerStep(start, cos, sin, seen if rowwise else seen.repeat(groups, 1), explicit=True, rowwise=rowwise)
 
     def _rowwise(self, steps: int) -> bool:
         """Whether a forward of ``steps`` new tokens after a prefill attends row-invariantly: with the row-invariant
