@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, sample_on_device, warp
+from specdraft.models import rowgemm
+from specdraft.sampling import (
+    SamplingConfig,
+    argmax,
+    check_finite,
+    checked_argmax,
+    sample,
+    sample_on_device,
+    warp,
+)
 
 
 def test_greedy_is_one_hot_argmax():
@@ -105,6 +114,29 @@ def test_check_finite():
     with pytest.raises(SpecdraftError, match="non-finite"):
         check_finite(torch.tensor([[1.0, 2.0], [-math.inf, 0.0]]), "draft")
     check_finite(torch.full((4,), 3e38), "target")  # huge but finite: the sum overflows, the entries do not
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_checked_argmax_is_check_finite_then_argmax(kernel, monkeypatch):
+    """With the row kernels loaded (one pass over the rows) and without them: the same ids, the same error."""
+    if kernel and not rowgemm.available():
+        pytest.skip("the row kernels do not build here")
+    monkeypatch.setattr(rowgemm, "loaded", lambda: kernel)
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 49_157, generator=generator)
+    logits[1, [3, 40_000]] = 9.0  # a tie: the first
+    logits[2, -1] = 9.0  # past the last whole vector
+    logits[3] = 0.0
+    logits[3, 7] = -0.0  # -0 equals +0: the first
+    assert checked_argmax(logits, "target") == argmax(logits).tolist() == logits.argmax(-1).tolist()
+    assert checked_argmax(logits[:1, :5], "target") == logits[:1, :5].argmax(-1).tolist()
+    for bad in (math.nan, math.inf, -math.inf):
+        for column in (11, 49_156):  # in a vector, in the tail
+            broken = logits.clone()
+            broken[4, column] = bad
+            with pytest.raises(SpecdraftError, match=r"non-finite logits .* target"):
+                checked_argmax(broken, "target")
+    checked_argmax(torch.full((2, 40), 3e38), "target")  # huge but finite
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.models import rowgemm
 
 # Temperatures below this decode greedily, as vLLM does (its ``_SAMPLING_EPS``): dividing fp32 logits by a smaller
 # positive number can overflow to inf (1e-300 is 0 in fp32), and softmax then gives NaN. The limit T -> 0 of the
@@ -257,4 +258,22 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise a clear error for NaN/inf logits instead of sampling garbage. One sum answers for finite rows (a NaN or
     inf makes it non-finite); only a non-finite sum, which huge finite logits could also give, reads every entry."""
     if not math.isfinite(logits.sum().item()) and not bool(torch.isfinite(logits).all()):
-        raise SpecdraftError(f"non-finite logits (NaN or inf) from the {who} model")
+        _non_finite(who)
+
+
+def _non_finite(who: str) -> NoReturn:
+    raise SpecdraftError(f"non-finite logits (NaN or inf) from the {who} model")
+
+
+def checked_argmax(logits: torch.Tensor, who: str) -> list[int]:
+    """:func:`check_finite`, then each row's :func:`argmax` of ``logits`` (R, V), as a list. Float32 rows on the CPU,
+    where the row kernels are loaded, are read once for both (a greedy step's logits come from memory, the LM head's
+    weight stream having pushed them out of the caches: two passes cost about twice one)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] \
+            and not logits.requires_grad and rowgemm.loaded():
+        best, finite = rowgemm.argmax_finite(logits)
+        if not finite:
+            _non_finite(who)
+        return best.tolist()
+    check_finite(logits, who)
+    return argmax(logits).tolist()

@@ -23,7 +23,7 @@ import torch
 
 from specdraft.drafters.base import Draft, TargetFeatures
 from specdraft.models.base import CausalLM, KVCache
-from specdraft.sampling import LogitsProcessor, SamplingConfig, check_finite
+from specdraft.sampling import LogitsProcessor, SamplingConfig, check_finite, checked_argmax
 from specdraft.trees import chain_parents, verify_layout
 from specdraft.verification import VerifyResult, verify
 
@@ -153,11 +153,16 @@ def settle(cache: KVCache, start: int, layout: Layout, logits: torch.Tensor, fea
     ``step.processor``, row by row, each row seeing the generated tokens and the draft's path before it), and roll
     its cache back to the accepted path."""
     draft, tail = layout.draft, layout.tail
-    check_finite(logits[tail - 1 :], "target")
     rows = logits[tail - 1 : tail + len(draft)]  # (N + 1, V): the root, then every node
+    greedy = None  # the rows' argmax, when the check reads them anyway (greedy, nothing after the nodes, as given)
+    if step.sampling.greedy and draft.aux is None and step.processor is None and draft.rollback is None:
+        greedy = checked_argmax(rows, "target")
+    else:
+        check_finite(logits[tail - 1 :], "target")
     if step.processor is not None:
         rows = step.processor(rows, step.context[step.prompt_length :], draft.tokens, draft.parents)  # (N + 1, V)
-    result = verify(draft.tokens, draft.parents, draft.q, rows, step.sampling, step.generator, draft.rollback)
+    result = verify(draft.tokens, draft.parents, draft.q, rows, step.sampling, step.generator, draft.rollback,
+                    greedy)
     nodes = list(result.accepted_nodes)
     roll_back(cache, start + tail, nodes)
     if draft.aux is not None:

@@ -56,6 +56,7 @@ def verify(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     rollback: float | None = None,
+    greedy_tokens: list[int] | None = None,
 ) -> VerifyResult:
     """Verify a draft on the target's logits: greedy exact match or speculative sampling (p warped once, here), on a
     chain (``parents`` None) or a token tree. Every decoding loop verifies through this one dispatch.
@@ -64,6 +65,8 @@ def verify(
         tokens: (N,) drafted ids; parents: (N,) the tree, or None for a chain; q: (N, V) or None (a point mass).
         target_logits: (N + 1, V) the target's logits at the root (row 0) and at every node (row i + 1).
         rollback: None (exact), or BiLD's rollback threshold α for a chain (lossy when > 0; module docstring).
+        greedy_tokens: the argmax of every row of ``target_logits`` when the caller has it (greedy sampling only),
+            else None.
     """
     if rollback is not None and parents is not None:
         raise SpecdraftError("a rollback threshold (BiLD) applies to chain drafts, not token trees")
@@ -72,11 +75,11 @@ def verify(
         if sampling.greedy:
             tolerated = None if rollback is None else within_rollback(
                 tokens, torch.log_softmax(target_logits[:gamma].float(), -1), rollback)  # log p: (γ, V)
-            return verify_greedy(tokens, target_logits, tolerated)
+            return verify_greedy(tokens, target_logits, tolerated, greedy_tokens)
         p = warp(target_logits, sampling)  # (γ + 1, V)
         return verify_sampling(tokens, q, p, generator, within_rollback(tokens, p[:gamma].log(), rollback))
     if sampling.greedy:
-        return verify_tree_greedy(tokens, parents, target_logits)
+        return verify_tree_greedy(tokens, parents, target_logits, greedy_tokens)
     return verify_tree_sampling(tokens, parents, q, warp(target_logits, sampling), generator)
 
 
@@ -101,15 +104,17 @@ def _leading(flags: list[bool]) -> int:
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  tolerated: torch.Tensor | None = None) -> VerifyResult:
+                  tolerated: torch.Tensor | None = None, target_tokens: list[int] | None = None) -> VerifyResult:
     """Greedy exact match: accept the longest draft prefix equal to the target's argmax (or ``tolerated``, (γ,)
     bool: kept anyway, a lossy rule such as :func:`within_rollback`).
 
     Args:
         draft_tokens: (γ,) drafted ids.
         target_logits: (γ + 1, V) target logits at the positions predicting each draft token and the one after.
+        target_tokens: their argmax when the caller has it (γ + 1 ids), else None.
     """
-    target_tokens = argmax(target_logits).tolist()  # γ + 1 ids
+    if target_tokens is None:
+        target_tokens = argmax(target_logits).tolist()  # γ + 1 ids
     drafted = draft_tokens.tolist()
     kept = [a == b for a, b in zip(drafted, target_tokens, strict=False)]  # γ flags
     if tolerated is not None:
@@ -189,16 +194,17 @@ class TreeVerifyResult(VerifyResult):
         return self.depth
 
 
-def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> TreeVerifyResult:
+def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor,
+                       target_tokens: list[int] | None = None) -> TreeVerifyResult:
     """Greedy tree verification: from the root, follow the child equal to the target's argmax while there is one
     (the longest path agreeing with greedy decoding; Medusa, Cai et al. 2024; SpecInfer, Miao et al. 2024).
 
     Args:
         tokens, parents: (N,) the tree (:mod:`specdraft.trees`).
         target_logits: (N + 1, V) logits at the root (row 0) and at every node (row i + 1).
+        target_tokens: their argmax when the caller has it (N + 1 ids), else None.
     """
-
-    best = argmax(target_logits).tolist()  # (N + 1,)
+    best = argmax(target_logits).tolist() if target_tokens is None else target_tokens  # (N + 1,)
     path = follow_path(tokens, parents, lambda row, depth: best[row])
     row = path[-1] + 1 if path else 0
     depth = int(depths(parents).max()) if parents.numel() else 0

@@ -143,15 +143,65 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::
     product_to(packed.data_ptr<float>(), K, x.data_ptr<float>(), M, N, bp, out);
   return out.view(shape);
 }
+
+// Each row's first largest entry (torch.argmax's rule) and whether every entry of every row is finite, in one pass
+// over the rows: the check and the choice of a greedy step read its logits, which the LM head's weight stream has
+// pushed out of the caches, from memory once instead of twice. logits (R, V) float32 -> ((R,) int64, all finite).
+// 8 lanes, each keeping its first strictly larger entry, then the lanes' largest value at its smallest index: the
+// first largest entry of the row (equal values, -0 and +0 included, keep the earlier index). Non-finite: an
+// exponent of all ones (inf or NaN); the indices are then unspecified.
+std::tuple<at::Tensor, bool> argmax_finite(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "rowgemm: argmax_finite takes (R, V) float32");
+  const at::Tensor x = logits.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V >= 1, "rowgemm: argmax_finite needs at least one column");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000), step = _mm256_set1_epi32(8);
+  __m256i bad = _mm256_setzero_si256();
+  bool bad_tail = false;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * V;
+    __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256i where = _mm256_set1_epi32(-1), at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent));
+      const __m256 larger = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, v, larger);
+      where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(at), larger));
+      at = _mm256_add_epi32(at, step);
+    }
+    alignas(32) float values[8];
+    alignas(32) int32_t places[8];
+    _mm256_store_ps(values, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(places), where);
+    float top = -std::numeric_limits<float>::infinity();
+    int64_t index = -1;
+    for (int lane = 0; lane < 8; ++lane)
+      if (places[lane] >= 0 && (values[lane] > top || (values[lane] == top && places[lane] < index)))
+        top = values[lane], index = places[lane];
+    for (; i < V; ++i) {
+      bad_tail = bad_tail || !std::isfinite(row[i]);
+      if (row[i] > top || index < 0) top = row[i], index = i;
+    }
+    if (index < 0) index = 0;  // every entry -inf (non-finite: reported below)
+    out.data_ptr<int64_t>()[r] = index;
+  }
+  const bool finite = !bad_tail && _mm256_testz_si256(bad, bad);
+  return {out, finite};
+}
 }  // namespace
 
 TORCH_LIBRARY(specdraft_rowgemm, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor input, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("attention(Tensor queries, Tensor keys, Tensor values, Tensor? mask, float scale, int mode) -> Tensor");
+  m.def("argmax_finite(Tensor logits) -> (Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(specdraft_rowgemm, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("argmax_finite", &argmax_finite);
 }

@@ -116,6 +116,17 @@ def available() -> bool:
     return os.environ.get(_ENV, "1") != "0" and _load()
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process already (never builds them)."""
+    return _load.cache_info().currsize > 0 and _load()
+
+
+def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Each row's first largest entry of ``logits`` (R, V) float32, (R,) long (``torch.argmax``'s choice), and whether
+    every entry is finite, in one pass over the rows. Requires :func:`available`."""
+    return torch.ops.specdraft_rowgemm.argmax_finite(logits)
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (N, K) in fp32 or bf16 laid out for :func:`linear`: panels of 16 output columns, (ceil(N / 16), K,
     16), zero-padded. Requires :func:`available`."""
