@@ -112,8 +112,9 @@ class DraftModelDrafter:
         if grown is not None:
             self._cache, self._cached = grown, self._cached[:0]
         shared = min(self._cached.shape[0], context.shape[0] - 1)
-        mismatch = (self._cached[:shared] != context[:shared]).nonzero()
-        keep = int(mismatch[0]) if mismatch.numel() else shared
+        keep = shared  # the common case (the context grew past what was cached) in one comparison, no index tensor
+        if not torch.equal(self._cached[:shared], context[:shared]):
+            keep = int((self._cached[:shared] != context[:shared]).nonzero()[0])
         self._cache.crop(keep)
         self._cached = context[:keep]
         return context[keep:]
