@@ -1,7 +1,9 @@
 """Where a speculation policy spends its steps: per draft kind (what the drafter said it would draft before drafting)
 and draft size, how many steps, the mean accepted tokens, the mean wall time of the whole step and of its drafting,
 and what the adaptive policy learned (per-depth acceptance, the catch-up and drafting lines, the verify scale and
-slope). It shows a policy that prices drafting wrong: a kind it never drafts although fixed drafts of it pay.
+slope). It shows a policy that prices drafting wrong: a kind it never drafts although fixed drafts of it pay. A draft
+model's step that read its sequence's prompt (tens of ms: prefill, which the policy does not price as drafting) is
+counted apart, as (kind, "prompt read"), so that it does not inflate its kind's means.
 
     python benchmarks/policy_steps.py                          # the shipped drafter, adaptive, the demo's prompts
     python benchmarks/policy_steps.py --speculation fixed --num-draft-tokens 2 --drafter prompt-lookup
@@ -26,7 +28,7 @@ from specdraft.api import eos_token_ids, load_target
 from specdraft.decoding import generate
 from specdraft.demo import _one_per_category
 from specdraft.drafters import load_drafter
-from specdraft.drafters.base import draft_kind
+from specdraft.drafters.base import catch_up, draft_kind
 from specdraft.models.registry import SMOLLM2, SMOLLM2_DRAFTER
 from specdraft.prompts import encode_prompt
 from specdraft.sequence import GenerationConfig, speculation_policy
@@ -80,7 +82,9 @@ def main() -> None:
 
     def traced_observe(draft, result, draft_seconds, verify_seconds):
         wall = time.perf_counter() - step["started"]
-        seen[(step["kind"], len(draft))].append((len(result.accepted_nodes), wall, draft_seconds))
+        record = catch_up(drafter, step["started"])  # a draft model's forward in this step that read its prompt
+        kind = (step["kind"], "prompt read") if record is not None and record.fresh else step["kind"]
+        seen[(kind, len(draft))].append((len(result.accepted_nodes), wall, draft_seconds))
         return observe(draft, result, draft_seconds, verify_seconds)
 
     sequence.propose, policy.observe = traced_propose, traced_observe
