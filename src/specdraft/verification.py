@@ -56,7 +56,7 @@ def verify(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     rollback: float | None = None,
-    greedy_tokens: list[int] | None = None,
+    target_tokens: list[int] | None = None,
 ) -> VerifyResult:
     """Verify a draft on the target's logits: greedy exact match or speculative sampling (p warped once, here), on a
     chain (``parents`` None) or a token tree. Every decoding loop verifies through this one dispatch.
@@ -65,7 +65,7 @@ def verify(
         tokens: (N,) drafted ids; parents: (N,) the tree, or None for a chain; q: (N, V) or None (a point mass).
         target_logits: (N + 1, V) the target's logits at the root (row 0) and at every node (row i + 1).
         rollback: None (exact), or BiLD's rollback threshold α for a chain (lossy when > 0; module docstring).
-        greedy_tokens: the argmax of every row of ``target_logits`` when the caller has it (greedy sampling only),
+        target_tokens: the argmax of every row of ``target_logits`` when the caller has it (greedy sampling only),
             else None.
     """
     if rollback is not None and parents is not None:
@@ -75,11 +75,11 @@ def verify(
         if sampling.greedy:
             tolerated = None if rollback is None else within_rollback(
                 tokens, torch.log_softmax(target_logits[:gamma].float(), -1), rollback)  # log p: (γ, V)
-            return verify_greedy(tokens, target_logits, tolerated, greedy_tokens)
+            return verify_greedy(tokens, target_logits, tolerated, target_tokens)
         p = warp(target_logits, sampling)  # (γ + 1, V)
         return verify_sampling(tokens, q, p, generator, within_rollback(tokens, p[:gamma].log(), rollback))
     if sampling.greedy:
-        return verify_tree_greedy(tokens, parents, target_logits, greedy_tokens)
+        return verify_tree_greedy(tokens, parents, target_logits, target_tokens)
     return verify_tree_sampling(tokens, parents, q, warp(target_logits, sampling), generator)
 
 
