@@ -208,6 +208,39 @@ def test_folder_drafter_options_are_defaults_that_given_options_override(tmp_pat
         load_drafter(target, tokenizer, draft=str(folder))
 
 
+def test_trees_asked_for_leave_out_the_folders_chain_options_but_not_given_ones(tmp_path):
+    """A folder's defaults for chains (a confidence stop, the prompt-lookup branch, a context window) do not apply
+    when the given options ask for trees; its draft vocabulary still does, and a chain option given beside
+    ``tree_branching`` is still refused."""
+    import pytest
+
+    from specdraft.api import load_drafter
+    from specdraft.draft_vocab import save_token_ranking
+    from specdraft.drafters.combined import WithPromptLookup
+    from specdraft.drafters.options import DRAFTER_OPTIONS_FILE
+    from specdraft.errors import SpecdraftError
+    from toys import save_tiny_checkpoint, tiny_tokenizer
+
+    folder = save_tiny_checkpoint(tmp_path / "draft", seed=1)
+    save_token_ranking(folder, torch.arange(64))
+    (folder / DRAFTER_OPTIONS_FILE).write_text('{"draft_vocab": 16, "confidence_threshold": 0.3, "prompt_lookup": 3, '
+                                               '"prompt_lookup_alone": 1, "context_window": 8}')
+    target, tokenizer = hf_target(0), tiny_tokenizer()
+    chains = load_drafter(target, tokenizer, draft=str(folder))
+    assert isinstance(chains, WithPromptLookup) and chains.inner.inner.confidence_threshold == 0.3
+    trees = load_drafter(target, tokenizer, draft=str(folder), options={"tree_branching": "2", "tree_nodes": "6"})
+    assert isinstance(trees, DraftModelDrafter) and trees.tree_branching == 2 and trees.confidence_threshold == 0.0
+    assert trees.vocab_keep.tolist() == list(range(16))
+    context = torch.tensor([7, 8, 9, 10, 11, 3, 7, 8])
+    draft = trees.propose(context, 3, SamplingConfig(), None)
+    assert 1 <= len(draft) <= 6 and set(draft.tokens.tolist()) <= set(range(16))
+    for given in ({"tree_branching": "2", "prompt_lookup": "2"}, {"tree_branching": "2", "context_window": "8"}):
+        with pytest.raises(SpecdraftError, match="chain drafts"):
+            load_drafter(target, tokenizer, draft=str(folder), options=given)
+    with pytest.raises(SpecdraftError, match="tree_branching"):
+        load_drafter(target, tokenizer, draft=str(folder), options={"tree_branching": "two"})
+
+
 def test_prompt_lookup_branch_is_the_model_chain_plus_the_copied_continuation():
     """Greedy: the draft is a tree whose paths are the model's chain and the prompt-lookup copy (merged where they
     agree); with no n-gram hit it is the model's chain alone."""

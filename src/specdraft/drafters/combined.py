@@ -235,6 +235,11 @@ class WithSiblings(Combination):
         return Draft(tokens, None, None if is_chain(parents) else parents, None, confidence, source)
 
 
+# draft_model_drafter's options that shape a chain and are refused in tree mode (tree_branching > 0)
+CHAIN_OPTIONS = ("confidence_threshold", "prompt_lookup", "prompt_lookup_min", "prompt_lookup_alone", "siblings",
+                 "chain_copy", "context_window")
+
+
 def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                         confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
                         prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, merge_ngram: int = 0,

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.combined import draft_model_drafter
+from specdraft.drafters.combined import CHAIN_OPTIONS, draft_model_drafter
 from specdraft.drafters.loading import draft_model_parts, draft_model_path
 from specdraft.drafters.options import build, folder_options
 from specdraft.errors import SpecdraftError
@@ -95,8 +95,10 @@ def load_drafter(
     mode, ``prompt_lookup`` and the others combine it with copies) or a named drafter, with ``options``
     (``{KEY: VALUE}`` strings). A draft model folder may hold ``drafter_options.json``, the options it was measured
     best with (e.g. the shipped drafter's ``draft_vocab`` and ``confidence_threshold``); given options override
-    them. ``quantize=int8`` or ``int4`` runs a native Llama draft model on block-quantized weights (its draft
-    vocabulary's head rows too): drafting gets cheaper, acceptance may move, the target's output never changes."""
+    them, and where they ask for trees (``tree_branching``) the folder's options for chains (:data:`CHAIN_OPTIONS`)
+    are left out unless given too. ``quantize=int8`` or ``int4`` runs a native Llama draft model on block-quantized
+    weights (its draft vocabulary's head rows too): drafting gets cheaper, acceptance may move, the target's output
+    never changes."""
     if draft and drafter:
         raise SpecdraftError("give either a draft model (--draft) or a drafter by name (--drafter), not both")
     if drafter:
@@ -106,9 +108,21 @@ def load_drafter(
             raise SpecdraftError("drafter options need a drafter (--draft or --drafter)")
         return None
     given = dict(options or {})
-    options = folder_options(draft_model_path(draft)) | given
+    defaults = folder_options(draft_model_path(draft))
+    if _asks_for_trees(given):  # the folder's defaults for its chains do not apply to the trees asked for
+        defaults = {key: value for key, value in defaults.items() if key not in CHAIN_OPTIONS}
+    options = defaults | given
     model, keep, options = draft_model_parts(target, target_tokenizer, draft, dtype, backend, options, given)
     return build(draft_model_drafter, options, model=model, name=f"draft:{draft}", keep=keep)
+
+
+def _asks_for_trees(options: Mapping[str, str]) -> bool:
+    """Whether ``options`` set tree mode (``tree_branching`` > 0); a value that is not a number is left to the
+    drafter's own check."""
+    try:
+        return int(options.get("tree_branching", "0")) > 0
+    except ValueError:
+        return False
 
 
 __all__ = ["NAMED_DRAFTERS", "Registry", "load_drafter", "make_named"]
