@@ -64,7 +64,8 @@ def test_shipped_drafter_ships_its_measured_options_and_token_ranking():
     from specdraft.drafters.options import DRAFTER_OPTIONS_FILE, folder_options
 
     options = folder_options(FOLDER)
-    assert set(options) == {"draft_vocab", "confidence_threshold", "prompt_lookup", "prompt_lookup_alone", "quantize"}
+    assert set(options) == {"draft_vocab", "confidence_threshold", "prompt_lookup", "prompt_lookup_alone", "quantize",
+                            "context_window"}
     assert (FOLDER / DRAFTER_OPTIONS_FILE).is_file()
     ranking = load_token_ranking(FOLDER, 49152)  # a permutation of the vocabulary, checked on load
     assert int(options["draft_vocab"]) < ranking.numel()
