@@ -9,6 +9,14 @@ adaptive speculation pays for a k-token verify in plain steps.
 
     python benchmarks/bench_step.py --threads 2 --reps 40 [--dense] [--context 64 512 2048] [--rows 1 5]
     python benchmarks/bench_step.py --threads 1 --cpu-time ...   # a shared machine: CPU time of the one thread
+    python benchmarks/bench_step.py --bounds --context 64 512 2048 --rows 1 5
+
+``--bounds`` also sets the quantized path's products and attention against this machine's two bounds: memory (the
+bytes a forward reads, over the read bandwidth a sum over 512 MB measures on the same threads) and arithmetic (each
+product's multiply-adds at the rate the same kernel reaches on a weight of a few MB it has just read, so that it
+comes from the caches, net of a call's fixed cost: :func:`macs_per_ns`). A k-token
+product that overlapped its weight stream with its arithmetic perfectly would take the larger of the two; one that
+did them one after the other, their sum.
 """
 
 from __future__ import annotations
@@ -91,6 +99,67 @@ def measure(model, context: int, reps: int, rows_list: tuple[int, ...] = ROWS) -
     return lines
 
 
+def read_bandwidth(reps: int = 7, megabytes: int = 512) -> float:
+    """Bytes a second a sum over ``megabytes`` of memory reads on torch's threads (median of ``reps``): more than
+    any of these CPUs' L3 holds, so it comes from memory."""
+    buffer = torch.ones(megabytes << 20, dtype=torch.uint8).view(torch.int64)
+    seconds = median_ms(buffer.sum, reps) / 1e3
+    return buffer.numel() * 8 / seconds
+
+
+def _weights(model) -> list[Q.QuantizedWeight]:
+    """Every weight one forward multiplies: the four products of each layer, then the LM head."""
+    return [layer.quantized[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + \
+        [model.head_quantized]
+
+
+def macs_per_ns(kind: int, rows: int, reps: int) -> float:
+    """Multiply-adds a nanosecond of the block kernel for ``rows`` rows on weights of ``kind`` read from the caches:
+    the difference between products with 3,072 and 1,024 output columns of 1,536 inputs (up to 5 MB as Q8_0), so
+    that a call's fixed cost (dispatch, quantizing the rows, starting the threads) cancels; medians of 5 ``reps``
+    calls each, after one that loads the weight."""
+    x = torch.randn(rows, 1536)
+    times = []
+    for columns in (1024, 3072):
+        weight = Q.quantize(torch.randn(columns, 1536) * 0.05, kind)
+        Q.linear(x, weight)
+        times.append(median_ms(lambda: Q.linear(x, weight), 5 * reps))  # noqa: B023
+    return rows * 2048 * 1536 / (max(times[1] - times[0], 1e-6) * 1e6)
+
+
+def bounds(model, contexts: list[int], rows_list: tuple[int, ...], reps: int) -> list[str]:
+    """The products' and the attention's measured times against their memory and arithmetic bounds (module
+    docstring), in ms."""
+    if not model.packing.startswith("q"):
+        return []
+    bandwidth = read_bandwidth()
+    weights = _weights(model)
+    weight_bytes = sum(w.nbytes for w in weights)
+    config = model.config
+    kv_width = config.num_key_value_heads * config.head_dim
+    lines = [f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s; a forward reads {weight_bytes / 1e6:.1f} MB of blocks "
+             f"({weight_bytes / bandwidth * 1e3:.2f} ms) plus its KV cache",
+             "", "| tokens | products ms | memory ms | arithmetic ms | max (overlapped) | sum (serial) |",
+             "|---|---|---|---|---|---|"]
+    with torch.inference_mode():
+        for rows in rows_list:
+            rates = {kind: macs_per_ns(kind, rows, reps) for kind in {w.kind for w in weights}}
+            arithmetic = sum(rows * w.out_features * w.in_features / rates[w.kind] for w in weights) / 1e6
+            memory = weight_bytes / bandwidth * 1e3
+            products = median_ms(_products(model, rows), reps)
+            lines.append(f"| {rows} | {products:.2f} | {memory:.2f} | {arithmetic:.2f} | {max(memory, arithmetic):.2f} "
+                         f"| {memory + arithmetic:.2f} |")
+        lines += ["", "| cached | tokens | attention ms | KV bytes ms (memory) |", "|---|---|---|---|"]
+        for context in contexts:
+            cache = model.new_cache(context + 64)
+            model(torch.randint(0, model.vocab_size, (1, context)), cache)
+            kv_bytes = 2 * context * kv_width * cache.keys[0].element_size() * config.num_hidden_layers
+            for rows in rows_list:
+                attention = median_ms(_attention(model, cache, rows), reps)
+                lines.append(f"| {context} | {rows} | {attention:.2f} | {kv_bytes / bandwidth * 1e3:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=SMOLLM2)
@@ -99,6 +168,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[256], help="cached tokens (one or more)")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="new tokens per forward")
     parser.add_argument("--dense", action="store_true", help="also the dense bf16 path")
+    parser.add_argument("--bounds", action="store_true",
+                        help="also the quantized products and attention against the memory and arithmetic bounds")
     parser.add_argument("--cpu-time", action="store_true",
                         help="this thread's CPU time, not wall time (--threads 1 only; steadier on a shared machine)")
     args = parser.parse_args()
@@ -119,6 +190,8 @@ def main() -> None:
     for model in models:
         for context in args.context:
             print("\n".join(measure(model, context, args.reps, tuple(args.rows))), flush=True)
+    if args.bounds:
+        print("\n".join(bounds(models[0], args.context, tuple(args.rows), args.reps)), flush=True)
 
 
 if __name__ == "__main__":
