@@ -16,7 +16,8 @@ bytes a forward reads, over the read bandwidth a sum over 512 MB measures on the
 product's multiply-adds at the rate the same kernel reaches on a weight of a few MB it has just read, so that it
 comes from the caches, net of a call's fixed cost: :func:`macs_per_ns`). A k-token
 product that overlapped its weight stream with its arithmetic perfectly would take the larger of the two; one that
-did them one after the other, their sum.
+did them one after the other, their sum. The products are called one by one from Python, as ``products`` above;
+the column beside them takes off what as many calls of a one-group product cost.
 """
 
 from __future__ import annotations
@@ -139,16 +140,19 @@ def bounds(model, contexts: list[int], rows_list: tuple[int, ...], reps: int) ->
     kv_width = config.num_key_value_heads * config.head_dim
     lines = [f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s; a forward reads {weight_bytes / 1e6:.1f} MB of blocks "
              f"({weight_bytes / bandwidth * 1e3:.2f} ms) plus its KV cache",
-             "", "| tokens | products ms | memory ms | arithmetic ms | max (overlapped) | sum (serial) |",
-             "|---|---|---|---|---|---|"]
+             "", "| tokens | products ms | less the calls' fixed cost | memory ms | arithmetic ms | max (overlapped) "
+             "| sum (serial) |", "|---|---|---|---|---|---|---|"]
+    tiny = Q.quantize(torch.randn(16, config.hidden_size) * 0.05, Q.Q4_1)  # one group: a call's fixed cost
     with torch.inference_mode():
         for rows in rows_list:
             rates = {kind: macs_per_ns(kind, rows, reps) for kind in {w.kind for w in weights}}
             arithmetic = sum(rows * w.out_features * w.in_features / rates[w.kind] for w in weights) / 1e6
             memory = weight_bytes / bandwidth * 1e3
             products = median_ms(_products(model, rows), reps)
-            lines.append(f"| {rows} | {products:.2f} | {memory:.2f} | {arithmetic:.2f} | {max(memory, arithmetic):.2f} "
-                         f"| {memory + arithmetic:.2f} |")
+            x = torch.randn(rows, config.hidden_size)
+            fixed = len(weights) * median_ms(lambda: Q.linear(x, tiny), 5 * reps)  # noqa: B023
+            lines.append(f"| {rows} | {products:.2f} | {products - fixed:.2f} | {memory:.2f} | {arithmetic:.2f} | "
+                         f"{max(memory, arithmetic):.2f} | {memory + arithmetic:.2f} |")
         lines += ["", "| cached | tokens | attention ms | KV bytes ms (memory) |", "|---|---|---|---|"]
         for context in contexts:
             cache = model.new_cache(context + 64)
