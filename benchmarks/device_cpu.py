@@ -1,11 +1,12 @@
 """The CPU checks on a device machine's own processor (the H200 machines' host is an Intel Xeon with AVX-512 and AMX):
 the int8 kernels built and tested there, ``specdraft calibrate``, ``bench_step.py`` (a step's time split into weight
-products, attention and the rest) and a Spec-Bench ``bench`` run of plain decoding, the shipped drafter and prompt
-lookup (``--speculation adaptive,fixed``: both policies), each pinned to 2 cores at 2 threads, the setting of the
-2-core machines the figures elsewhere come from. The target's GGUF travels as ``gpu_device.py bundle`` cuts it (any
-prompts or answers file beside it is ignored); the same command runs in every call, and the call that brings the
-last part runs the checks within ``$BUDGET`` seconds, each under its own time box, its log in ``$OUT/logs`` and its
-status in ``$OUT/summary.json`` as it goes (the recipe's phase runner, ``gpu_recipe.Phases``).
+products, attention and the rest, and set against the memory and arithmetic bounds) and a Spec-Bench ``bench`` run of
+plain decoding, the shipped drafter and prompt lookup (``--speculation adaptive,fixed``: both policies), each pinned
+to 2 cores at 2 threads, the setting of the 2-core machines the figures elsewhere come from. The target's GGUF
+travels as ``gpu_device.py bundle`` cuts it (any prompts or answers file beside it is ignored); the same command runs
+in every call, and the call that brings the last part runs the checks within ``$BUDGET`` seconds, each under its own
+time box, its log in ``$OUT/logs`` and its status in ``$OUT/summary.json`` as it goes (the recipe's phase runner,
+``gpu_recipe.Phases``).
 
     python benchmarks/gpu_device.py bundle --prompts P --questions question.jsonl --no-xz   # here, once
     python3 benchmarks/device_cpu.py                                                         # there, every call
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     check("tests", [*pinned, python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS], 0.2)
     check("calibrate", [*cli, "calibrate", "--target", "smollm2-135m-instruct"], 0.3)
     check("step", [*pinned, python, str(ROOT / "benchmarks" / "bench_step.py"), "--threads", "2", "--reps", "20",
-                   "--context", "64", "512", "2048", "--rows", "1", "2", "5"], 0.25)
+                   "--context", "64", "512", "2048", "--rows", "1", "2", "5", "--bounds"], 0.25)
     check("bench", [*cli, "bench", "--questions", questions, "--per-category", str(args.per_category),
                     "--max-new-tokens", "128", "--methods", "ar,draft:smollm2-135m-instruct-drafter,prompt-lookup",
                     "--speculation", args.speculation, "--out", str(work / "bench")], 0.95)
