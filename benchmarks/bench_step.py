@@ -13,11 +13,11 @@ adaptive speculation pays for a k-token verify in plain steps.
 
 ``--bounds`` also sets the quantized path's products and attention against this machine's two bounds: memory (the
 bytes a forward reads, over the read bandwidth a sum over 512 MB measures on the same threads) and arithmetic (each
-product's multiply-adds at the rate the same kernel reaches on a weight of a few MB it has just read, so that it
-comes from the caches, net of a call's fixed cost: :func:`macs_per_ns`). A k-token
-product that overlapped its weight stream with its arithmetic perfectly would take the larger of the two; one that
-did them one after the other, their sum. The products are called one by one from Python, as ``products`` above;
-the column beside them takes off what as many calls of a one-group product cost.
+product's multiply-adds at the rate the same kernel reaches on a weight of a few MB it has just read, so that it comes
+from the caches, net of a call's fixed cost: :func:`macs_per_ns`). A k-token product that overlapped its weight stream
+with its arithmetic perfectly would take the larger of the two; one that did them one after the other, their sum. The
+products are called one by one from Python, as ``products`` above; the column beside them takes off what as many calls
+of a one-group product cost.
 """
 
 from __future__ import annotations
