@@ -50,15 +50,20 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _weights(model) -> list[Q.QuantizedWeight]:
+    """Every weight one forward multiplies: the four products of each layer, then the LM head."""
+    return [layer.quantized[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + \
+        [model.head_quantized]
+
+
 def _products(model, rows: int):
     """A closure running every weight product of one forward on ``rows`` prepared input rows."""
     config = model.config
     widths = {"qkv": config.hidden_size, "o": config.num_attention_heads * config.head_dim,
               "gate_up": config.hidden_size, "down": config.intermediate_size}
     if model.packing.startswith("q"):
-        jobs = [(layer.quantized[name], torch.randn(rows, widths[name])) for layer in model.layers for name in widths]
-        head = (model.head_quantized, torch.randn(rows, config.hidden_size))
-        return lambda: [Q.linear(x, w) for w, x in (*jobs, head)]
+        jobs = [(weight, torch.randn(rows, weight.in_features)) for weight in _weights(model)]
+        return lambda: [Q.linear(x, w) for w, x in jobs]
     dtype = model.dtype
     jobs = [(getattr(layer, f"{name}_weight"), layer.packed.get(name), torch.randn(rows, widths[name], dtype=dtype))
             for layer in model.layers for name in widths]
@@ -106,12 +111,6 @@ def read_bandwidth(reps: int = 7, megabytes: int = 512) -> float:
     buffer = torch.ones(megabytes << 20, dtype=torch.uint8).view(torch.int64)
     seconds = median_ms(buffer.sum, reps) / 1e3
     return buffer.numel() * 8 / seconds
-
-
-def _weights(model) -> list[Q.QuantizedWeight]:
-    """Every weight one forward multiplies: the four products of each layer, then the LM head."""
-    return [layer.quantized[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")] + \
-        [model.head_quantized]
 
 
 def macs_per_ns(kind: int, rows: int, reps: int) -> float:

@@ -57,10 +57,9 @@ def main() -> None:
     huge = huge_page_copies([torch.ones(args.stream_mb << 20, dtype=torch.uint8)])[0].view(torch.int64)
     small = torch.ones(args.stream_mb << 20, dtype=torch.uint8).view(torch.int64)
     pages = np.ones(64 << 20, dtype=np.uint8)  # 16,384 pages of 4 KiB
-    products = [(Q.QuantizedWeight(kind, packed, packed.shape[0] * 16, packed.shape[1] * 32),
-                 torch.randn(1, packed.shape[1] * 32))
-                for layer in model._fused for packed, kind in zip(layer.weights, layer.kinds, strict=True)]
-    products.append((model._head_rows(rows), torch.randn(1, model.config.hidden_size)))
+    weights = [layer.quantized[name] for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    weights.append(model._head_rows(rows))  # its vocabulary's head rows, as its forward multiplies them
+    products = [(weight, torch.randn(1, weight.in_features)) for weight in weights]
 
     def target_step():
         target.forward(torch.tensor([[42]]), target_cache)
