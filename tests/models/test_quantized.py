@@ -68,6 +68,26 @@ def test_products_match_the_block_arithmetic_and_are_row_and_thread_invariant(ki
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_products_split_between_threads_match_one_thread(kind, threads):
+    """Several rows on several threads: each thread starts on its own run of column groups and, once done, takes the
+    last groups of the others' runs, so which thread computes a group changes from call to call; the result must not."""
+    torch.manual_seed(2)
+    weight = Q.quantize(torch.randn(16 * 37 + 5, 96), kind)  # 38 groups, the last partly empty
+    x = torch.randn(7, 96) * 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [Q.linear(x[:rows], weight) for rows in range(1, 8)]
+        torch.set_num_threads(threads)
+        for _ in range(5):
+            for rows in range(1, 8):
+                assert torch.equal(Q.linear(x[:rows], weight), expected[rows - 1]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_tile_of_rows_reproduces_each_row_alone(kind):
     """1 to 13 rows: the kernels block rows in tiles of 1 to 6 (7 = 4 + 3, 13 = 5 + 4 + 4, ...); 40 columns leave the
     last group of 16 partly empty; K = 1024 streams 32 blocks, past the prefetch distance."""
