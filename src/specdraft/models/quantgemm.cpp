@@ -354,6 +354,7 @@ struct alignas(64) Span {
 };
 
 constexpr int kMaxThreads = 64;  // threads that take part in one product's balancing (more run static runs)
+constexpr int64_t kMinGroups = 4;  // groups a thread gets at least: fewer run on fewer threads
 
 // Each thread computes one contiguous run of groups (its stream of weight blocks read in order). With several rows
 // (a verify, a tree, a prefill chunk) the arithmetic outweighs the stream and equal runs finish apart (a 5-token
@@ -366,9 +367,9 @@ void product(const uint8_t* w, const Rows& a, int64_t M, int64_t N, float* out, 
   auto run = [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) group_rows<KIND>(w + g * stride, a, M, out, N, g * kGroup, vnni);
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (groups + 3) / 4);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (groups + kMinGroups - 1) / kMinGroups);
   if (M == 1 || threads <= 1 || threads > kMaxThreads) {  // one row: the stream is the cost, static runs measure best
-    at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { run(begin, end); });
+    at::parallel_for(0, groups, kMinGroups, [&](int64_t begin, int64_t end) { run(begin, end); });
     return;
   }
   Span spans[kMaxThreads];
