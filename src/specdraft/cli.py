@@ -317,6 +317,39 @@ def _run_build_datastore(args: argparse.Namespace) -> None:
           f"({time.perf_counter() - started:.1f} s with loading and saving)")
 
 
+def _add_build_ngram(sub) -> None:
+    from specdraft.models.registry import SMOLLM2
+
+    p = sub.add_parser("build-ngram", help="an n-gram table of the target's answers for the ngram drafter")
+    p.add_argument("--answers", required=True,
+                   help="JSON Lines (.gz too) of the target's answers: a prompt and 'answer_ids' a record, as "
+                        "distill-data --answers reads")
+    p.add_argument("--target", default=SMOLLM2, help="the model that wrote the answers (its tokenizer is recorded)")
+    p.add_argument("--out", required=True, help="table folder (written beside, then renamed into place)")
+    p.add_argument("--max-order", type=int, default=4, help="longest n-gram kept")
+    p.add_argument("--min-count", type=int, default=4, help="keep n-grams seen at least this many times")
+    p.set_defaults(run=_run_build_ngram)
+
+
+def _run_build_ngram(args: argparse.Namespace) -> None:
+    import time
+
+    from specdraft.compat import tokenizer_fingerprint
+    from specdraft.corpus import answers_from_jsonl
+    from specdraft.drafters.ngram import build_table
+    from specdraft.models.registry import load_tokenizer
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(args.target)
+    answers = [ids for _, ids in answers_from_jsonl(args.answers)]
+    table = build_table(answers, args.max_order, args.min_count, {
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "target": args.target,
+        "answers": len(answers), "answer_tokens": sum(map(len, answers))})
+    table.save(args.out)
+    print(f"n-gram table {args.out}: {len(table.keys)} n-grams of 1 to {args.max_order} tokens from {len(answers)} "
+          f"answers ({sum(map(len, answers))} tokens) in {time.perf_counter() - started:.1f} s")
+
+
 def _add_export(sub) -> None:
     from specdraft.export import FORMATS
     from specdraft.export.base import GGUF_TYPES
@@ -431,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_calibrate(sub)
     _add_build_datastore(sub)
+    _add_build_ngram(sub)
     _add_export(sub)
     _add_serve(sub)
     add_training_commands(sub)

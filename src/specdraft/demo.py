@@ -37,7 +37,7 @@ from specdraft.stats import add_counts, draft_lengths_line
 
 # layer-skip is left out by default: its first use calibrates for minutes, and on this small target it drafts slower
 # than plain decoding; medusa and eagle need trained heads (--drafter-option heads=PATH in generate)
-DEMO_DRAFTERS = ("prompt-lookup", "rest", "lookahead")
+DEMO_DRAFTERS = ("prompt-lookup", "ngram", "rest", "lookahead")
 
 
 @dataclass(frozen=True)

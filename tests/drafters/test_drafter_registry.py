@@ -21,8 +21,8 @@ from specdraft.sequence import GenerationConfig
 from toys import save_tiny_checkpoint, tiny_llama
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
-SHIPPED = {"prompt-lookup", "rest", "lookahead", "suffix", "layer-skip", "gsd", "bild", "eagle", "eagle3", "medusa",
-           "glide"}
+SHIPPED = {"prompt-lookup", "ngram", "rest", "lookahead", "suffix", "layer-skip", "gsd", "bild", "eagle", "eagle3",
+           "medusa", "glide"}
 
 
 def test_every_named_drafter_declares_facts_that_agree_with_its_class():

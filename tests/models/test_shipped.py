@@ -65,10 +65,20 @@ def test_shipped_drafter_ships_its_measured_options_and_token_ranking():
 
     options = folder_options(FOLDER)
     assert set(options) == {"draft_vocab", "confidence_threshold", "prompt_lookup", "prompt_lookup_alone", "quantize",
-                            "context_window"}
+                            "context_window", "ngram_table", "ngram_min_order"}
     assert (FOLDER / DRAFTER_OPTIONS_FILE).is_file()
     ranking = load_token_ranking(FOLDER, 49152)  # a permutation of the vocabulary, checked on load
     assert int(options["draft_vocab"]) < ranking.numel()
+
+
+def test_shipped_ngram_table_loads_for_smollm2():
+    from specdraft.drafters.ngram import load_table
+    from specdraft.models.registry import SMOLLM2_NGRAM, default_ngram, resolve_ngram
+
+    table = load_table(resolve_ngram(SMOLLM2_NGRAM))
+    assert default_ngram(SMOLLM2) == SMOLLM2_NGRAM and table.max_order == 4
+    assert table.manifest["entries"] == len(table.keys) > 100_000
+    assert int(table.successors.max()) < 49152 and 0 < float(table.shares.min()) <= float(table.shares.max()) <= 1
 
 
 def _assert_lossless_and_drafting(target, tokenizer, drafter) -> None:
@@ -95,6 +105,15 @@ def test_shipped_drafter_with_smollm2_is_compatible_and_lossless():
 
     target, tokenizer = load_target(SMOLLM2, torch.float32)
     drafter = load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER)  # runs the compatibility check
+    _assert_lossless_and_drafting(target, tokenizer, drafter)
+
+
+@pytest.mark.slow
+def test_shipped_ngram_table_with_smollm2_is_lossless():
+    from specdraft.api import load_drafter, load_target
+
+    target, tokenizer = load_target(SMOLLM2, torch.float32)
+    drafter = load_drafter(target, tokenizer, drafter="ngram")  # the tokenizer fingerprint is checked
     _assert_lossless_and_drafting(target, tokenizer, drafter)
 
 

@@ -8,6 +8,10 @@
   yields a full γ-token copy is drafted alone and the inner drafter is not asked that step (the choice depends on
   the context only). Greedy only: when sampling, siblings must be independent draws from one distribution
   (SpecInfer) and a copied branch is not, so the inner drafter drafts alone.
+- :class:`WithNGramTable`: where the context ends in an n-gram of at least m tokens (``ngram_min_order``) that the
+  :class:`~specdraft.drafters.ngram.NGramDrafter` can draft from (a copy of an earlier occurrence in the context, or
+  an n-gram of the target's own answers in its table), its chain is drafted alone and the draft model is not run;
+  elsewhere the inner drafter drafts. The choice depends on the context only. Greedy only, as the copied branch.
 - :class:`WithChainCopies`: at every depth of a draft model's chain where the context so far (with the tokens
   already drafted) ends in an n-gram seen earlier in it, n from max(m, 4) down to m, the token that followed its most
   recent occurrence is drafted instead of the model's, as retrieval and a small model take turns in SAM-Decoding (Hu
@@ -49,6 +53,7 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DrafterFacts, TargetFeatures, draft_kind, facts_of, target_features
 from specdraft.drafters.draft_model import COPY, SIBLING, Chain, DraftModelDrafter, Fill
 from specdraft.drafters.graph import GraphDrafter
+from specdraft.drafters.ngram import NGramDrafter, NGramTable
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
@@ -144,6 +149,34 @@ class WithPromptLookup(Combination):
         return draft_kind(self.inner, context, sampling)
 
 
+class WithNGramTable(Combination):
+    """The n-gram drafter's draft alone where it has a context copy or a table n-gram of at least ``min_order``
+    tokens, no draft forward; ``inner``'s draft elsewhere (module docstring)."""
+
+    def __init__(self, inner: Drafter, ngram: NGramDrafter, min_order: int) -> None:
+        if min_order < 1:
+            raise SpecdraftError(f"ngram_min_order must be >= 1, got {min_order}")
+        super().__init__(inner)
+        self.ngram, self.min_order = ngram, min_order
+
+    def _alone(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
+        if not sampling.greedy:
+            return None
+        kind = self.ngram.draft_kind(context, sampling)
+        return kind if kind and self.ngram.kind_order(kind) >= self.min_order else None
+
+    def propose(self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        if self._alone(context, sampling) is not None:
+            return self.ngram.propose(context, num_draft_tokens, sampling, generator)
+        return self.inner.propose(context, num_draft_tokens, sampling, generator)
+
+    def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> Hashable:
+        """("ngram", kind) where the n-gram drafter drafts alone; else the inner drafter's kind."""
+        kind = self._alone(context, sampling)
+        return ("ngram", kind) if kind is not None else draft_kind(self.inner, context, sampling)
+
+
 class WithChainCopies(ChainCombination):
     """``inner``'s chain with the continuation of a matched n-gram (``min_ngram`` or longer) at every depth that has
     one (module docstring)."""
@@ -237,19 +270,22 @@ class WithSiblings(Combination):
 
 # draft_model_drafter's options that shape a chain and are refused in tree mode (tree_branching > 0)
 CHAIN_OPTIONS = ("confidence_threshold", "prompt_lookup", "prompt_lookup_min", "prompt_lookup_alone", "siblings",
-                 "chain_copy", "context_window")
+                 "chain_copy", "context_window", "ngram_table", "ngram_min_order")
 
 
 def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching: int = 0, tree_nodes: int = 16,
                         confidence_threshold: float = 0.0, prompt_lookup: int = 0, prompt_lookup_min: int = 1,
                         prompt_lookup_alone: int = 0, siblings: int = 0, chain_copy: int = 0, merge_ngram: int = 0,
-                        context_window: int = 0, *, keep: torch.Tensor | None = None) -> Drafter:
+                        context_window: int = 0, ngram_min_order: int = 2, *, keep: torch.Tensor | None = None,
+                        ngram: NGramTable | None = None) -> Drafter:
     """The drafter the draft-model options name: a :class:`DraftModelDrafter` (``tree_branching``, ``tree_nodes``,
     ``confidence_threshold``, ``keep``; with ``merge_ngram`` = n > 0 its tree grown as a graph whose nodes with
     equal last n tokens merge, :class:`~specdraft.drafters.graph.GraphDrafter`), inside :class:`WithContextWindow`
     (``context_window`` = W > 0), then :class:`WithChainCopies` (``chain_copy`` = m > 0), then
     :class:`WithSiblings` (``siblings`` = k > 0), then :class:`WithPromptLookup` (``prompt_lookup`` = n > 0, down to
-    ``prompt_lookup_min``, alone from ``prompt_lookup_alone`` tokens). The combinations apply to chains only."""
+    ``prompt_lookup_min``, alone from ``prompt_lookup_alone`` tokens), then :class:`WithNGramTable` (``ngram``, a
+    table :func:`~specdraft.drafters.ngram.load_table` read, alone from ``ngram_min_order`` tokens). The
+    combinations apply to chains only."""
     if prompt_lookup < 0:
         raise SpecdraftError(f"prompt_lookup must be >= 0 (0 = off), got {prompt_lookup}")
     if prompt_lookup and tree_branching:
@@ -279,6 +315,8 @@ def draft_model_drafter(model: CausalLM, name: str | None = None, tree_branching
         drafter = WithSiblings(drafter, siblings)
     if prompt_lookup:
         drafter = WithPromptLookup(drafter, PromptLookupDrafter(prompt_lookup, prompt_lookup_min), prompt_lookup_alone)
+    if ngram is not None:
+        drafter = WithNGramTable(drafter, NGramDrafter(ngram), ngram_min_order)
     return drafter
 
 

@@ -51,6 +51,9 @@ SMOLLM2_EAGLE3 = "smollm2-135m-instruct-eagle3"
 SMOLLM2_DFLASH = "smollm2-135m-instruct-dflash"
 SHIPPED_HEADS = {name: WEIGHTS_DIR / name  # specdraft.heads folders
                  for name in (SMOLLM2_EAGLE, SMOLLM2_EAGLE3, SMOLLM2_DFLASH)}
+SMOLLM2_NGRAM = "smollm2-135m-instruct-ngram"
+SHIPPED_NGRAM = {SMOLLM2_NGRAM: WEIGHTS_DIR / SMOLLM2_NGRAM}  # n-gram tables of the targets' answers
+DEFAULT_NGRAM = {SMOLLM2: SMOLLM2_NGRAM}  # target -> the n-gram table the ngram drafter reads by default
 DEFAULT_DRAFTERS = {SMOLLM2: SMOLLM2_DRAFTER}  # the drafter `demo` and `generate` use with a target by default
 DEFAULT_HEADS = {("eagle3", SMOLLM2): SMOLLM2_EAGLE3,  # (heads kind, target) -> heads used when none are given
                  ("dflash", SMOLLM2): SMOLLM2_DFLASH}
@@ -155,6 +158,20 @@ def default_heads(kind: str, target_name: str) -> str:
     shipped = "; ".join(f"{heads} for {target}" for (k, target), heads in DEFAULT_HEADS.items() if k == kind)
     raise SpecdraftError(f"{kind} needs --drafter-option heads=PATH: no shipped {kind} heads for target {name!r}"
                          f" (shipped: {shipped or 'none'}); train them with `specdraft train-heads --kind {kind}`")
+
+
+def resolve_ngram(name_or_path: str) -> Path:
+    """The folder of the shipped n-gram table ``name_or_path`` (``smollm2-135m-instruct-ngram``), else the path."""
+    return SHIPPED_NGRAM.get(name_or_path, Path(name_or_path).expanduser())
+
+
+def default_ngram(target_name: str) -> str:
+    """The shipped n-gram table for the target named ``target_name``; a SpecdraftError naming it when there is none."""
+    for target, table in DEFAULT_NGRAM.items():
+        if names_builtin(str(target_name), target):
+            return table
+    raise SpecdraftError(f"the ngram drafter needs --drafter-option table=FOLDER: no shipped n-gram table for target "
+                         f"{target_name!r}; build one with `specdraft build-ngram --answers ANSWERS --out FOLDER`")
 
 
 def names_builtin(name: str, builtin: str) -> bool:
