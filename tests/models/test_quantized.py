@@ -437,7 +437,7 @@ def test_unsupported_gguf_tensors_are_refused_by_name(tmp_path):
         QuantizedLlama.from_gguf(tmp_path / "model.gguf", dense.config, "tiny")
 
 
-def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path):
+def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_path, monkeypatch):
     """``quantize=int8`` on a draft model: its draft-vocabulary rows are multiplied as blocks (rounded once), and the
     target's greedy output is unchanged."""
     from specdraft.drafters.loading import quantize_draft
@@ -451,8 +451,13 @@ def test_a_quantized_draft_model_drafts_from_block_rows_of_its_vocabulary(tmp_pa
     first = draft.lm_head(hidden, rows)
     assert first.shape == (3, 32) and draft.lm_head(hidden, rows).equal(first)  # the same blocks, made once
     torch.testing.assert_close(first, hidden @ rows.T, rtol=0.05, atol=0.05)
-    drafter = DraftModelDrafter(draft, keep=keep)
+    fresh = quantize_draft(NativeLlama.from_hf(tiny_llama(1, std=0.1)), "int8")
+    rounded = []
+    monkeypatch.setattr(Q, "quantize", lambda *args, real=Q.quantize: rounded.append(1) or real(*args))
+    drafter = DraftModelDrafter(fresh, keep=keep)
+    assert len(rounded) == 1  # the vocabulary's rows became blocks when the drafter was made, not in its first draft
     assert generate(target, PROMPT, drafter, GenerationConfig(32, 4)).token_ids == plain
+    assert len(rounded) == 1
     with pytest.raises(SpecdraftError, match="quantize must be one of"):
         quantize_draft(NativeLlama.from_hf(tiny_llama(1)), "int3")
     with pytest.raises(SpecdraftError, match="dense Llama-family"):

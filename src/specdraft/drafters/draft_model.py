@@ -84,6 +84,9 @@ class DraftModelDrafter:
         ordered = None if keep is None else keep.to(torch.long).sort().values
         self._vocab = DraftVocab(weight if weight is not None else torch.empty(model.vocab_size, 0), ordered)
         self._rows = self._vocab.weight if self._vocab.keep is not None and weight is not None else None  # (N, D)
+        prepare = getattr(model, "prepare_logits_weight", None)
+        if self._rows is not None and prepare is not None:
+            prepare(self._rows)  # blocks of the vocabulary's head rows made at load, not in the first draft
         self.tree_branching, self.tree_nodes = tree_branching, tree_nodes
         self.name = name or f"draft:{model.name}"
         self.vocab_size = model.vocab_size

@@ -147,6 +147,11 @@ class QuantizedLlama(NativeLlama):
             return quantization.linear(rows, self.head_quantized)  # (..., V) float32
         return quantization.linear(rows, self._head_rows(logits_weight))  # (..., N) float32
 
+    def prepare_logits_weight(self, weight: torch.Tensor) -> None:
+        """Round ``weight`` (N, D), a drafter's vocabulary rows, to blocks now rather than in its first forward (about
+        0.1 s for 8,192 rows of 576: a cost of loading, not of the step that first drafts with the model)."""
+        self._head_rows(weight)
+
     def _head_rows(self, weight: torch.Tensor) -> quantization.QuantizedWeight:
         for source, blocks in self._row_heads:
             if source is weight:
