@@ -342,12 +342,13 @@ def _run_build_ngram(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     tokenizer = load_tokenizer(args.target)
     answers = [ids for _, ids in answers_from_jsonl(args.answers)]
+    tokens = sum(map(len, answers))
     table = build_table(answers, args.max_order, args.min_count, {
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "target": args.target,
-        "answers": len(answers), "answer_tokens": sum(map(len, answers))})
+        "answers": len(answers), "answer_tokens": tokens})
     table.save(args.out)
     print(f"n-gram table {args.out}: {len(table.keys)} n-grams of 1 to {args.max_order} tokens from {len(answers)} "
-          f"answers ({sum(map(len, answers))} tokens) in {time.perf_counter() - started:.1f} s")
+          f"answers ({tokens} tokens) in {time.perf_counter() - started:.1f} s")
 
 
 def _add_export(sub) -> None:

@@ -164,6 +164,12 @@ def load_table(folder: str | Path, tokenizer_fingerprint: str | None = None) -> 
     return NGramTable(keys, tensors["successors"], tensors["shares"], int(manifest["max_order"]), manifest)
 
 
+def open_table(name_or_path: str, tokenizer) -> NGramTable:
+    """A shipped table by name (``smollm2-135m-instruct-ngram``) or a table folder, checked against ``tokenizer``'s
+    fingerprint when one is given."""
+    return load_table(resolve_ngram(name_or_path), tokenizer_fingerprint(tokenizer) if tokenizer is not None else None)
+
+
 class NGramDrafter:
     """A chain from the target's n-gram table, or a prompt-lookup copy where the context repeats itself."""
 
@@ -180,8 +186,7 @@ class NGramDrafter:
         ``prompt_lookup_max``."""
         options = dict(options)
         name = options.pop("table", "") or default_ngram(getattr(target, "name", ""))
-        table = load_table(resolve_ngram(name), tokenizer_fingerprint(tokenizer) if tokenizer is not None else None)
-        return build(cls, options, table=table)
+        return build(cls, options, table=open_table(name, tokenizer))
 
     def __init__(self, table: NGramTable, prompt_lookup_min: int = 2, prompt_lookup_max: int = 3) -> None:
         """Args:

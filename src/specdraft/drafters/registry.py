@@ -23,15 +23,13 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from specdraft.compat import tokenizer_fingerprint
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.combined import CHAIN_OPTIONS, draft_model_drafter
 from specdraft.drafters.loading import draft_model_parts, draft_model_path
-from specdraft.drafters.ngram import load_table
+from specdraft.drafters.ngram import open_table
 from specdraft.drafters.options import build, folder_options
 from specdraft.errors import SpecdraftError
 from specdraft.models import CausalLM
-from specdraft.models.registry import resolve_ngram
 
 
 class Registry(Mapping[str, type]):
@@ -117,8 +115,7 @@ def load_drafter(
     options = defaults | given
     model, keep, options = draft_model_parts(target, target_tokenizer, draft, dtype, backend, options, given)
     table = options.pop("ngram_table", "")
-    fingerprint = tokenizer_fingerprint(target_tokenizer) if target_tokenizer is not None else None
-    ngram = load_table(resolve_ngram(table), fingerprint) if table else None
+    ngram = open_table(table, target_tokenizer) if table else None
     return build(draft_model_drafter, options, model=model, name=f"draft:{draft}", keep=keep, ngram=ngram)
 
 
