@@ -3,7 +3,7 @@ timer (inclusive times, so nested ones overlap), and the methods answer the same
 prompt. The C++ kernels (``fused_layers``, the LM head's ``linear``) against everything else shows the loop's own
 cost: Python, torch's small ops, the policy's pricing and learning, the drafter's bookkeeping.
 
-    python benchmarks/loop_split.py                      # plain, the shipped drafter, prompt lookup
+    python benchmarks/loop_split.py                      # plain, the shipped drafter, prompt lookup, n-gram
     python benchmarks/loop_split.py --prompts 8 --max-new-tokens 128
 
 The target is the built-in SmolLM2 on its GGUF blocks; the prompts are Spec-Bench-like built-in ones, one a category
@@ -22,6 +22,7 @@ import torch
 import specdraft.decoding as decoding
 import specdraft.drafters.combined as combined
 import specdraft.drafters.draft_model as draft_model
+import specdraft.drafters.ngram as ngram
 import specdraft.models.native_llama as native_llama
 import specdraft.models.quantized as quantized
 import specdraft.sequence as sequence
@@ -46,6 +47,8 @@ WRAPPED = [  # (owner, attribute, label): the loop's parts, outermost first
     (speculation.AdaptivePolicy, "observe", "policy observe"),
     (draft_model.DraftModelDrafter, "chain", "draft model chain"),
     (combined.WithPromptLookup, "draft_kind", "draft kind (with prompt lookup)"),
+    (combined.WithNGramTable, "draft_kind", "draft kind (with the n-gram table)"),
+    (ngram.NGramDrafter, "propose", "n-gram propose"), (ngram.NGramDrafter, "draft_kind", "n-gram draft kind"),
 ]
 
 
@@ -72,7 +75,8 @@ def main() -> None:
     for owner, name, label in WRAPPED:
         setattr(owner, name, _timed(getattr(owner, name), label))
     methods = {"plain": None, "draft model": load_drafter(target, tokenizer, draft=SMOLLM2_DRAFTER),
-               "prompt lookup": load_drafter(target, tokenizer, drafter="prompt-lookup")}
+               "prompt lookup": load_drafter(target, tokenizer, drafter="prompt-lookup"),
+               "n-gram": load_drafter(target, tokenizer, drafter="ngram")}
     prompts = [encode_prompt(tokenizer, prompt.text, chat=True) for prompt in _one_per_category()[: args.prompts]]
     config = GenerationConfig(args.max_new_tokens, eos_token_ids=eos_token_ids(tokenizer))
     for drafter in methods.values():  # warm-up: kernels built, caches sized

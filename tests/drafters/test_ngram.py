@@ -108,6 +108,24 @@ def test_chain_follows_the_table_and_a_context_match_is_copied_first():
         NGramDrafter(table, prompt_lookup_min=4)
 
 
+
+def test_a_steps_kind_and_draft_look_the_context_up_once():
+    table = build_table([[1, 2, 3, 4, 5]] * 3, max_order=2, min_count=1)
+    drafter = NGramDrafter(table)
+    looked = []
+    lookup = table.lookup
+    object.__setattr__(table, "lookup", lambda tail: looked.append(list(tail)) or lookup(tail))
+    context = torch.tensor([7, 1, 2])
+    assert drafter.draft_kind(context, GREEDY) == drafter.draft_kind(context, GREEDY) == 10 * 12 + 2
+    assert drafter.propose(context, 3, GREEDY, None).tokens.tolist() == [3, 4, 5]
+    assert looked == [[1, 2], [2, 3], [3, 4]]  # the kind's lookup read again by the draft, then one a depth
+    looked.clear()
+    assert drafter.propose(torch.tensor([7, 1, 3]), 1, GREEDY, None).tokens.tolist() == [4]  # another context
+    assert looked == [[1, 3]]
+    looked.clear()
+    assert drafter.propose(context, 1, GREEDY, None).tokens.tolist() == [3]  # read once: asked again, looked up again
+    assert looked == [[1, 2]]
+
 @pytest.fixture(scope="module", params=["native", "hf"])
 def target(request):
     return NativeLlama.from_hf(tiny_llama(0)) if request.param == "native" else hf_target(0)

@@ -199,19 +199,28 @@ class NGramDrafter:
                                  f"{prompt_lookup_max}")
         self.table = table
         self.copies = (PromptLookupDrafter(prompt_lookup_max, prompt_lookup_min) if prompt_lookup_min else None)
+        self._last: tuple | None = None  # (context, _first's answer about it)
 
     def draft_kind(self, context: torch.Tensor, sampling: SamplingConfig) -> int:
         """A context match's size, or 10 × (10 + the table's order) + the first token's share in thirds (0-2);
         0 where it drafts nothing."""
-        if self.copies is not None:
-            n = self.copies.draft_kind(context, sampling)
-            if n:
-                return n
-        found = self.table.lookup(context[-self.table.max_order :].tolist())
+        copied, found = self._first(context)
+        if copied:
+            return copied
         if found is None:
             return 0
         _, share, order = found
         return 10 * (_SOURCE_BASE + order) + min(int(share * 3), 2)
+
+    def _first(self, context: torch.Tensor) -> tuple[int, tuple[int, float, int] | None]:
+        """(the context match's size, or 0; else the table's entry for the context's tail, or None). A step asks
+        for its kind, then for its draft, about one context object: the second time reads what the first found."""
+        if self._last is not None and self._last[0] is context:
+            return self._last[1]
+        copied = self.copies.match(context, 1)[0] if self.copies is not None else 0
+        found = None if copied else self.table.lookup(context[-self.table.max_order :].tolist())
+        self._last = (context, (copied, found))
+        return copied, found
 
     @staticmethod
     def kind_order(kind: int) -> int:
@@ -221,14 +230,15 @@ class NGramDrafter:
     def propose(
         self, context: torch.Tensor, num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> Draft:
-        if self.copies is not None:
-            n, copied = self.copies.match(context, num_draft_tokens)
-            if n:
-                return copied
+        size, found = self._first(context)
+        self._last = None  # read once: the next step's context is a new object
+        if size:
+            return self.copies.match(context, num_draft_tokens)[1]
         tail = context[-self.table.max_order :].tolist()
         tokens, shares, orders = [], [], []
-        for _ in range(num_draft_tokens):
-            found = self.table.lookup(tail)
+        for depth in range(num_draft_tokens):
+            if depth:
+                found = self.table.lookup(tail)
             if found is None:
                 break
             token, share, order = found
