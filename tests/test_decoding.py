@@ -229,3 +229,82 @@ def test_bf16_greedy_speculative_equals_plain_on_the_row_kernels(speculation: st
                     PatternDrafter(target, PATTERNS["sometimes"])):
         config = GenerationConfig(48, 4, speculation=speculation)
         assert generate(target, prompt, drafter, config).token_ids == plain
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    from specdraft.models.native_llama import NativeLlama
+    from specdraft.models.quantized_llama import QuantizedLlama
+    from toys import tiny_llama
+
+    return QuantizedLlama.from_dense(NativeLlama.from_hf(tiny_llama(0)), "int4")
+
+
+def _prefilled(target, run):
+    """The prompt tokens ``run()`` feeds before each sequence's first step, one entry a sequence (0: none)."""
+    fed, forward = [], target.forward
+
+    def recorded(ids, cache, **kwargs):
+        if kwargs.get("logits_to_keep") == 1:  # a prefill (steps keep every row)
+            fed.append(ids.shape[1])
+        return forward(ids, cache, **kwargs)
+
+    target.forward = recorded
+    try:
+        return run(), fed
+    finally:
+        target.forward = forward
+
+
+@pytest.mark.parametrize("drafter_kind", ["plain", "prompt-lookup", "draft-model"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20)])
+def test_a_kept_prefix_is_read_not_fed_and_every_answer_stays_the_same(quantized, drafter_kind, sampling):
+    from specdraft.decoding import PrefixCache
+    from specdraft.models.native_llama import NativeLlama
+    from toys import tiny_llama
+
+    draft_model = NativeLlama.from_hf(tiny_llama(1))
+    make = {"plain": lambda: None, "prompt-lookup": lambda: PromptLookupDrafter(3, 1),
+            "draft-model": lambda: DraftModelDrafter(draft_model)}[drafter_kind]
+    config = GenerationConfig(20, 3, sampling, speculation="fixed")  # drafts (so draws) that follow no timing
+    first = list(range(3, 40))
+    answer = generate(quantized, first, make(), config, torch.Generator().manual_seed(0)).token_ids
+    second = first + answer + [7, 8, 9]  # a conversation's next turn: the first turn and its answer, then more
+    prompts = [first, second, first[:10] + [50, 51, 52], [60, 61], second]
+
+    def answers(kept):
+        return [generate(quantized, p, make(), config, torch.Generator().manual_seed(i), prefix_cache=kept).token_ids
+                for i, p in enumerate(prompts)]
+
+    fresh, fed_fresh = _prefilled(quantized, lambda: answers(None))
+    kept = PrefixCache()
+    reused, fed = _prefilled(quantized, lambda: answers(kept))
+    assert reused == fresh  # bit-exact reads: greedy and sampled answers alike
+    assert fed_fresh == [len(p) - 1 for p in prompts]
+    # the last answer token, 7, 8 after the first turn; 50, 51 after 10 shared; 60 alone; second's all again
+    assert fed == [len(first) - 1, 3, 2, 1, len(second) - 1]
+    assert kept.cache is not None and kept.cache.length == kept.ids.shape[0] > len(second)
+
+
+def test_a_prefix_cache_is_left_alone_where_reads_would_not_be_exact_and_emptied_by_a_failure(quantized,
+                                                                                             monkeypatch):
+    import specdraft.decoding as decoding
+    from specdraft.decoding import PrefixCache
+    from specdraft.models.native_llama import NativeLlama
+    from toys import tiny_llama
+
+    dense = NativeLlama.from_hf(tiny_llama(0))  # SDPA prefill: a long read differs from steps in the last bits
+    kept = PrefixCache()
+    assert generate(dense, PROMPT, None, GenerationConfig(8), prefix_cache=kept).token_ids == \
+        generate(dense, PROMPT, None, GenerationConfig(8)).token_ids
+    assert kept.cache is None and not getattr(dense, "reads_prefix_exactly", False)
+    expected = generate(quantized, PROMPT + [4], None, GenerationConfig(8)).token_ids
+    generate(quantized, PROMPT, None, GenerationConfig(8), prefix_cache=kept)
+    assert kept.cache is not None
+    step = decoding.speculative_step
+    monkeypatch.setattr(decoding, "speculative_step", lambda *a: (_ for _ in ()).throw(RuntimeError("broken")))
+    with pytest.raises(RuntimeError, match="broken"):
+        generate(quantized, PROMPT + [4], None, GenerationConfig(8), prefix_cache=kept)
+    assert kept.cache is None  # half-written keys are never read again
+    monkeypatch.setattr(decoding, "speculative_step", step)
+    assert generate(quantized, PROMPT + [4], None, GenerationConfig(8), prefix_cache=kept).token_ids == expected

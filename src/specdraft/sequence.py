@@ -192,13 +192,15 @@ class SequenceState:
         return cls(prompt, config, drafter, policy, generator, stopper, cache, target.max_context, prompt,
                    target_features(drafter), processor=processor)  # Medusa / EAGLE read the target's features
 
-    def prefill(self, target: StepTarget) -> None:
+    def prefill(self, target: StepTarget, cached: int = 0) -> None:
         """Feed all of the prompt but its last token, on the causal path, before the first step (as gpt-fast does):
         every step then feeds one uncached token and its draft, and a tree step never runs its masked forward over
-        a long prompt. Keeps the prompt's features for the first step when the drafter reads them."""
+        a long prompt. Keeps the prompt's features for the first step when the drafter reads them. ``cached``: the
+        prompt's first tokens already in the cache (a kept prefix, :class:`specdraft.decoding.PrefixCache`), not fed
+        again (never with a drafter that reads the prompt's features)."""
         self.started = time.perf_counter()
-        if self.prompt.shape[0] > 1:
-            self.prompt_features = target.prefill(self.row, self.prompt[:-1])  # (L - 1, D) or None
+        if self.prompt.shape[0] - 1 > cached:
+            self.prompt_features = target.prefill(self.row, self.prompt[cached:-1])  # (L - 1 - cached, D) or None
         self.stats.prefill_seconds = time.perf_counter() - self.started
 
     def propose(self, cached: int, room: int, sequences: int = 1) -> Draft:

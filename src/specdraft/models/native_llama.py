@@ -199,6 +199,19 @@ class StaticKVCache:
         self.ensure_room(num_new)
         self._length += num_new
 
+    def resized(self, capacity: int) -> StaticKVCache:
+        """A cache of ``capacity`` positions (at least :attr:`length`) holding this one's valid positions, copied."""
+        if capacity < self._length:
+            raise SpecdraftError(f"cannot hold {self._length} positions in a KV cache of capacity {capacity}")
+        batch, kv_heads, _, head_dim = self.keys[0].shape
+        grown = StaticKVCache(len(self.keys), batch, kv_heads, capacity, head_dim, self.keys[0].dtype,
+                              self.keys[0].device)
+        for mine, theirs in ((self.keys, grown.keys), (self.values, grown.values)):
+            for source, target in zip(mine, theirs, strict=True):
+                target[:, :, : self._length].copy_(source[:, :, : self._length])  # (B, K, length, hd)
+        grown.advance(self._length)
+        return grown
+
 
 @dataclass(frozen=True)
 class LayerStep:

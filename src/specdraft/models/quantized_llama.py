@@ -104,6 +104,14 @@ class QuantizedLlama(NativeLlama):
 
     # ---- what differs from the dense model
     @property
+    def reads_prefix_exactly(self) -> bool:
+        """Whether a forward over tokens after cached ones writes the keys and values, and gives the logits, that
+        one forward over all of them would, bit for bit: every layer fused (row-invariant products and attention,
+        prefill included), so a cache kept from an earlier sequence can serve a later prompt's shared prefix
+        (:class:`specdraft.decoding.PrefixCache`)."""
+        return self.config.head_dim % 8 == 0 and all(fused is not None for fused in self._fused)
+
+    @property
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's format, :attr:`kv_dtype` (fixed when the model is built)."""
         return self.kv_dtype
