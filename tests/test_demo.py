@@ -86,8 +86,11 @@ def test_the_methods_answer_each_prompt_in_turn(monkeypatch):
 
     calls = []
 
-    def fake_generate(target, ids, drafter, gen, generator, policy=None):
+    caches = {}
+
+    def fake_generate(target, ids, drafter, gen, generator, policy=None, prefix_cache=None):
         calls.append((ids, drafter))
+        caches.setdefault(drafter, set()).add(id(prefix_cache))
         return SimpleNamespace(stats=SimpleNamespace(new_tokens=1, tokens_per_second=1.0, block_efficiency=1.0))
 
     monkeypatch.setattr(demo, "generate", fake_generate)
@@ -97,3 +100,4 @@ def test_the_methods_answer_each_prompt_in_turn(monkeypatch):
     assert calls == [("x", "p"), ("x", "a"), ("x", "b"), ("y", "a"), ("y", "b"), ("y", "p"),
                      ("z", "b"), ("z", "p"), ("z", "a")]
     assert {name: len(rs) for name, rs in results.items()} == {"plain": 3, "a": 3, "b": 3}
+    assert all(len(kept) == 1 for kept in caches.values()) and len(set.union(*caches.values())) == 3  # one a method

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from specdraft.decoding import generate
+from specdraft.decoding import PrefixCache, generate
 from specdraft.drafters import NAMED_DRAFTERS, facts_of, load_drafter, parse_options
 from specdraft.errors import SpecdraftError, os_error, utf8_error
 from specdraft.hardware import resolve_device
@@ -129,9 +129,10 @@ def _run_generate(args: argparse.Namespace) -> None:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     policy = speculation_policy(config, target, drafter, log)  # one for every completion: it learns across them
     ids = args.prompt_ids if args.prompt_ids is not None else encode_prompt(tokenizer, args.prompt, args.chat)
+    kept = PrefixCache()  # the --n completions share their prompt: read once where the target reads it exactly
     for i in range(args.n):
         result = generate(target, ids, drafter, config, torch.Generator().manual_seed(args.seed + i), tokenizer,
-                          policy)
+                          policy, prefix_cache=kept)
         text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
         if args.json:
             record = {"token_ids": result.token_ids, "text": text, "finish_reason": result.finish_reason,
@@ -212,6 +213,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="every answer reads its whole prompt (default: each method reads only what its prompt does "
+                        "not share with its last one, as a server's prefix cache does)")
     p.add_argument("--report-only", action="store_true", help="only (re)write the report from the records in --out")
     p.add_argument("--overwrite", action="store_true", help="discard answers of a different run in --out")
     p.set_defaults(run=_run_bench)
@@ -221,7 +225,10 @@ def _bench_command(args: argparse.Namespace) -> list[str]:
     """The run as one canonical command line (recorded in run.json)."""
     command = ["specdraft", "bench"]
     for key, value in vars(args).items():
-        if key in ("command", "run", "report_only", "overwrite") or value is None:
+        if key in ("command", "run", "report_only", "overwrite") or value is None or value is False:
+            continue
+        if value is True:
+            command.append(f"--{key.replace('_', '-')}")
             continue
         command += [f"--{key.replace('_', '-')}", str(value)]
     return command
@@ -242,7 +249,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             sweep=parse_sweep(args.sweep) if args.sweep else None, repeats=args.repeats, dtype=args.dtype,
             quantize=args.quantize, device=decoding_device(args.device, "auto"),
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            speculation=parse_list(args.speculation) or (),
+            speculation=parse_list(args.speculation) or (), prefix_cache=not args.no_prefix_cache,
         )
         summary = run_bench(config, command=_bench_command(args), overwrite=args.overwrite)
     print(render_markdown(summary), flush=True)

@@ -18,7 +18,7 @@ import specdraft.models.rowgemm as rowgemm
 from specdraft import hardware
 from specdraft.bench.runner import rotated
 from specdraft.costs import CostCurve, cost_curve
-from specdraft.decoding import generate
+from specdraft.decoding import PrefixCache, generate
 from specdraft.drafters import NAMED_DRAFTERS
 from specdraft.drafters.registry import load_drafter
 from specdraft.errors import SpecdraftError
@@ -101,13 +101,14 @@ def _answer_all(target, methods: dict, ids: list, gen: GenerationConfig, out,
                 label: str = "") -> dict[str, list[GenerationResult]]:
     """Every method answers every prompt, interleaved: each prompt by every method in turn, the order rotated from one
     prompt to the next, so that a shared machine's drift over the run falls on all methods alike (as ``bench``). A
-    policy per method learns across its prompts."""
+    policy per method learns across its prompts; a prefix cache per method keeps the chat template's shared start."""
     policies = {name: speculation_policy(gen, target, drafter) for name, drafter in methods.items()}
+    kept = {name: PrefixCache() for name in methods}  # each method's own: what its last prompt shares is read once
     results: dict[str, list[GenerationResult]] = {name: [] for name in methods}
     for i, x in enumerate(ids):
         for name in rotated(list(methods), i):
             results[name].append(generate(target, x, methods[name], gen, torch.Generator().manual_seed(0),
-                                          policy=policies[name]))
+                                          policy=policies[name], prefix_cache=kept[name]))
             s = results[name][-1].stats
             out(f"  {label}{name}: prompt {i + 1}/{len(ids)}, {s.new_tokens} tokens at {s.tokens_per_second:.1f} "
                 f"tokens/s, block efficiency {s.block_efficiency:.2f}")

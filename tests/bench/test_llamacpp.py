@@ -19,7 +19,7 @@ from specdraft.sequence import GenerationConfig
 from toys import save_tiny_checkpoint, tiny_tokenizer, write_target_gguf
 
 FAKE_SERVER = r'''
-import json, sys
+import json, os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 args = sys.argv[1:]
@@ -46,7 +46,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert req["cache_prompt"] is False and req["return_tokens"] is True
+        expected = os.environ.get("FAKE_CACHE_PROMPT")  # set by a test that checks it
+        assert expected is None or req["cache_prompt"] is (expected == "1")
+        assert req["return_tokens"] is True
         last, n = req["prompt"][-1], req["n_predict"]
         tokens = [(last + 1 + i) % 60 + 3 for i in range(n)]
         stop = "limit"
@@ -84,11 +86,12 @@ def test_a_missing_build_is_a_clear_error(tmp_path, monkeypatch):
         find_binary("llama-server")
 
 
-def test_the_request_sends_token_ids_and_no_prompt_cache():
+def test_the_request_sends_token_ids_and_the_prompt_cache_as_asked():
     greedy = GenerationConfig(16, 4, eos_token_ids=(2,))
     payload = completion_payload([1, 5, 9], greedy, seed=7)
     assert payload["prompt"] == [1, 5, 9] and payload["n_predict"] == 16 and payload["temperature"] == 0.0
     assert payload["cache_prompt"] is False and payload["min_p"] == 0.0
+    assert completion_payload([1, 5, 9], greedy, 7, cache_prompt=True)["cache_prompt"] is True
     assert not any(key.startswith("speculative.") for key in payload)  # the server's command line says
     sampled = GenerationConfig(16, 4, SamplingConfig(temperature=0.7, top_k=5, top_p=0.9))
     payload = completion_payload([1], sampled, 7)
@@ -171,7 +174,9 @@ def _build_info(cpu: str) -> dict:
             "amx": {"enabled": False, "probe": "SIGILL: ...", "c_flags": ["-mno-amx-tile"]}}
 
 
-def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path):
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path, monkeypatch, prefix_cache):
+    monkeypatch.setenv("FAKE_CACHE_PROMPT", "1" if prefix_cache else "0")  # the fake server checks each request
     write_build_info(fake_bin, _build_info(machine()["cpu"]))
     target = save_tiny_checkpoint(tmp_path / "target", seed=0)
     _gguf(target / "model.gguf")
@@ -182,9 +187,12 @@ def test_bench_writes_llama_cpp_rows_beside_specdrafts(fake_bin, tmp_path):
     out = tmp_path / "run"
     code = main(["bench", "--target", str(target), "--questions", str(questions), "--out", str(out), "--methods",
                  f"ar,llama.cpp,llama.cpp-draft:{draft}", "--dtype", "float32", "--max-new-tokens", "6",
-                 "--num-draft-tokens", "2"])
+                 "--num-draft-tokens", "2", *([] if prefix_cache else ["--no-prefix-cache"])])
     assert code == 0
-    methods = json.loads((out / "summary.json").read_text())["methods"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["setup"]["prefix_cache"] is prefix_cache
+    assert ("--no-prefix-cache" in summary["setup"]["command"]) is not prefix_cache
+    methods = summary["methods"]
     assert list(methods) == ["ar", "llama.cpp", f"llama.cpp-draft:{draft}"]
     drafted = methods[f"llama.cpp-draft:{draft}"]["overall"]
     assert drafted["acceptance_rate"] == pytest.approx(3 / 4) and drafted["num_draft_tokens"] == 2

@@ -46,6 +46,9 @@ class BenchConfig:
     seed: int = field(default=0, metadata={"help": "each answer's generator is seeded with this"})
     speculation: tuple[str, ...] = field(default=("adaptive",), metadata={
         "help": "policies every speculative method runs with (adaptive, fixed); NAME+fixed names the fixed one"})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "each method keeps its cache across answers and reads the prefix a prompt shares with the last one "
+                "(specdraft's PrefixCache where exact, llama-server's cache_prompt)"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "methods", tuple(parse_methods(self.methods)))

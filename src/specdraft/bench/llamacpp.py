@@ -8,7 +8,8 @@ decoding, ``llama.cpp-draft:DRAFT.gguf`` (a draft model, e.g. ``specdraft export
 Each method drives one ``llama-server`` subprocess on a free localhost port, started once and stopped when the
 method is garbage-collected or the process exits; the speculative settings go on its command line (this build's
 server ignores them in a request). Prompts go in as token ids (the same ids every other method gets; no second
-tokenisation), with the prompt cache off so every answer pays its own prefill. The server returns the generated
+tokenisation), with its prompt cache (``cache_prompt``) as the run keeps specdraft's (on by default: the prefix
+the server's last prompt shares with this one is not read again). The server returns the generated
 token ids and its own counters: ``prompt_ms`` (prefill), ``draft_n`` / ``draft_n_accepted`` (draft tokens proposed
 / accepted). Greedy is llama.cpp's greedy sampler (``temperature`` 0).
 
@@ -159,11 +160,13 @@ class LlamaServer:
         self._finalizer()
 
 
-def completion_payload(prompt_ids: Sequence[int], config: GenerationConfig, seed: int) -> dict:
-    """The /completion request for one turn: token ids in, token ids and counters out, no prompt cache (the
-    speculative settings are the server's: :class:`LlamaServer`)."""
+def completion_payload(prompt_ids: Sequence[int], config: GenerationConfig, seed: int,
+                       cache_prompt: bool = False) -> dict:
+    """The /completion request for one turn: token ids in, token ids and counters out; ``cache_prompt``: the server
+    reads the prefix its last prompt shares with this one from its cache (the speculative settings are the
+    server's: :class:`LlamaServer`)."""
     s = config.sampling
-    return {"prompt": [int(t) for t in prompt_ids], "n_predict": config.max_new_tokens, "cache_prompt": False,
+    return {"prompt": [int(t) for t in prompt_ids], "n_predict": config.max_new_tokens, "cache_prompt": cache_prompt,
             "return_tokens": True, "stream": False, "seed": seed, "min_p": 0.0, "repeat_penalty": 1.0,
             "temperature": 0.0 if s.greedy else s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 

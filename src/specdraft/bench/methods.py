@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from specdraft.decoding import generate
+from specdraft.decoding import PrefixCache, generate
 from specdraft.drafters import NAMED_DRAFTERS, Drafter, facts_of, parse_options
 from specdraft.drafters.combined import draft_model_of
 from specdraft.drafters.loading import load_draft_model
@@ -103,6 +103,7 @@ class SpecdraftMethod:
     engine: dict | None = None
     speculation: str = "adaptive"  # specdraft.speculation: "adaptive" or "fixed"
     policy: object | None = field(default=None, repr=False)  # made on first use, learns across answers
+    prefix_cache: PrefixCache | None = field(default=None, repr=False)  # this method's own, kept across answers
 
     def answer(self, prompt_ids: Sequence[int], config: GenerationConfig, generator: torch.Generator) -> TurnResult:
         if self.num_draft_tokens is not None:
@@ -110,7 +111,8 @@ class SpecdraftMethod:
         if self.policy is None and self.drafter is not None:
             self.policy = speculation_policy(config, self.target, self.drafter)
         start = time.perf_counter()
-        result = generate(self.target, prompt_ids, self.drafter, config, generator, policy=self.policy)
+        result = generate(self.target, prompt_ids, self.drafter, config, generator, policy=self.policy,
+                          prefix_cache=self.prefix_cache)
         wall = time.perf_counter() - start
         s = result.stats
         return TurnResult(
@@ -182,6 +184,7 @@ class LlamaCppMethod:
     num_draft_tokens: int | None = None
     param_ratio: float | None = None
     base: str = ""
+    cache_prompt: bool = False  # the server reuses its last prompt's shared prefix (llama-server's cache_prompt)
 
     @property
     def engine(self) -> dict:
@@ -192,7 +195,7 @@ class LlamaCppMethod:
         from specdraft.bench.llamacpp import completion_payload, turn_result
 
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
-        payload = completion_payload(prompt_ids, config, seed)
+        payload = completion_payload(prompt_ids, config, seed, self.cache_prompt)
         start = time.perf_counter()
         answer = self.server.complete(payload)
         wall = time.perf_counter() - start
@@ -238,6 +241,13 @@ class BuildContext:
     cache: dict = field(default_factory=dict)
     speculations: tuple[str, ...] = ("adaptive",)  # policies every speculative method runs with
     device: str = "cpu"  # where the models run
+    prefix_cache: bool = True  # each specdraft method keeps its target cache across answers; llama.cpp cache_prompt
+
+    def method(self, name: str, drafter: Drafter | None, k: int | None = None, ratio: float | None = None,
+               base: str = "") -> SpecdraftMethod:
+        """A specdraft method on the target, with its own prefix cache where the run keeps them."""
+        return SpecdraftMethod(name, self.target, drafter, k, ratio, base or name,
+                               prefix_cache=PrefixCache() if self.prefix_cache else None)
 
     def hf_target(self):
         """The target's weights as a transformers model (loaded once, shared by ``hf`` and ``hf-assisted``)."""
@@ -268,15 +278,14 @@ def _variants(base: str, gammas: Sequence[int], sweep: bool, make: Callable[[str
 
 
 def _build_ar(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
-    return [SpecdraftMethod(spec, ctx.target, None, base=spec)]
+    return [ctx.method(spec, None)]
 
 
 def _build_draft(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
     path, _, options = arg.partition(";")  # draft:PATH;tree_branching=2;tree_nodes=12
     drafter = load_drafter(ctx.target, ctx.tokenizer, draft=path, dtype=ctx.dtype, options=parse_options(options))
     ratio = ctx.param_ratio(draft_model_of(drafter).model)
-    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, ratio, spec),
-                     ctx.speculations)
+    return _variants(spec, gammas, sweep, lambda name, k: ctx.method(name, drafter, k, ratio, spec), ctx.speculations)
 
 
 def _build_training_free(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
@@ -284,8 +293,7 @@ def _build_training_free(ctx: BuildContext, spec: str, arg: str | None, gammas, 
     if ctx.device != "cpu" and facts_of(NAMED_DRAFTERS[name]).cpu_only:
         raise SpecdraftError(f"method {name!r} drafts on the CPU beside a CPU target; run the bench with --device cpu")
     drafter = load_drafter(ctx.target, ctx.tokenizer, drafter=name, options=parse_options(arg))
-    return _variants(spec, gammas, sweep, lambda name, k: SpecdraftMethod(name, ctx.target, drafter, k, 0.0, spec),
-                     ctx.speculations)
+    return _variants(spec, gammas, sweep, lambda name, k: ctx.method(name, drafter, k, 0.0, spec), ctx.speculations)
 
 
 def _build_hf(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
@@ -303,7 +311,8 @@ def _build_llama_cpp(ctx: BuildContext, spec: str, arg: str | None, gammas, swee
     from specdraft.bench.llamacpp import LlamaServer
     from specdraft.models.gguf_files import target_gguf_file
 
-    return [LlamaCppMethod(spec, LlamaServer(target_gguf_file(ctx.target_name)), base=spec)]
+    return [LlamaCppMethod(spec, LlamaServer(target_gguf_file(ctx.target_name)), base=spec,
+                           cache_prompt=ctx.prefix_cache)]
 
 
 def _build_llama_cpp_spec(ctx: BuildContext, spec: str, arg: str | None, gammas, sweep) -> list[Method]:
@@ -322,7 +331,8 @@ def _build_llama_cpp_spec(ctx: BuildContext, spec: str, arg: str | None, gammas,
 
     def make(name: str, k: int) -> Method:
         speculation = parse_speculation(kind, arg, k)
-        return LlamaCppMethod(name, LlamaServer(target, speculation), speculation.num_draft_tokens, ratio, spec)
+        return LlamaCppMethod(name, LlamaServer(target, speculation), speculation.num_draft_tokens, ratio, spec,
+                              cache_prompt=ctx.prefix_cache)
 
     return [make(spec, gammas[0])] if fixed_length(kind, arg) else _variants(spec, gammas, sweep, make)
 

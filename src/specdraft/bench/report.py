@@ -279,6 +279,7 @@ def make_setup(run_info: dict) -> dict:
         "categories": config.get("categories"),
         "per_category": config.get("per_category"),
         "speculation": config.get("speculation", ["fixed"]),
+        "prefix_cache": config.get("prefix_cache", False),  # runs before it existed read every prompt whole
         "versions": env.get("versions"),
         "hardware": env.get("hardware"),
         "cost_curve": run_info.get("cost_curve"),  # the target's measured forward seconds (specdraft.costs)
@@ -413,7 +414,7 @@ def render_markdown(summary: dict) -> str:
     lines = [
         "# specdraft bench", "",
         f"Target {s['target']}, {s['dtype']}, {sampling}, max_new_tokens {s['max_new_tokens']}, "
-        f"num_draft_tokens (γ) {gammas}, repeats {s['repeats']}; "
+        f"num_draft_tokens (γ) {gammas}, repeats {s['repeats']}, prefix cache {_on(s.get('prefix_cache'))}; "
         f"{hardware.get('cpu', '?')}, {hardware.get('threads', '?')} threads.", "",
         *_engine_lines(methods),
         "## Overall", "", *_overall_table(methods), "",

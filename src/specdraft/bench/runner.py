@@ -128,7 +128,7 @@ def run_bench(config: BenchConfig, command: Sequence[str] | None = None, overwri
     kv = getattr(target, "kv_dtype", None)
     run_info["precision"] = precision.describe() + ("" if kv is None else f", KV cache {str(kv)[6:]}")
     ctx = BuildContext(target, tokenizer, config.target, precision.draft_dtype, speculations=config.speculation,
-                       device=config.device)
+                       device=config.device, prefix_cache=config.prefix_cache)
     methods = build_methods(ctx, config.methods, config.gammas, config.sweep is not None)
     run_info["cost_curve"] = cost_curve(target, log=lambda line: print(line, file=sys.stderr, flush=True)).to_dict()
     gen = GenerationConfig(config.max_new_tokens, config.num_draft_tokens, config.sampling,
