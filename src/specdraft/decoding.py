@@ -24,10 +24,10 @@ from specdraft.step import STEP_ROOM, OneSequence, speculative_step
 
 
 class PrefixCache:
-    """The target's cache as the last :func:`generate` given it left it, and the tokens whose keys and values it
-    holds: the next prompt that starts with some of them feeds only the rest (prefix caching, as vLLM's automatic
-    prefix caching and llama.cpp's ``cache_prompt`` do): a chat template's system turn, or a conversation's earlier
-    turns and answers. Used only where the target reads a prefix exactly (``reads_prefix_exactly``: the GGUF
+    """A target's cache kept from one :func:`generate` call to the next, with the tokens whose keys and values it
+    holds: a prompt that starts with some of them feeds only the rest (prefix caching, as vLLM's automatic prefix
+    caching and llama.cpp's ``cache_prompt`` do): a chat template's system turn, or a conversation's earlier turns
+    and answers. Used only where the target reads a prefix exactly (``reads_prefix_exactly``: the GGUF
     blocks' row-invariant forwards), so an answer is the same bit for bit with or without it; a drafter that reads the
     prompt's features (EAGLE, Medusa) has the whole prompt fed; elsewhere :func:`generate` ignores it. One per
     decoding loop that runs sequences one after another (not shared between threads)."""
@@ -83,8 +83,8 @@ def generate(
     warped distribution exactly (Leviathan et al. 2023, Appendix A). ``tokenizer`` is needed only for stop strings.
     ``policy`` decides how much to propose each step (:mod:`specdraft.speculation`); by default one is made from
     ``config`` for this call (:func:`specdraft.sequence.speculation_policy`; pass one to carry what it learns across
-    generations). ``prefix_cache``: the cache the last call given it left, read for the prompt's tokens it shares,
-    and kept after this one (:class:`PrefixCache`).
+    generations). ``prefix_cache``: where the last call with it left the target's cache; the prompt's tokens it
+    shares are read from there, and the cache is kept there after this call (:class:`PrefixCache`).
     """
     reuse = prefix_cache is not None and PrefixCache.serves(target)
 

@@ -240,3 +240,26 @@ def test_hf_assisted_is_configured_for_a_fair_comparison(files):
     assert config.assistant_confidence_threshold == 0
     assert len(result.token_ids) == 10 and 1 <= result.decoding_steps <= 10
     assert 0 < assisted.param_ratio < 1
+
+
+def test_each_specdraft_method_has_its_own_prefix_cache_emptied_after_the_warm_up():
+    from specdraft.bench.questions import Question
+    from specdraft.bench.runner import warm_up
+    from specdraft.decoding import PrefixCache
+    from specdraft.models.native_llama import NativeLlama
+    from specdraft.models.quantized_llama import QuantizedLlama
+    from specdraft.sequence import GenerationConfig
+    from toys import tiny_llama, tiny_tokenizer
+
+    target = QuantizedLlama.from_dense(NativeLlama.from_hf(tiny_llama(0)), "int4")
+    tokenizer = tiny_tokenizer()
+    context = BuildContext(target, tokenizer, "tiny", None)
+    methods = build_methods(context, ["ar", "prompt-lookup"], [2], False)
+    kept = [m.prefix_cache for m in methods]
+    assert all(isinstance(k, PrefixCache) for k in kept) and kept[0] is not kept[1]
+    question = Question(1, "qa", ("w1 w2 w3",))
+    warm_up(methods, tokenizer, question, GenerationConfig(4))
+    assert all(m.prefix_cache is not k and m.prefix_cache.cache is None for m, k in zip(methods, kept, strict=True))
+    assert kept[0].cache is not None  # the warm-up did keep its prompt: the run does not read it
+    off = BuildContext(target, tokenizer, "tiny", None, prefix_cache=False)
+    assert build_methods(off, ["ar"], [2], False)[0].prefix_cache is None

@@ -35,6 +35,7 @@ from specdraft.bench.records import (
 )
 from specdraft.bench.report import write_report
 from specdraft.costs import cost_curve
+from specdraft.decoding import PrefixCache
 from specdraft.hardware import cpu_model
 from specdraft.models.quantized_llama import KV_CACHE_ENV
 from specdraft.models.registry import choose_precision, eos_token_ids, load_target
@@ -92,11 +93,14 @@ def answer_question(question: Question, method: Method, repeat: int, tokenizer, 
 
 
 def warm_up(methods: Sequence[Method], tokenizer, question: Question, config: GenerationConfig) -> None:
-    """One short generation per method (first-call allocations and kernel selection stay out of the timings)."""
+    """One short generation per method (first-call allocations and kernel selection stay out of the timings); a
+    specdraft method's prefix cache is emptied after it, so the first question is not read from its warm-up."""
     short = replace(config, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens))
     ids = conversation_ids(tokenizer, question.turns, [])
     for method in methods:
         method.answer(ids, short, torch.Generator().manual_seed(0))
+        if getattr(method, "prefix_cache", None) is not None:
+            method.prefix_cache = PrefixCache()
 
 
 def _run_info(config: BenchConfig, questions_sha256: str | None, command: Sequence[str] | None) -> dict:
