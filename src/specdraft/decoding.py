@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdraft.drafters.base import Drafter
+from specdraft.drafters.base import Drafter, common_prefix
 from specdraft.models.base import CausalLM
 from specdraft.models.native_llama import StaticKVCache
 from specdraft.sequence import GenerationConfig, GenerationResult, SequenceState
@@ -52,10 +52,7 @@ class PrefixCache:
     def shared(self, cache: StaticKVCache, prompt: torch.Tensor, features: bool = False) -> int:
         """Crop ``cache`` (the one :meth:`take` gave) to the longest prefix its tokens share with ``prompt``'s all
         but last, (L,), and return that length; 0 where the drafter reads the prompt's ``features``."""
-        head = prompt[:-1] if not features else prompt[:0]
-        size = min(cache.length, self.ids.shape[0], head.shape[0])
-        differ = (self.ids[:size] != head[:size]).nonzero()
-        same = size if differ.numel() == 0 else int(differ[0])
+        same = 0 if features else common_prefix(self.ids[: cache.length], prompt[:-1])
         cache.crop(same)
         return same
 

@@ -259,6 +259,15 @@ def facts_of(drafter) -> DrafterFacts:
     return facts if isinstance(facts, DrafterFacts) else DrafterFacts()
 
 
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The length of the longest prefix token ids ``a`` (N,) and ``b`` (M,) share: the common case (one extends
+    the other) in one comparison, no index tensor."""
+    size = min(a.shape[0], b.shape[0])
+    if torch.equal(a[:size], b[:size]):
+        return size
+    return int((a[:size] != b[:size]).nonzero()[0])
+
+
 def grown_cache(cache: KVCache | None, needed: int, new_cache: Callable[[int], KVCache],
                 limit: int | None = None) -> KVCache | None:
     """A drafter's own cache growth, one rule for all: None while ``cache`` holds ``needed`` positions, else a new

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.draft_vocab import DraftVocab
-from specdraft.drafters.base import CatchUp, Draft, DrafterFacts, confident_tree, grown_cache
+from specdraft.drafters.base import CatchUp, Draft, DrafterFacts, common_prefix, confident_tree, grown_cache
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM, KVCache
 from specdraft.sampling import SamplingConfig, argmax, check_finite, sample, warp
@@ -114,10 +114,7 @@ class DraftModelDrafter:
                             self.model.max_context)
         if grown is not None:
             self._cache, self._cached = grown, self._cached[:0]
-        shared = min(self._cached.shape[0], context.shape[0] - 1)
-        keep = shared  # the common case (the context grew past what was cached) in one comparison, no index tensor
-        if not torch.equal(self._cached[:shared], context[:shared]):
-            keep = int((self._cached[:shared] != context[:shared]).nonzero()[0])
+        keep = common_prefix(self._cached, context[:-1])
         self._cache.crop(keep)
         self._cached = context[:keep]
         return context[keep:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts
+from specdraft.drafters.base import EMPTY_DRAFT, Draft, DrafterFacts, common_prefix
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingConfig
 from specdraft.verification import VerifyResult
@@ -61,9 +61,7 @@ class PromptLookupDrafter:
         """Index ``context`` (N,): roll back to its longest common prefix with the last one, then add its rest. The
         n-gram starting at i is indexed once it has a successor (i + n <= N - 1), its starts in increasing order."""
         seen = self._seen.shape[0]
-        common = min(seen, context.shape[0])
-        if common and not torch.equal(self._seen[:common], context[:common]):
-            common = int((self._seen[:common] != context[:common]).nonzero()[0])
+        common = common_prefix(self._seen, context)
         sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
         for n in sizes:  # drop the starts whose n-gram or successor lies past the common prefix, latest first
             table = self._starts.setdefault(n, {})
