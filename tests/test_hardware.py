@@ -74,3 +74,52 @@ def test_torchrun_processes_take_their_local_rank(monkeypatch):
     assert init_distributed("cpu") == (0, 1, torch.device("cpu"))
     with pytest.raises(SpecdraftError, match="device must be"):
         init_distributed("tpu")
+
+
+
+_OPENMP_CHECK = """
+import json, os, threading, time, torch
+from specdraft.hardware import openmp_alone, release_openmp_workers
+
+def count():
+    return len(os.listdir("/proc/self/task"))
+
+def settle(expected):  # workers exit a moment after being let go
+    deadline = time.monotonic() + 5
+    while count() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count()
+
+big = torch.randn(1 << 22)
+torch.add(big, big)  # a parallel region: this thread's pool has its workers
+workers, before = torch.get_num_threads() - 1, count()
+seen = {"released": release_openmp_workers()}
+seen["let go"] = before - settle(before - workers) == workers
+
+def helper():
+    seen["alone"] = openmp_alone()
+    start = count()
+    torch.add(big, big)
+    seen["helper threads"], seen["made"] = torch.get_num_threads(), count() - start
+
+thread = threading.Thread(target=helper)
+thread.start()
+thread.join()
+seen["caller threads"] = torch.get_num_threads()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not os.path.exists("/proc/self/task"), reason="needs 2 cores")
+def test_openmp_workers_are_let_go_and_a_helper_thread_keeps_none():
+    """The decoding thread's parallel regions stay fast only while no other thread keeps OpenMP workers: a thread
+    lets its own go (release_openmp_workers), and a helper thread's later parallel work makes none (openmp_alone).
+    In a fresh interpreter, whose threads nothing else starts or ends."""
+    import json
+
+    threads = 2
+    out = subprocess.run([sys.executable, "-c", _OPENMP_CHECK], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"OMP_NUM_THREADS": str(threads)}, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"released": True, "let go": True, "alone": True, "helper threads": 1, "made": 0,
+                    "caller threads": threads}

@@ -26,6 +26,7 @@ import torch
 from specdraft.drafters.base import Draft, Drafter
 from specdraft.drafters.combined import draft_model_of
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import openmp_alone
 from specdraft.models.batched_llama import batched_forward, new_batched_cache, supports_batching
 
 _LONG = 8  # a forward of more tokens than this (a prompt's first sync) runs apart from the one-token steps
@@ -99,7 +100,10 @@ class DraftBatcher:
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._running = 0
-        self._pool = ThreadPoolExecutor(max_workers=max_rows, thread_name_prefix="specdraft-draft")
+        # the drafters' threads run their Python and small tensor work; the forwards run in the caller's thread,
+        # so they keep no OpenMP workers of their own (which would slow every parallel region there)
+        self._pool = ThreadPoolExecutor(max_workers=max_rows, thread_name_prefix="specdraft-draft",
+                                        initializer=openmp_alone)
 
     def allocate(self) -> int:
         with self._lock:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
 from specdraft.errors import json_error
+from specdraft.hardware import openmp_alone
 from specdraft.serve.config import ServeConfig
 from specdraft.serve.engine import Engine, Event, QueueFull, Request
 from specdraft.serve.protocol import (
@@ -89,7 +90,7 @@ def build_app(engine: Engine, tokenizer, serve: ServeConfig, eos: tuple[int, ...
     """The app; its lifespan starts the engine's thread and stops it on shutdown. ``app.state.drain`` is the
     graceful shutdown (:mod:`specdraft.serve.shutdown`) that :func:`~specdraft.serve.run_server` starts on SIGTERM."""
     server = _Server(engine, tokenizer, serve, eos, Drain(serve.shutdown_grace, engine.cancel),
-                     ThreadPoolExecutor(1, thread_name_prefix="specdraft-tokenize"))
+                     ThreadPoolExecutor(1, thread_name_prefix="specdraft-tokenize", initializer=openmp_alone))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

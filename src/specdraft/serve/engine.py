@@ -29,6 +29,7 @@ import torch
 from specdraft.batching import BatchDecoder
 from specdraft.drafters.base import Drafter
 from specdraft.errors import SpecdraftError
+from specdraft.hardware import release_openmp_workers
 from specdraft.sampling import SamplingConfig, warp
 from specdraft.sequence import GenerationConfig, SequenceState
 from specdraft.serve.metrics import Metrics, SpeculationTally
@@ -108,6 +109,10 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="specdraft-engine", daemon=True)
 
     def start(self) -> None:
+        """Start the decoding thread. The calling thread's OpenMP workers are let go first
+        (:func:`~specdraft.hardware.release_openmp_workers`): with them idle beside the decoding thread's own, every
+        parallel region of a step would wait for a sleeping worker to wake."""
+        release_openmp_workers()
         self._thread.start()
         if self.online is not None:
             self.online.start()
