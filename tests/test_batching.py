@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specdraft.batching import BatchDecoder, generate_batch
+from specdraft.batching import BatchDecoder, BatchRows, generate_batch
 from specdraft.costs import CostCurve
 from specdraft.decoding import generate
 from specdraft.drafters import DraftModelDrafter, PromptLookupDrafter, WithPromptLookup
@@ -260,3 +260,83 @@ def test_quantized_batched_rows_equal_batch_one_decoding(quantized_target, draft
     batched = generate_batch(quantized_target, prompts, makers[kind], config, batch_size=4)
     alone = [generate(quantized_target, prompt, makers[kind](), config).token_ids for prompt in prompts]
     assert [r.token_ids for r in batched] == alone
+
+
+def _until_done(decoder, *seqs):
+    while any(seq.finish_reason is None for seq in seqs):
+        decoder.step()
+    return [seq.generated for seq in seqs]
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft-model", "tree"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20)])
+def test_batched_prompts_read_what_running_and_finished_rows_hold_and_answers_stay_the_same(
+        quantized_target, drafter_model, kind, sampling):
+    """Prefix caching in batched decoding: a conversation's next turn reads its first turn and answer from the row
+    that turn left (free, kept), a prompt sharing a running row's start copies those positions, an unrelated prompt
+    takes the free row kept longest ago; every answer equals fresh batch-1 decoding's, greedy and sampled."""
+    makers = {
+        "plain": lambda: None,
+        "draft-model": lambda: DraftModelDrafter(drafter_model),
+        "tree": lambda: DraftModelDrafter(drafter_model, tree_branching=2, tree_nodes=6),
+    }
+    make = makers[kind]
+    config = GenerationConfig(20, 3, sampling, speculation="fixed")
+    torch.manual_seed(5)
+    first = torch.randint(3, 64, (70,)).tolist()  # longer than one prefill chunk
+    decoder = BatchDecoder(quantized_target, 3, 160)
+    assert decoder.reuse
+    seed = itertools.count()
+
+    def add(prompt):
+        return decoder.add(prompt, make(), config, torch.Generator().manual_seed(next(seed)))
+
+    def fresh(prompt, i):
+        return generate(quantized_target, prompt, make(), config, torch.Generator().manual_seed(i)).token_ids
+
+    a = add(first)
+    (answer,) = _until_done(decoder, a)
+    second = first + answer + [7, 8, 9]
+    b = add(second)  # the free row a left holds first + answer (but for its last token or so)
+    assert len(first) + len(answer) - 1 <= b.stats.prompt_tokens_cached <= len(first) + len(answer)
+    c = add([60, 61, 62] + first)  # shares nothing: the oldest free row
+    d = add(first[:30] + [50, 51])  # b is running: its first 30 positions are copied
+    assert (c.stats.prompt_tokens_cached, d.stats.prompt_tokens_cached) == (0, 30)
+    answers = _until_done(decoder, b, c, d)
+    e = add(second)  # b's row, free again, still holds it
+    assert e.stats.prompt_tokens_cached == len(second) - 1
+    answers += _until_done(decoder, e)
+    prompts = [first, second, [60, 61, 62] + first, first[:30] + [50, 51], second]
+    assert [answer, *answers] == [fresh(p, i) for i, p in enumerate(prompts)]
+    assert a.stats.prompt_tokens_cached == 0
+
+
+def test_batched_prefix_caching_is_off_where_reads_would_not_be_exact_or_when_asked(target, quantized_target):
+    prompt = PROMPTS[3]
+    for decoder in (BatchDecoder(target, 2, 64), BatchDecoder(quantized_target, 2, 64, prefix_cache=False)):
+        assert not decoder.reuse
+        first = decoder.add(prompt, None, GenerationConfig(6))
+        _until_done(decoder, first)
+        again = decoder.add(prompt, None, GenerationConfig(6))
+        assert again.stats.prompt_tokens_cached == 0 and _until_done(decoder, again) == [first.generated]
+
+
+def test_a_row_removed_without_keeping_or_failing_to_prefill_is_never_read(quantized_target, monkeypatch):
+    prompt = PROMPTS[3]
+    decoder = BatchDecoder(quantized_target, 2, 64)
+    seq = decoder.add(prompt, None, GenerationConfig(4))
+    decoder.step()
+    decoder.remove(seq, keep=False)  # a step that raised may have left its keys half written
+    assert decoder.add(prompt, None, GenerationConfig(4)).stats.prompt_tokens_cached == 0
+    broken = decoder.add(prompt + [4, 5], None, GenerationConfig(4))
+    assert broken.stats.prompt_tokens_cached == len(prompt) - 1  # read from the running row
+    _until_done(decoder, *decoder.rows)
+    monkeypatch.setattr(BatchRows, "prefill", lambda *a: (_ for _ in ()).throw(RuntimeError("broken")))
+    other = [30, 31, 32, 40, 41, 42]
+    with pytest.raises(RuntimeError, match="broken"):
+        decoder.add(prompt[:3] + other, None, GenerationConfig(4))  # reads 3 positions, fails to feed the rest
+    assert not decoder.rows and decoder.cache.lengths[0] == 0  # the failed row keeps nothing
+    monkeypatch.undo()
+    again = decoder.add(prompt[:3] + other, None, GenerationConfig(4))
+    expected = generate(quantized_target, prompt[:3] + other, None, GenerationConfig(4)).token_ids
+    assert _until_done(decoder, again) == [expected]

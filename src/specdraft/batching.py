@@ -11,7 +11,10 @@ sequences share the forward, so adaptive speculation stops drafting where the ba
 (:class:`BatchRows`, :func:`specdraft.models.batched_llama.batched_forward`) and verifies each row on its own
 logits, so every row is lossless exactly as batch-1 decoding is (Leviathan et al. 2023, Alg. 1; SpecInfer, Miao et
 al. 2024, for trees). Sequences join (:meth:`BatchDecoder.add`, which prefills the prompt) and leave
-(:meth:`BatchDecoder.remove`) between steps: continuous batching as in Orca (Yu et al. 2022).
+(:meth:`BatchDecoder.remove`) between steps: continuous batching as in Orca (Yu et al. 2022). Where the target
+reads a prefix exactly, a joining prompt reads the positions it shares with a running row, or with a free row that
+keeps a finished sequence's cache (a conversation's earlier turns and answers), and feeds only the rest: prefix
+caching, as vLLM's automatic prefix caching does by blocks, here by whole rows.
 
 Drafters keep per-generation state, so every sequence has its own drafter instance. A drafter that reads or drafts
 through the target's own KV cache (GliDe, layer-skip; ``DrafterFacts.batchable`` False) cannot share the batched
@@ -28,11 +31,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdraft.batch_drafting import DraftBatcher, batcher_of
-from specdraft.drafters.base import Draft, Drafter, TargetFeatures, facts_of
+from specdraft.drafters.base import Draft, Drafter, TargetFeatures, common_prefix, facts_of
 from specdraft.errors import SpecdraftError
 from specdraft.models.base import CausalLM
 from specdraft.models.batched_llama import BatchedKVCache, batched_forward, new_batched_cache, supports_batching
-from specdraft.sequence import GenerationConfig, GenerationResult, SequenceState
+from specdraft.sequence import GenerationConfig, GenerationResult, SequenceState, reads_prefix_exactly
 from specdraft.speculation import SpeculationPolicy
 from specdraft.step import STEP_ROOM, Layout, speculative_step
 from specdraft.trees import chain_parents
@@ -130,7 +133,8 @@ class BatchDecoder:
     (:func:`specdraft.sequence.speculation_policy`: ``GenerationConfig.speculation`` and ``max_draft_batch``).
     """
 
-    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None) -> None:
+    def __init__(self, target: CausalLM, max_batch: int, capacity: int, tokenizer=None,
+                 prefix_cache: bool = True) -> None:
         if not supports_batching(target):
             raise SpecdraftError(f"batched decoding needs a native Llama target; {target.name!r} is not one "
                                  "(load it with backend auto or native)")
@@ -138,6 +142,13 @@ class BatchDecoder:
         self.capacity = min(capacity, target.max_context)
         self.cache = new_batched_cache(target, max_batch, self.capacity + STEP_ROOM)
         self.rows: list[SequenceState] = []  # row i of the cache holds rows[i]
+        # Prefix caching across sequences, where the target reads a prefix exactly (as
+        # the batch-1 loop's PrefixCache): a new sequence's prompt reads the positions it
+        # shares with a running row, or with a free row that keeps a finished sequence's cache, and feeds the rest.
+        self.reuse = prefix_cache and reads_prefix_exactly(target)
+        self._kept: list[torch.Tensor | None] = [None] * max_batch  # free row i: the tokens its cache holds
+        self._kept_at = [0] * max_batch  # when each free row's cache was kept (the oldest goes first)
+        self._clock = 0
         # Called after each row's verification with (sequence, the target's logits (m + 1, V) that chose the m
         # accepted tokens and the next one, whether the draft had a token at the first rejected position, draft
         # size); set by a caller that records verified positions (online distillation).
@@ -165,22 +176,79 @@ class BatchDecoder:
         seq = SequenceState.start(self.target, prompt_ids, drafter, config, generator, self.tokenizer, policy,
                                   lambda needed: _UnsharedCache(), self.capacity)
         seq.row = len(self.rows)
-        self.cache.lengths[seq.row] = 0
+        cached = self._take_prefix(seq.row, seq.prompt[:-1]) if self.reuse and seq.features is None else 0
+        if not cached:
+            self._vacate(seq.row)
         self.rows.append(seq)
-        seq.prefill(self._target())
+        try:
+            seq.prefill(self._target(), cached)
+        except BaseException:  # the row is free again, and keeps nothing
+            self.rows.pop()
+            self.cache.lengths[seq.row], seq.row = 0, -1
+            raise
         return seq
 
-    def remove(self, seq: SequenceState) -> None:
-        """Drop ``seq`` from the batch (finished or abandoned); the last row moves into its place."""
+    def remove(self, seq: SequenceState, keep: bool = True) -> None:
+        """Drop ``seq`` from the batch (finished or abandoned); the last row moves into its place. With prefix
+        caching, its cache stays in the row that becomes free (unless it failed, or ``keep`` is False: a step that
+        raised may have left it half written), for a later prompt that starts with its tokens."""
         if seq.row < 0 or seq.row >= len(self.rows) or self.rows[seq.row] is not seq:
             return
+        keep = keep and self.reuse and seq.error is None
         last = self.rows.pop()
         if last is not seq:
-            self.cache.move_row(last.row, seq.row)
+            if keep:
+                self.cache.swap_rows(seq.row, last.row)
+            else:
+                self.cache.move_row(last.row, seq.row)
             self.rows[seq.row], last.row = last, seq.row
-        else:
-            self.cache.lengths[seq.row] = 0
+        freed = len(self.rows)
+        held = min(self.cache.lengths[freed], seq.context.shape[0]) if keep else 0
+        self.cache.lengths[freed] = held
+        self._kept[freed] = seq.context[:held].clone() if held else None
+        self._clock += 1
+        self._kept_at[freed] = self._clock
         seq.row = -1
+
+    def _tokens(self, row: int) -> torch.Tensor | None:
+        """The tokens whose keys and values ``row`` holds: its sequence's (running) or those kept (free)."""
+        if row < len(self.rows):
+            return self.rows[row].context[: self.cache.lengths[row]]
+        return self._kept[row]
+
+    def _take_prefix(self, row: int, prompt: torch.Tensor) -> int:
+        """Give free ``row`` the longest prefix of ``prompt`` (its tokens but the last, (L - 1,)) that any row's
+        cache holds, copied from a running row or moved from a free one (whose own tokens then go where it was), and
+        return its length (0: none, nothing moved)."""
+        best, shared = -1, 0
+        for other in range(self.cache.max_rows):
+            tokens = None if other == row and row < len(self.rows) else self._tokens(other)
+            same = 0 if tokens is None else common_prefix(tokens, prompt)
+            if same > shared:
+                best, shared = other, same
+        if not shared:
+            return 0
+        if best < len(self.rows):  # a running row: copy the shared positions
+            self._vacate(row)
+            self.cache.copy_prefix(best, row, shared)
+        else:  # a free row: it becomes this one, what this one kept goes to its place
+            self.cache.crop(best, shared)
+            self.cache.swap_rows(best, row)
+            self._kept[best], self._kept_at[best] = self._kept[row], self._kept_at[row]
+        self._kept[row] = None
+        return shared
+
+    def _vacate(self, row: int) -> None:
+        """Empty free ``row`` for a new sequence; what it kept replaces what the free row kept longest ago."""
+        free = [other for other in range(len(self.rows), self.cache.max_rows)
+                if other != row and self._kept[other] is not None]
+        oldest = min(free, key=lambda other: self._kept_at[other], default=None)
+        if self._kept[row] is not None and oldest is not None and self._kept_at[oldest] < self._kept_at[row]:
+            self.cache.lengths[oldest] = 0
+            self.cache.swap_rows(row, oldest)
+            self._kept[oldest], self._kept_at[oldest] = self._kept[row], self._kept_at[row]
+        self.cache.lengths[row] = 0
+        self._kept[row] = None
 
     def _propose(self, seq: SequenceState) -> Draft | Exception:
         """The row's draft, decided by its policy for a step of this many sequences (the room beside the one-token

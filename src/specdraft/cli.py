@@ -403,6 +403,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--served-model-name", help="model id clients ask for (default: --target)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, draft tokens per target forward")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prompt reads the positions it shares with a running or finished sequence's KV cache, "
+                        "where the target reads them exactly (GGUF blocks); answers are the same (default: on)")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive", help=SPECULATION_HELP)
     p.add_argument("--grammar-draft", action=argparse.BooleanOptionalAction, default=True,
                    help="propose the tokens a request's grammar forces (response_format, a required or named "
@@ -446,7 +449,8 @@ def _run_serve(args: argparse.Namespace) -> None:
         target=args.target, draft=args.draft, drafter=args.drafter, drafter_options=options, dtype=args.dtype,
         quantize=args.quantize,
         served_model_name=args.served_model_name, num_draft_tokens=args.num_draft_tokens, max_batch=args.max_batch,
-        speculation=args.speculation, max_draft_batch=args.max_draft_batch, grammar_draft=args.grammar_draft,
+        prefix_cache=args.prefix_cache, speculation=args.speculation, max_draft_batch=args.max_draft_batch,
+        grammar_draft=args.grammar_draft,
         max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
         shutdown_grace=args.shutdown_grace, host=args.host, port=args.port, online_distill=_online_config(args),

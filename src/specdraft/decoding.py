@@ -18,7 +18,7 @@ import torch
 from specdraft.drafters.base import Drafter, common_prefix
 from specdraft.models.base import CausalLM
 from specdraft.models.native_llama import StaticKVCache
-from specdraft.sequence import GenerationConfig, GenerationResult, SequenceState
+from specdraft.sequence import GenerationConfig, GenerationResult, SequenceState, reads_prefix_exactly
 from specdraft.speculation import SpeculationPolicy
 from specdraft.step import STEP_ROOM, OneSequence, speculative_step
 
@@ -39,7 +39,7 @@ class PrefixCache:
     @staticmethod
     def serves(target: CausalLM) -> bool:
         """Whether :func:`generate` keeps and reads a prefix for ``target``."""
-        return bool(getattr(target, "reads_prefix_exactly", False))
+        return reads_prefix_exactly(target)
 
     def take(self, capacity: int) -> StaticKVCache | None:
         """The kept cache, with room for ``capacity`` positions (copied into a larger one where it has less), or

@@ -142,6 +142,13 @@ def check_inputs(prompt_ids: Sequence[int] | torch.Tensor, target: CausalLM, dra
     return prompt
 
 
+def reads_prefix_exactly(target: CausalLM) -> bool:
+    """Whether ``target``'s cache kept from an earlier sequence can serve a later prompt's shared start with the
+    answer unchanged bit for bit (the GGUF blocks' row-invariant prefill and steps): where both decoding loops keep
+    and read prefixes (:class:`specdraft.decoding.PrefixCache`, :class:`specdraft.batching.BatchDecoder`)."""
+    return bool(getattr(target, "reads_prefix_exactly", False))
+
+
 @dataclass(eq=False)
 class SequenceState:
     """One sequence being decoded: its settings, drafter, policy and generator, what it has generated so far, and
@@ -199,6 +206,7 @@ class SequenceState:
         prompt's first tokens already in the cache (a kept prefix, :class:`specdraft.decoding.PrefixCache`), not fed
         again (never with a drafter that reads the prompt's features)."""
         self.started = time.perf_counter()
+        self.stats.prompt_tokens_cached = cached
         if self.prompt.shape[0] - 1 > cached:
             self.prompt_features = target.prefill(self.row, self.prompt[cached:-1])  # (L - 1 - cached, D) or None
         self.stats.prefill_seconds = time.perf_counter() - self.started

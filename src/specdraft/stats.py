@@ -32,6 +32,7 @@ class GenerationStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    prompt_tokens_cached: int = 0  # the prompt's first tokens read from a kept cache, not fed (a prefix cache)
 
     def record_step(self, result: VerifyResult, committed: int, draft_s: float, verify_s: float) -> None:
         """Account one draft-verify step that committed ``committed`` tokens."""
@@ -89,6 +90,7 @@ class GenerationStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "prefill_seconds": self.prefill_seconds,
+            "prompt_tokens_cached": self.prompt_tokens_cached,
             "overhead_seconds": self.overhead_seconds,
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,

@@ -245,3 +245,34 @@ def test_requests_run_the_servers_speculation_and_a_seeded_sample_replays():
     assert check({**body, "temperature": 0, "seed": 5}, False, serve, (2,), 64).config.speculation == "adaptive"
     with pytest.raises(SpecdraftError, match="speculation must be one of"):
         ServeConfig(target="t", speculation="always")
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_conversations_next_turn_reads_its_start_from_the_kept_cache(tiny_checkpoint, prefix_cache):
+    """A chat's second turn (its first turn and the answer, then more) reads the positions the first left in the
+    batch's cache (``usage.prompt_tokens_details.cached_tokens``, the metrics' counter); answers equal fresh batch-1
+    decoding's either way."""
+    config = ServeConfig(target=str(tiny_checkpoint), quantize="int4", served_model_name="tiny", max_batch=2,
+                         max_prompt_tokens=128, max_tokens=16, prefix_cache=prefix_cache)
+    target, tokenizer = load_target(str(tiny_checkpoint), quantize="int4")
+    eos = eos_token_ids(tokenizer, str(tiny_checkpoint))
+
+    def fresh(messages):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        result = generate(target, ids, None, GenerationConfig(16, eos_token_ids=eos))
+        return tokenizer.decode(result.token_ids, skip_special_tokens=True), len(ids)
+
+    with RunningServer(build_server_app(config)) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        messages = list(MESSAGES)
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "w3 w4"}]
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+        metrics = httpx.get(running.url + "/metrics").text
+    (text_1, length_1), (text_2, _) = fresh(MESSAGES), fresh(messages)
+    assert first.choices[0].message.content == text_1 and second.choices[0].message.content == text_2
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert (cached >= length_1) if prefix_cache else (cached == 0)
+    assert f"specdraft_prompt_tokens_cached_total {cached}\n" in metrics

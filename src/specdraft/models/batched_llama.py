@@ -75,6 +75,28 @@ class BatchedKVCache:
             self.lengths[target] = length
         self.lengths[source] = 0
 
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange rows ``a`` and ``b`` (their valid positions and lengths)."""
+        if a == b:
+            return
+        length_a, length_b = self.lengths[a], self.lengths[b]
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                saved = layer[a, :, :length_a].clone()  # (K, length_a, hd)
+                layer[a, :, :length_b] = layer[b, :, :length_b]
+                layer[b, :, :length_a] = saved
+        self.lengths[a], self.lengths[b] = length_b, length_a
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Make row ``target`` hold the first ``length`` positions of row ``source`` (which keeps its own)."""
+        if source == target or not 0 <= length <= self.lengths[source]:
+            raise SpecdraftError(f"cannot copy {length} positions of row {source} (length {self.lengths[source]}) "
+                                 f"to row {target}")
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[target, :, :length] = layer[source, :, :length]
+        self.lengths[target] = length
+
     def begin_forward(self, rows: list[int], num_new: list[int], steps: int) -> None:
         """Reserve slots for a forward over ``rows`` feeding ``num_new[i]`` real tokens each (of ``steps``)."""
         lengths = torch.tensor([self.lengths[r] for r in rows], dtype=torch.long)  # (n,)

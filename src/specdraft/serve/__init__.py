@@ -42,7 +42,7 @@ def build_server_app(config: ServeConfig):
     make = online.make_drafter if online is not None else factory(prototype)
     if config.speculation == "adaptive":
         cost_curve(target, log=lambda line: log.info("%s", line))  # measured (or read) before serving, not on a request
-    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, online)
+    engine = Engine(target, tokenizer, make, config.max_batch, capacity, config.max_queue, online, config.prefix_cache)
     return build_app(engine, tokenizer, config, eos_token_ids(tokenizer, config.target))
 
 

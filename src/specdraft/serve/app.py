@@ -252,7 +252,7 @@ async def _collect(http, request: Request, parsed: ParsedRequest, server: _Serve
             reasons[i] = "tool_calls" if calls[i] and reason != "length" else reason
     body = completion_body(request_id, server.serve.model_id, parsed.chat, texts, reasons,
                            usage(len(parsed.prompt_ids), request.completion_tokens, request.speculation.to_dict(),
-                                 request.closed_at_budget),
+                                 request.closed_at_budget, request.prompt_tokens_cached),
                            wholes, calls)
     return SafeJSON(body)
 
@@ -316,6 +316,7 @@ async def _events(http, request: Request, parsed: ParsedRequest, server: _Server
     if parsed.include_usage:
         chunk = chunk_body(request_id, model, chat, 0, None, None)
         chunk["choices"], chunk["usage"] = [], usage(len(parsed.prompt_ids), request.completion_tokens,
-                                                    request.speculation.to_dict(), request.closed_at_budget)
+                                                    request.speculation.to_dict(), request.closed_at_budget,
+                                                    request.prompt_tokens_cached)
         yield _sse(chunk)
     yield _sse("[DONE]")

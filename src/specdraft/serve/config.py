@@ -33,6 +33,8 @@ class ServeConfig:
                                                                  "(response_format, a required or named tool_choice) "
                                                                  "as draft tokens; False: the drafter's alone"})
     max_batch: int = field(default=8, metadata={"help": "sequences decoded together"})
+    prefix_cache: bool = field(default=True, metadata={"help": "a prompt reads the positions it shares with a running "
+                                                                "or finished sequence's KV cache (where exact)"})
     max_draft_batch: int = field(default=0, metadata={"help": "draft only in steps of at most this many sequences; "
                                                                "0 = at every batch size"})
     max_queue: int = field(default=64, metadata={"help": "waiting sequences beyond the batch; more answer 429"})

@@ -71,6 +71,7 @@ class Request:
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
     speculation: SpeculationTally = field(default_factory=SpeculationTally)  # its finished sequences' counters
     closed_at_budget: int = 0  # its answers that the grammar closed early to keep them complete within max_tokens
+    prompt_tokens_cached: int = 0  # its prompt's first tokens read from a kept cache (the first choice's)
 
     def generator(self, index: int) -> torch.Generator:
         """Choice ``index``'s generator: seeded ``(seed + index) mod 2**64`` (torch's seed range), else at random."""
@@ -93,10 +94,12 @@ class Engine:
     """Owns the target, the batch and the decoding thread."""
 
     def __init__(self, target, tokenizer, make_drafter: Callable[[], Drafter | None], max_batch: int,
-                 capacity: int, max_queue: int, online=None) -> None:
+                 capacity: int, max_queue: int, online=None, prefix_cache: bool = True) -> None:
         """``online``: an :class:`~specdraft.serve.online.OnlineDistiller` (its drafters replace ``make_drafter``'s),
-        or None. How much each sequence drafts is its request's ``config`` (speculation, γ, max_draft_batch)."""
-        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer)
+        or None. How much each sequence drafts is its request's ``config`` (speculation, γ, max_draft_batch).
+        ``prefix_cache``: a prompt reads the positions it shares with a running or finished sequence's cache, where
+        the target reads a prefix exactly (:class:`~specdraft.batching.BatchDecoder`)."""
+        self.decoder = BatchDecoder(target, max_batch, capacity, tokenizer, prefix_cache)
         self.make_drafter, self.max_queue, self.online = make_drafter, max_queue, online
         self.metrics = Metrics()
         if online is not None:
@@ -194,6 +197,9 @@ class Engine:
                 continue
             seq.tag = (request, index)
             self.metrics.prompt_tokens += len(request.prompt_ids)
+            self.metrics.prompt_tokens_cached += seq.stats.prompt_tokens_cached
+            if index == 0:
+                request.prompt_tokens_cached = seq.stats.prompt_tokens_cached
 
     def _drop_cancelled(self) -> None:
         for seq in list(self.decoder.rows):
@@ -210,7 +216,7 @@ class Engine:
             log.exception("decoding step failed")
             for seq in list(self.decoder.rows):
                 seq.tag[0].emit(Event(seq.tag[1], error=f"decoding failed: {exc}", status=500))
-                self._remove(seq)
+                self._remove(seq, keep=False)
             return
         now = time.monotonic()
         for seq, tokens in committed:
@@ -265,8 +271,8 @@ class Engine:
         if self.online is not None:
             self.online.discard(seq)
 
-    def _remove(self, seq: SequenceState) -> None:
-        self.decoder.remove(seq)
+    def _remove(self, seq: SequenceState, keep: bool = True) -> None:
+        self.decoder.remove(seq, keep)
         self._logp.pop(id(seq), None)
         if self.online is not None:
             self.online.discard(seq)

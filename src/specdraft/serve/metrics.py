@@ -92,6 +92,7 @@ class Metrics:
     requests: collections.Counter = field(default_factory=collections.Counter)  # (endpoint, status) -> count
     stream_errors: collections.Counter = field(default_factory=collections.Counter)  # (endpoint, status) -> count
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
     completion_tokens: int = 0
     steps: int = 0
     step_rows: int = 0
@@ -159,6 +160,8 @@ class Metrics:
         lines += [f'specdraft_stream_errors_total{{endpoint="{e}",status="{s}"}} {c}' for (e, s), c in stream_errors]
         metrics = [
             ("prompt_tokens_total", "counter", "prompt tokens of admitted sequences", self.prompt_tokens),
+            ("prompt_tokens_cached_total", "counter", "of those, read from a kept cache (prefix caching), not fed",
+             self.prompt_tokens_cached),
             ("completion_tokens_total", "counter", "tokens generated", self.completion_tokens),
             ("decode_steps_total", "counter", "batched target forwards (draft-verify steps)", self.steps),
             ("sequences_finished_total", "counter", "sequences that finished", self.sequences_finished),

@@ -35,6 +35,7 @@ from specdraft.drafters.base import Drafter
 from specdraft.drafters.combined import draft_model_of, with_model
 from specdraft.errors import SpecdraftError
 from specdraft.files import write_text_atomic
+from specdraft.hardware import release_openmp_workers
 from specdraft.models.native_llama import NativeLlama
 from specdraft.serve.online_config import OnlineDistillConfig
 from specdraft.serve.online_train import finetune_copy, hf_from_native, native_from_hf, top1_agreement
@@ -153,6 +154,7 @@ class OnlineDistiller:
                 self.train_round()
             except Exception:  # a failed round must not stop serving: the current drafter stays
                 log.exception("online distillation round failed")
+            release_openmp_workers()  # idle until the next round: its workers would slow the decoding thread's
 
     def train_round(self) -> dict:
         """Fine-tune a copy of the current drafter on the buffer, score both on recent held-back records, swap the

@@ -470,13 +470,15 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None = None, closed_at_budget: int = 0
-          ) -> dict:
-    """OpenAI's usage, with the extensions ``speculation`` (the request's own speculation counters, summed over its
-    choices: :meth:`specdraft.serve.metrics.SpeculationTally.to_dict`) when given, and ``closed_at_budget`` (how
-    many of its answers the grammar closed early to keep them complete within ``max_tokens``) when any was."""
+def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None = None, closed_at_budget: int = 0,
+          cached_tokens: int = 0) -> dict:
+    """OpenAI's usage (``prompt_tokens_details.cached_tokens``: the prompt's first tokens read from a kept cache),
+    with the extensions ``speculation`` (the request's own speculation counters, summed over its choices:
+    :meth:`specdraft.serve.metrics.SpeculationTally.to_dict`) when given, and ``closed_at_budget`` (how many of its
+    answers the grammar closed early to keep them complete within ``max_tokens``) when any was."""
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if speculation is not None:
         body["speculation"] = speculation
     return body | {"closed_at_budget": closed_at_budget} if closed_at_budget else body
