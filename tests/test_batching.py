@@ -340,3 +340,14 @@ def test_a_row_removed_without_keeping_or_failing_to_prefill_is_never_read(quant
     again = decoder.add(prompt[:3] + other, None, GenerationConfig(4))
     expected = generate(quantized_target, prompt[:3] + other, None, GenerationConfig(4)).token_ids
     assert _until_done(decoder, again) == [expected]
+
+
+def test_an_unrelated_prompt_moves_a_kept_cache_to_an_empty_row_rather_than_dropping_it(quantized_target):
+    decoder = BatchDecoder(quantized_target, 3, 64)
+    first = PROMPTS[3]
+    (answer,) = _until_done(decoder, decoder.add(first, None, GenerationConfig(6)))  # kept in row 0
+    other = decoder.add([60, 61, 62, 63], None, GenerationConfig(6))  # shares nothing: takes row 0
+    again = decoder.add(first + answer + [5], None, GenerationConfig(6))  # the kept cache, in row 1 now
+    assert (other.stats.prompt_tokens_cached, again.stats.prompt_tokens_cached) == (0, len(first) + len(answer) - 1)
+    expected = generate(quantized_target, first + answer + [5], None, GenerationConfig(6)).token_ids
+    assert _until_done(decoder, other, again)[1] == expected

@@ -222,7 +222,7 @@ class BatchDecoder:
         return its length (0: none, nothing moved)."""
         best, shared = -1, 0
         for other in range(self.cache.max_rows):
-            tokens = None if other == row and row < len(self.rows) else self._tokens(other)
+            tokens = self._tokens(other)
             same = 0 if tokens is None else common_prefix(tokens, prompt)
             if same > shared:
                 best, shared = other, same
@@ -239,14 +239,16 @@ class BatchDecoder:
         return shared
 
     def _vacate(self, row: int) -> None:
-        """Empty free ``row`` for a new sequence; what it kept replaces what the free row kept longest ago."""
-        free = [other for other in range(len(self.rows), self.cache.max_rows)
-                if other != row and self._kept[other] is not None]
-        oldest = min(free, key=lambda other: self._kept_at[other], default=None)
-        if self._kept[row] is not None and oldest is not None and self._kept_at[oldest] < self._kept_at[row]:
-            self.cache.lengths[oldest] = 0
-            self.cache.swap_rows(row, oldest)
-            self._kept[oldest], self._kept_at[oldest] = self._kept[row], self._kept_at[row]
+        """Empty free ``row`` for a new sequence; what it kept moves to an empty free row, else replaces what the
+        free row kept longest ago (if that is older)."""
+        if self._kept[row] is not None:
+            others = [other for other in range(len(self.rows), self.cache.max_rows) if other != row]
+            empty = [other for other in others if self._kept[other] is None]
+            spare = empty[0] if empty else min(others, key=lambda other: self._kept_at[other], default=None)
+            if spare is not None and (self._kept[spare] is None or self._kept_at[spare] < self._kept_at[row]):
+                self.cache.lengths[spare] = 0
+                self.cache.swap_rows(row, spare)
+                self._kept[spare], self._kept_at[spare] = self._kept[row], self._kept_at[row]
         self.cache.lengths[row] = 0
         self._kept[row] = None
 
