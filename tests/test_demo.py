@@ -17,6 +17,8 @@ def test_demo_runs_each_method_and_skips_what_cannot_load(tmp_path, monkeypatch)
     assert [r["method"] for r in rows] == ["plain", f"draft:{draft}", "prompt-lookup"]
     assert all(r["identical"] == "2/2" for r in rows)  # fp32: speculative output equals plain decoding
     assert any(line.startswith("skipping rest: ") and "build-datastore" in line for line in lines)
+    assert sum(line.startswith("  round 3/3, plain: prompt") for line in lines) == 2  # every round answers all
+    assert any("medians of 3 rounds" in line for line in lines)
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("method")):][:4]
     assert len({len(line) for line in table}) == 1  # columns line up, even for a long draft path
     assert table[1].startswith(f"draft:{draft} ") or table[2].startswith(f"draft:{draft} ")
@@ -101,3 +103,12 @@ def test_the_methods_answer_each_prompt_in_turn(monkeypatch):
                      ("z", "b"), ("z", "p"), ("z", "a")]
     assert {name: len(rs) for name, rs in results.items()} == {"plain": 3, "a": 3, "b": 3}
     assert all(len(kept) == 1 for kept in caches.values()) and len(set.union(*caches.values())) == 3  # one a method
+
+
+def test_the_table_gives_each_figures_median_over_the_rounds():
+    from specdraft.demo import _median_row
+
+    rows = [{"method": "m", "identical": "2/2", "tokens_per_second": t, "block_efficiency": b, "speedup": x}
+            for t, b, x in ((100.0, 1.5, 1.30), (90.0, 1.4, 0.95), (120.0, 1.5, 1.10))]
+    assert _median_row(rows) == {"method": "m", "identical": "2/2", "tokens_per_second": 100.0,
+                                 "block_efficiency": 1.5, "speedup": 1.10}

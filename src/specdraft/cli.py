@@ -155,6 +155,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of every method over every prompt; the table gives medians over them (default 3)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto (default): the fastest path of this CPU (the built-in GGUF's own blocks through the "
                         "int8 kernels, else bfloat16 with AVX-512 bf16 or the AVX2 row kernel, else float32); a "
@@ -170,14 +172,14 @@ def _add_demo(sub) -> None:
 def _run_demo(args: argparse.Namespace) -> None:
     from specdraft.demo import DemoConfig, run_demo
 
-    if args.num_prompts < 1:
-        raise SpecdraftError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.num_prompts < 1 or args.repeats < 1:
+        raise SpecdraftError(f"--num-prompts and --repeats must be >= 1, got {args.num_prompts}, {args.repeats}")
     GenerationConfig(args.max_new_tokens, args.num_draft_tokens)  # validates both
     drafters = tuple(name.strip() for name in args.drafters.split(",") if name.strip())
     run_demo(DemoConfig(draft=args.draft, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                         num_draft_tokens=args.num_draft_tokens, dtype=None if args.dtype == "auto" else
                         parse_dtype(args.dtype), drafters=drafters, speculation=args.speculation,
-                        quantize=args.quantize))
+                        quantize=args.quantize, repeats=args.repeats))
 
 
 def _add_bench(sub) -> None:

@@ -2,14 +2,17 @@
 
 It runs on the fastest path of this CPU with adaptive speculation: the target's own GGUF blocks through the int8
 kernels (:mod:`specdraft.models.quantized`) where they build, else the dense dtype fast here (:func:`fast_dtype`).
-It says what it is doing as it goes and checks that each method's output is identical to plain decoding: in the same
-run on the quantized path (its kernels are row-invariant, so identity holds bit for bit) and in float32, else in a
-float32 pass of the same prompts (their first ``check_tokens`` tokens).
+Every method answers every prompt in each of ``repeats`` rounds (fresh policies and prefix caches each round), and
+the table gives each figure's median over the rounds: one pass over a few short answers moves 10% or more on a
+shared machine. It says what it is doing as it goes and checks that each method's output is identical to plain
+decoding: in the same run (every round) on the quantized path (its kernels are row-invariant, so identity holds bit
+for bit) and in float32, else in a float32 pass of the same prompts (their first ``check_tokens`` tokens).
 Below the table, one line per method that is not faster says why, from the measured costs of this machine.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,7 @@ class DemoConfig:
     drafters: tuple[str, ...] = DEMO_DRAFTERS  # training-free drafters shown beside the draft model
     speculation: str = "adaptive"
     check_tokens: int = 32  # tokens per prompt of the float32 identity pass (when the fast dtype is not float32)
+    repeats: int = 3  # rounds of every method over every prompt; the table gives each figure's median over them
 
 
 def fast_dtype() -> tuple[torch.dtype, str]:
@@ -125,17 +129,20 @@ def run_demo(config: DemoConfig, out=print) -> list[dict]:
                            speculation=config.speculation)
     prompts = [p for p in _one_per_category()][: config.num_prompts]
     ids = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
-    out(f"warming up, then {len(methods)} methods x {len(ids)} prompts x up to {config.max_new_tokens} tokens ...")
+    out(f"warming up, then {config.repeats} x {len(methods)} methods x {len(ids)} prompts x up to "
+        f"{config.max_new_tokens} tokens ...")
     generate(target, ids[0], None, GenerationConfig(8))  # warm-up
-    results = _answer_all(target, methods, ids, gen, out)
+    rounds = [_answer_all(target, methods, ids, gen, out, f"round {r + 1}/{config.repeats}, " if config.repeats > 1
+                          else "") for r in range(config.repeats)]  # each with fresh policies and prefix caches
+    results = rounds[0]
     for prompt, *answers in zip(prompts, *results.values(), strict=True):
         out(f"\n## [{prompt.category}] {prompt.text[:100]}{'...' if len(prompt.text) > 100 else ''}")
         out(tokenizer.decode(answers[0].token_ids, skip_special_tokens=True).strip())
-    identical, how = _identity(config, precision, ids, results, out)
-    rows = [_row(name, rs, results["plain"], identical[name]) for name, rs in results.items()]
+    identical, how = _identity(config, precision, ids, rounds, out)
+    rows = [_median_row([_row(name, r[name], r["plain"], identical[name]) for r in rounds]) for name in results]
     out(f"\n{config.target}, {precision.describe()}, greedy, {config.speculation} speculation "
         f"(num_draft_tokens up to {config.num_draft_tokens}), {len(ids)} prompts x {config.max_new_tokens} new "
-        f"tokens max; identical to plain: {how}")
+        f"tokens max, {_rounds(config.repeats)}; identical to plain: {how}")
     width = max(28, *(len(row["method"]) + 2 for row in rows))
     out(f"{'method':<{width}}{'tokens/s':>10}{'block eff.':>12}{'speed-up':>10}{'identical to plain':>20}")
     for row in rows:
@@ -161,23 +168,22 @@ def _speculation_line(results: list[GenerationResult]) -> str:
     return draft_lengths_line(acceptance, lengths) or "no drafts"
 
 
-def _identity(config: DemoConfig, precision: Precision, ids: list, results: dict, out) -> tuple[dict, str]:
-    """Per method "k/n" prompts whose greedy output equals plain decoding's, checked in this run (quantized blocks,
-    float32) or in a float32 pass, and how."""
-    if precision.quantize is not None:
-        checked = results
-        how = f"{precision.quantize} blocks, this run"
-    elif precision.dtype == torch.float32:
-        checked = results
-        how = "float32, this run"
-    else:
-        out(f"checking identity in float32 (first {config.check_tokens} tokens of each answer) ...")
-        fp32 = Precision(None, torch.float32, torch.float32)
-        target, _, methods = _load_methods(config, fp32, lambda line: None)
-        gen = GenerationConfig(config.check_tokens, config.num_draft_tokens, speculation=config.speculation)
-        checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen, out,
-                              label="float32 check, ")
-        how = f"float32 pass, first {config.check_tokens} tokens"
+def _identity(config: DemoConfig, precision: Precision, ids: list, rounds: list[dict], out) -> tuple[dict, str]:
+    """Per method "k/n" prompts whose greedy output equals plain decoding's (in every round), checked in this run
+    (quantized blocks, float32) or in a float32 pass, and how."""
+    results = rounds[0]
+    if precision.quantize is not None or precision.dtype == torch.float32:
+        how = f"{precision.quantize} blocks, this run" if precision.quantize is not None else "float32, this run"
+        counts = {name: sum(all(r[name][i].token_ids == r["plain"][i].token_ids for r in rounds)
+                            for i in range(len(ids))) for name in results}
+        return {name: f"{counts[name]}/{len(ids)}" for name in results}, how
+    out(f"checking identity in float32 (first {config.check_tokens} tokens of each answer) ...")
+    fp32 = Precision(None, torch.float32, torch.float32)
+    target, _, methods = _load_methods(config, fp32, lambda line: None)
+    gen = GenerationConfig(config.check_tokens, config.num_draft_tokens, speculation=config.speculation)
+    checked = _answer_all(target, {n: m for n, m in methods.items() if n in results}, ids, gen, out,
+                          label="float32 check, ")
+    how = f"float32 pass, first {config.check_tokens} tokens"
     plain = checked["plain"]
     counts = {name: sum(r.token_ids == b.token_ids for r, b in zip(rs, plain, strict=True))
               for name, rs in checked.items()}
@@ -212,6 +218,18 @@ def _one_per_category():
         (rest if p.category in seen else first).append(p)
         seen.add(p.category)
     return first + rest
+
+
+def _rounds(repeats: int) -> str:
+    return "one round" if repeats == 1 else f"medians of {repeats} rounds"
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """A method's table row over the rounds: the median of each figure (tokens/s, τ, the speed-up against plain
+    decoding in the same round)."""
+    middle = {key: statistics.median(row[key] for row in rows)
+              for key in ("tokens_per_second", "block_efficiency", "speedup")}
+    return rows[0] | middle
 
 
 def _row(name: str, results: list[GenerationResult], plain: list[GenerationResult], identical: str) -> dict:
