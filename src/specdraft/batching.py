@@ -206,8 +206,9 @@ class BatchDecoder:
         held = min(self.cache.lengths[freed], seq.context.shape[0]) if keep else 0
         self.cache.lengths[freed] = held
         self._kept[freed] = seq.context[:held].clone() if held else None
-        self._clock += 1
-        self._kept_at[freed] = self._clock
+        if held:
+            self._clock += 1
+            self._kept_at[freed] = self._clock
         seq.row = -1
 
     def _tokens(self, row: int) -> torch.Tensor | None:

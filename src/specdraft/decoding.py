@@ -36,11 +36,6 @@ class PrefixCache:
         self.cache: StaticKVCache | None = None
         self.ids = torch.empty(0, dtype=torch.long)  # (cache.length,) the tokens whose keys and values it holds
 
-    @staticmethod
-    def serves(target: CausalLM) -> bool:
-        """Whether :func:`generate` keeps and reads a prefix for ``target``."""
-        return reads_prefix_exactly(target)
-
     def take(self, capacity: int) -> StaticKVCache | None:
         """The kept cache, with room for ``capacity`` positions (copied into a larger one where it has less), or
         None; it is no longer kept (a generation that fails leaves nothing behind)."""
@@ -83,7 +78,7 @@ def generate(
     generations). ``prefix_cache``: where the last call with it left the target's cache; the prompt's tokens it
     shares are read from there, and the cache is kept there after this call (:class:`PrefixCache`).
     """
-    reuse = prefix_cache is not None and PrefixCache.serves(target)
+    reuse = prefix_cache is not None and reads_prefix_exactly(target)
 
     def new_cache(needed: int):
         capacity = min(needed + STEP_ROOM, target.max_context)

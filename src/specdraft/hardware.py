@@ -202,8 +202,10 @@ def resolve_bf16(value: bool | None, device: str | torch.device | None = None) -
     return DtypeChoice("bfloat16" if value else "float32", "set explicitly")
 
 
+@functools.cache
 def _openmp_runtime():
-    """The GNU OpenMP runtime torch has loaded (ctypes), or None (another runtime, or none)."""
+    """The GNU OpenMP runtime torch has loaded (ctypes), or None (another runtime, or none): looked up once, as torch
+    loads it with itself."""
     import ctypes
 
     try:
