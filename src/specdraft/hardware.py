@@ -247,4 +247,4 @@ def openmp_alone() -> bool:
     if runtime is None:
         return False
     runtime.omp_set_num_threads(1)
-    return runtime.omp_pause_resource_all(1) == 0
+    return release_openmp_workers()
